@@ -1,0 +1,140 @@
+"""The inner train step, knowing nothing about DiLoCo, and its jitted multi-replica forms.
+
+`make_train_step` is one replica's plain optimizer step (with gradient accumulation). The
+trainer vmaps it over this host's replicas and jits it over the host's local devices: the
+batch is sharded over a `data` mesh axis, params and optimizer state are replicated, so
+XLA averages gradients over `data` only and never talks to another host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from diloco_jax import state as state_lib
+
+Params = Any
+LossFn = Callable[[Params, jax.Array], jax.Array]
+
+DATA_AXIS = "data"
+
+
+def local_mesh() -> Mesh:
+  """A 1-D mesh over this host's devices only: inner steps never cross hosts."""
+  return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
+
+
+def make_grad_fn(loss_fn: LossFn, grad_accum_steps: int = 1):
+  """(params, batch_BxL1) -> (loss, grads), averaged over `grad_accum_steps` micro-batches."""
+  grad_fn = jax.value_and_grad(loss_fn)
+  if grad_accum_steps == 1:
+    return grad_fn
+
+  def accumulated(params, batch):
+    b = batch.shape[0]
+    # Micro-batch j takes rows j, j+A, j+2A, ...: each micro-batch keeps the batch's
+    # contiguous per-device blocks, so the 'data' sharding carries over unchanged.
+    micro = batch.reshape(b // grad_accum_steps, grad_accum_steps,
+                          *batch.shape[1:]).swapaxes(0, 1)
+
+    def body(carry, micro_batch):
+      loss, grads = grad_fn(params, micro_batch)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+    return loss / grad_accum_steps, jax.tree.map(lambda g: g / grad_accum_steps, grads)
+
+  return accumulated
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
+                    grad_accum_steps: int = 1):
+  """One replica's plain step: (params, opt_state, batch) -> (params, opt_state, loss)."""
+  grad_fn = make_grad_fn(loss_fn, grad_accum_steps)
+
+  def train_step(params, opt_state, batch):
+    loss, grads = grad_fn(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return train_step
+
+
+def make_ddp_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
+                  grad_accum_steps: int = 1):
+  """Data-parallel baseline: one set of params, every replica's gradients averaged."""
+  grad_fn = make_grad_fn(loss_fn, grad_accum_steps)
+
+  def ddp_step(params, opt_state, batch_R):
+    loss_R, grads_R = jax.vmap(grad_fn, in_axes=(None, 0))(params, batch_R)
+    grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_R)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss_R
+
+  return ddp_step
+
+
+class ReplicaStep:
+  """The jitted inner step of all this host's replicas: ReplicaState, batch -> state, loss_R.
+
+  Compiled once for the whole run; the state is donated so no second copy of the params
+  or optimizer state is ever alive. `traces` counts how often it was traced (tests use it
+  to catch retracing).
+  """
+
+  def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+               mesh: Mesh, grad_accum_steps: int = 1, ddp: bool = False):
+    self.traces = 0
+    if ddp:
+      # ddp keeps one set of params, stored with a replica axis of size 1.
+      step = make_ddp_step(loss_fn, optimizer, grad_accum_steps)
+      def replica_step(params, opt_state, batch_R):
+        unstack = lambda t: jax.tree.map(lambda x: x[0], t)
+        restack = lambda t: jax.tree.map(lambda x: x[None], t)
+        params, opt_state, loss_R = step(unstack(params), unstack(opt_state), batch_R)
+        return restack(params), restack(opt_state), loss_R
+    else:
+      replica_step = jax.vmap(make_train_step(loss_fn, optimizer, grad_accum_steps))
+
+    def traced(state: state_lib.ReplicaState, batch_RxBxL1):
+      self.traces += 1  # Runs at trace time only.
+      params, opt_state, loss_R = replica_step(state.params, state.opt_state, batch_RxBxL1)
+      return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_R
+
+    replicated = NamedSharding(mesh, P())  # params, optimizer state, losses: on every device
+    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [R, B, L+1]: B split
+    self._step = jax.jit(traced, in_shardings=(replicated, self.batch_sharding),
+                         out_shardings=(replicated, replicated), donate_argnums=0)
+
+  def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
+    batch = jax.device_put(batch_RxBxL1, self.batch_sharding)
+    return self._step(state, batch)
+
+
+class EvalStep:
+  """Mean loss of one set of params over fixed held-out batches [E, B, L+1]."""
+
+  def __init__(self, loss_fn: LossFn, *, mesh: Mesh):
+    self.traces = 0
+
+    def traced(params, batches_ExBxL1):
+      self.traces += 1
+      return jnp.mean(jax.lax.map(lambda b: loss_fn(params, b), batches_ExBxL1))
+
+    replicated = NamedSharding(mesh, P())
+    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [E, B, L+1]: B split
+    self._eval = jax.jit(traced, in_shardings=(replicated, self.batch_sharding),
+                         out_shardings=replicated)
+
+  def __call__(self, params, batches_ExBxL1):
+    return self._eval(params, batches_ExBxL1)
+
+  def put(self, batches_ExBxL1: np.ndarray) -> jax.Array:
+    """Places the eval batches on the devices once, for the whole run."""
+    return jax.device_put(batches_ExBxL1, self.batch_sharding)

@@ -1,0 +1,60 @@
+"""Train state: the outer state shared by all replicas and the replicas' own inner state.
+
+Both are flax.struct dataclasses, i.e. pytrees of arrays: they pass through `jax.jit`,
+orbax and the cross-host collective unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+Params = Any
+
+
+@flax.struct.dataclass
+class OuterState:
+  """What every replica agrees on, bit for bit, after every outer step.
+
+  Attributes:
+    anchor: θ, the params every replica starts an inner phase from.
+    opt_state: the outer optimizer's state (the Nesterov momentum buffer).
+    step: number of outer steps applied so far (int32 scalar).
+  """
+  anchor: Params
+  opt_state: optax.OptState
+  step: jax.Array
+
+
+@flax.struct.dataclass
+class ReplicaState:
+  """The state of this host's replicas, each leaf with a leading replica axis [R, ...].
+
+  Attributes:
+    params: every replica's local params θ_m.
+    opt_state: every replica's inner optimizer state (AdamW moments and step count); kept
+      across rounds, never reset.
+  """
+  params: Params
+  opt_state: optax.OptState
+
+
+def init_outer_state(outer_optimizer: optax.GradientTransformation,
+                     anchor: Params) -> OuterState:
+  return OuterState(anchor=anchor, opt_state=outer_optimizer.init(anchor),
+                    step=jnp.zeros((), jnp.int32))
+
+
+def init_replica_state(inner_optimizer: optax.GradientTransformation, anchor: Params,
+                       num_replicas: int) -> ReplicaState:
+  """Every replica starts from the anchor with a fresh inner optimizer state."""
+  params = broadcast_to_replicas(anchor, num_replicas)
+  return ReplicaState(params=params, opt_state=jax.vmap(inner_optimizer.init)(params))
+
+
+def broadcast_to_replicas(tree: Params, num_replicas: int) -> Params:
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas, *x.shape)), tree)
