@@ -108,13 +108,22 @@ class ReplicaStep:
       return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_R
 
     replicated = NamedSharding(mesh, P())  # params, optimizer state, losses: on every device
+    self.state_sharding = replicated
     self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [R, B, L+1]: B split
     self._step = jax.jit(traced, in_shardings=(replicated, self.batch_sharding),
                          out_shardings=(replicated, replicated), donate_argnums=0)
+    # XLA:CPU can hang when steps over several CPU devices of one process are queued
+    # without waiting (FACTS.md); waiting for each step there avoids it.
+    self._block = mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
+  def place(self, state: state_lib.ReplicaState) -> state_lib.ReplicaState:
+    """Puts a state on the mesh as the step expects it (else the first call retraces)."""
+    return jax.device_put(state, self.state_sharding)
 
   def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
     batch = jax.device_put(batch_RxBxL1, self.batch_sharding)
-    return self._step(state, batch)
+    out = self._step(state, batch)
+    return jax.block_until_ready(out) if self._block else out
 
 
 class EvalStep:

@@ -82,8 +82,9 @@ class GPT(nn.Module):
 
 
 def init_params(cfg: GPTConfig, rng: jax.Array) -> Params:
+  """Initial params, always through the same jit, so every caller gets the same bits."""
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-  return GPT(cfg).init(rng, tokens)["params"]
+  return jax.jit(GPT(cfg).init)(rng, tokens)["params"]
 
 
 def make_loss_fn(cfg: GPTConfig):

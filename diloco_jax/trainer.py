@@ -100,16 +100,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
 
   outer_step = OuterStep(outer_optimizer, mesh=mesh, num_replicas=num_replicas)
   with jax.default_device(outer_step.host.device):
-    anchor = jax.jit(model_lib.init_params, static_argnums=0)(
-        model_cfg, jax.random.key(config.seed))
+    anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
     outer_state = state_lib.init_outer_state(outer_optimizer, anchor)
-  replicas = jax.jit(
-      functools.partial(state_lib.init_replica_state, inner_optimizer,
-                        num_replicas=1 if ddp else num_replicas),
-      out_shardings=NamedSharding(mesh, P()))(jax.device_put(anchor, NamedSharding(mesh, P())))
-
   train_step = inner.ReplicaStep(loss_fn, inner_optimizer, mesh=mesh,
                                  grad_accum_steps=config.grad_accum_steps, ddp=ddp)
+  # ddp keeps one set of params (a replica axis of size 1) for all replicas' gradients.
+  replicas = train_step.place(jax.jit(
+      functools.partial(state_lib.init_replica_state, inner_optimizer,
+                        num_replicas=1 if ddp else num_replicas),
+      out_shardings=train_step.state_sharding)(jax.device_put(anchor, train_step.state_sharding)))
   eval_step = inner.EvalStep(loss_fn, mesh=mesh)
   eval_batches = eval_step.put(data.eval_batches)
 

@@ -1,0 +1,148 @@
+"""The trainer end to end: same anchor as `simulate`, traced once, outputs, ddp, CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import diloco_jax
+from diloco_jax import config as config_lib
+from diloco_jax import data as data_lib
+from diloco_jax import model as model_lib
+from diloco_jax import optim
+from diloco_jax import trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(**overrides):
+  c = config_lib.get_default_config()
+  c.update(dict(num_rounds=3, inner_steps=4, replicas_per_host=2, batch_size=4,
+                eval_batches=2, eval_every=1))
+  c.model.update(dict(num_layers=1, d_model=32, num_heads=2, mlp_dim=64, seq_len=16))
+  c.data.update(dict(vocab_size=16, num_sequences=512, num_eval_sequences=64))
+  c.inner.update(dict(warmup_steps=2))
+  c.update(overrides)
+  return c
+
+
+def trainer_batches(config):
+  """The batches the trainer consumes, rearranged to simulate's [T, K, H, B, L+1]."""
+  data = data_lib.make_host_data(config.data, seq_len=config.model.seq_len,
+                                 batch_size=config.batch_size,
+                                 replicas_per_host=config.replicas_per_host,
+                                 num_eval_batches=config.eval_batches)
+  steps = [data.next_batch() for _ in range(config.num_rounds * config.inner_steps)]
+  b = np.stack(steps).reshape(config.num_rounds, config.inner_steps, *steps[0].shape)
+  return b.swapaxes(1, 2), data.spec
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+  config = small_config()
+  workdir = str(tmp_path_factory.mktemp("sync"))
+  return config, workdir, trainer.train_and_evaluate(config, workdir)
+
+
+def test_trainer_equals_simulate(sync_run):
+  config, _, result = sync_run
+  batches, spec = trainer_batches(config)
+  cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
+  total = config.num_rounds * config.inner_steps
+  expected = diloco_jax.simulate(
+      model_lib.make_loss_fn(cfg), model_lib.init_params(cfg, jax.random.key(config.seed)),
+      jnp.asarray(batches), inner_optimizer=optim.inner_optimizer(config.inner, total),
+      outer_optimizer=optim.outer_optimizer(config.outer))
+  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                                       result.outer_state.anchor, expected.params))
+  # One jitted step per inner step vs. one scan over the whole run: XLA may fuse the two
+  # programs differently, so float32 rounding can differ in the last bits.
+  assert max(diffs) <= 1e-6, max(diffs)
+  train_losses = [r["train_loss"] for r in result.records]
+  np.testing.assert_allclose(train_losses, expected.losses.mean(axis=(1, 2)), rtol=1e-5)
+
+
+def test_replicas_hold_anchor_and_inner_state_kept(sync_run):
+  config, _, result = sync_run
+  anchor = result.outer_state.anchor
+  for m in range(config.replicas_per_host):
+    jax.tree.map(lambda a, p: np.testing.assert_array_equal(a, p[m]), anchor,
+                 result.replicas.params)
+  counts = [x for x in jax.tree.leaves(result.replicas.opt_state) if x.dtype == jnp.int32]
+  assert all(int(c.max()) == config.num_rounds * config.inner_steps for c in counts)
+  assert int(result.outer_state.step) == config.num_rounds
+
+
+def test_traced_once(sync_run):
+  _, _, result = sync_run
+  assert result.traces == {"inner_step": 1, "eval_step": 1}
+
+
+def test_workdir_outputs(sync_run):
+  config, workdir, _ = sync_run
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert [r["round"] for r in records] == list(range(1, config.num_rounds + 1))
+  for key in ("train_loss", "eval_loss", "floor", "tokens_per_sec", "outer_time", "eta"):
+    assert all(np.isfinite(r[key]) for r in records), key
+  events = os.listdir(os.path.join(workdir, "tensorboard"))
+  assert any(name.startswith("events.out.tfevents") for name in events)
+  with open(os.path.join(workdir, "loss.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ddp_equals_mean_gradient_adamw(tmp_path):
+  config = small_config(mode="ddp", num_rounds=2)
+  result = trainer.train_and_evaluate(config, str(tmp_path))
+  batches, spec = trainer_batches(config)  # [T, K, H, B, L+1]
+  cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
+  loss_fn = model_lib.make_loss_fn(cfg)
+  opt = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
+  params = model_lib.init_params(cfg, jax.random.key(config.seed))
+  opt_state = opt.init(params)
+  for t in range(config.num_rounds):
+    for h in range(config.inner_steps):
+      grads = [jax.grad(loss_fn)(params, batches[t, k, h])
+               for k in range(config.replicas_per_host)]
+      grads = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, atol=1e-6),
+               result.replicas.params, params)
+
+
+def run_cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "diloco_jax.train", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_cli_runs_and_prints_round_lines(tmp_path):
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}",
+                 "--config.num_rounds=2", "--config.inner_steps=3",
+                 "--config.model.d_model=32", "--config.model.mlp_dim=64")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "round 1/2" in proc.stdout and "round 2/2" in proc.stdout
+  assert "loss floor" in proc.stdout and "best unigram loss" in proc.stdout
+
+
+@pytest.mark.parametrize("override, field", [
+    ("--config.outer.lr=-1", "config.outer.lr"),
+    ("--config.model.num_heads=3", "config.model.num_heads"),
+])
+def test_cli_rejects_bad_value(tmp_path, override, field):
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}", override)
+  assert proc.returncode != 0
+  assert field in proc.stderr + proc.stdout
+
+
+def test_cli_rejects_misspelled_field(tmp_path):
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.outer.lrr=0.5")
+  assert proc.returncode != 0
+  assert "lrr" in proc.stderr + proc.stdout
