@@ -8,8 +8,10 @@ and the values it accepts.
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
-from typing import Any, Iterable
+from typing import Any
 
 import ml_collections
 
@@ -70,3 +72,110 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.momentum = 0.9  # Outer momentum (DiLoCo paper: 0.9); 0 is plain SGD.
   c.outer.nesterov = True  # Nesterov momentum (as in the paper).
   return c
+
+
+class ConfigError(ValueError):
+  """A config value is invalid; the message names each bad field (e.g. config.outer.lr)."""
+
+
+def _flatten(c: ml_collections.ConfigDict, prefix: str = "config") -> dict[str, Any]:
+  out = {}
+  for key, value in c.items():
+    name = f"{prefix}.{key}"
+    out.update(_flatten(value, name) if isinstance(value, ml_collections.ConfigDict)
+               else {name: value})
+  return out
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1) -> None:
+  """Raises one ConfigError listing every invalid field, before anything compiles."""
+  errors: list[str] = []
+  values = _flatten(config)
+  schema = _flatten(get_default_config())
+  for name in values.keys() - schema.keys():
+    close = difflib.get_close_matches(name, schema.keys(), n=1)
+    errors.append(f"{name}: unknown field" + (f"; did you mean {close[0]}?" if close else ""))
+  for name in schema.keys() - values.keys():
+    errors.append(f"{name}: missing (every field of get_default_config() is required)")
+  for name, default in schema.items():
+    if name not in values:
+      continue
+    v = values[name]
+    ok = (isinstance(v, bool) if isinstance(default, bool) else
+          isinstance(v, int) and not isinstance(v, bool) if isinstance(default, int) else
+          _is_number(v) if isinstance(default, float) else isinstance(v, type(default)))
+    if not ok:
+      errors.append(f"{name} = {v!r}: must be a finite {type(default).__name__}")
+  if errors:  # Range checks below assume the right types.
+    raise ConfigError("\n".join(sorted(errors)))
+
+  def check(name: str, ok: bool, rule: str) -> None:
+    if not ok:
+      errors.append(f"{name} = {values[name]!r}: {rule}")
+
+  c, m, d, i, o = config, config.model, config.data, config.inner, config.outer
+  check("config.mode", c.mode in MODES, f"must be one of {MODES}")
+  for key in ("num_rounds", "inner_steps", "replicas_per_host", "batch_size",
+              "grad_accum_steps", "eval_every", "eval_batches"):
+    check(f"config.{key}", c[key] >= 1, "must be >= 1")
+  for key in ("num_layers", "d_model", "num_heads", "mlp_dim", "seq_len"):
+    check(f"config.model.{key}", m[key] >= 1, "must be >= 1")
+  if c.batch_size >= 1 and c.grad_accum_steps >= 1:
+    split = c.grad_accum_steps * num_local_devices
+    check("config.batch_size", c.batch_size % split == 0,
+          f"must be divisible by grad_accum_steps ({c.grad_accum_steps}) x local devices "
+          f"({num_local_devices}) = {split}, so every device gets whole micro-batches")
+  if m.num_heads >= 1:
+    check("config.model.d_model", m.d_model % m.num_heads == 0,
+          f"must be divisible by config.model.num_heads = {m.num_heads}")
+  check("config.model.dtype", m.dtype in COMPUTE_DTYPES, f"must be one of {COMPUTE_DTYPES}")
+
+  check("config.data.source", d.source in DATA_SOURCES, f"must be one of {DATA_SOURCES}")
+  check("config.data.sharding", d.sharding in SHARDINGS, f"must be one of {SHARDINGS}")
+  check("config.data.sharding", d.sharding == "iid" or d.source == "synthetic",
+        "'non_iid' is only available for config.data.source = 'synthetic'")
+  check("config.data.vocab_size", d.vocab_size >= 2, "must be >= 2")
+  check("config.data.eval_fraction", 0 < d.eval_fraction < 1, "must be in (0, 1)")
+  if d.source == "text":
+    check("config.data.vocab_size", d.vocab_size == 256, "must be 256 for byte-level text")
+    check("config.data.path", bool(d.path) and os.path.exists(d.path),
+          "must be an existing file or directory of text")
+  elif d.source == "tokens":
+    check("config.data.path", bool(d.path) and os.path.isfile(d.path),
+          "must be an existing flat token file")
+    check("config.data.token_dtype", d.token_dtype in TOKEN_DTYPES,
+          f"must be one of {TOKEN_DTYPES}")
+    if d.token_dtype == "uint16":
+      check("config.data.vocab_size", d.vocab_size <= 65536, "must be <= 65536 for uint16")
+  elif d.source == "synthetic":
+    check("config.data.markov_order", d.markov_order >= 1, "must be >= 1")
+    check("config.data.branching", 1 <= d.branching <= d.vocab_size,
+          f"must be in [1, config.data.vocab_size = {d.vocab_size}]")
+    if d.markov_order >= 1 and d.vocab_size >= 2:
+      check("config.data.markov_order", d.vocab_size ** d.markov_order <= 2 ** 20,
+            f"vocab_size ** markov_order = {d.vocab_size}**{d.markov_order} contexts; "
+            "must be <= 2**20")
+    check("config.data.num_sequences", d.num_sequences >= c.replicas_per_host * c.batch_size,
+          f"must be >= replicas_per_host x batch_size = {c.replicas_per_host * c.batch_size}")
+    check("config.data.num_eval_sequences",
+          d.num_eval_sequences >= c.eval_batches * c.batch_size,
+          f"must be >= eval_batches x batch_size = {c.eval_batches * c.batch_size}")
+
+  total = c.num_rounds * c.inner_steps
+  check("config.inner.lr", i.lr > 0, "must be > 0")
+  check("config.inner.warmup_steps", 0 <= i.warmup_steps < max(total, 1),
+        f"must be in [0, num_rounds x inner_steps = {total})")
+  check("config.inner.final_lr_fraction", 0 <= i.final_lr_fraction <= 1, "must be in [0, 1]")
+  check("config.inner.weight_decay", i.weight_decay >= 0, "must be >= 0")
+  check("config.inner.b1", 0 <= i.b1 < 1, "must be in [0, 1)")
+  check("config.inner.b2", 0 <= i.b2 < 1, "must be in [0, 1)")
+  check("config.inner.eps", i.eps > 0, "must be > 0")
+  check("config.inner.clip_norm", i.clip_norm >= 0, "must be >= 0 (0 turns clipping off)")
+  check("config.outer.lr", o.lr > 0, "must be > 0")
+  check("config.outer.momentum", 0 <= o.momentum < 1, "must be in [0, 1)")
+  if errors:
+    raise ConfigError("\n".join(errors))
