@@ -47,7 +47,8 @@ class OuterStep:
   """
 
   def __init__(self, outer_optimizer, *, mesh, num_replicas: int):
-    self.host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    self.host_device = jax.local_devices(backend="cpu")[0]
+    self.host = SingleDeviceSharding(self.host_device)
     self._replicated = NamedSharding(mesh, P())
     self._mean = jax.jit(diloco.mean_pseudo_gradient)
     self._update = jax.jit(functools.partial(diloco.outer_update, outer_optimizer),
@@ -99,7 +100,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   ddp = config.mode == "ddp"
 
   outer_step = OuterStep(outer_optimizer, mesh=mesh, num_replicas=num_replicas)
-  with jax.default_device(outer_step.host.device):
+  with jax.default_device(outer_step.host_device):
     anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
     outer_state = state_lib.init_outer_state(outer_optimizer, anchor)
   train_step = inner.ReplicaStep(loss_fn, inner_optimizer, mesh=mesh,
