@@ -1,0 +1,149 @@
+"""Config validation: every rule rejects its bad value with an error naming the field."""
+
+import importlib.util
+import math
+import os
+
+import ml_collections
+import pytest
+
+from diloco_jax import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_default_and_tiny_are_valid():
+  config_lib.validate(config_lib.get_default_config())
+  config_lib.validate(load_config("tiny"))
+
+
+def test_gpt_150m_valid_once_given_data(tmp_path):
+  config = load_config("gpt_150m")
+  with pytest.raises(config_lib.ConfigError, match=r"config\.data\.path"):
+    config_lib.validate(config)
+  (tmp_path / "tokens.bin").write_bytes(b"\0\0" * 10)
+  config.data.path = str(tmp_path / "tokens.bin")
+  config_lib.validate(config, num_local_devices=8)
+
+
+# (field, bad value, fragment of the message); one case per rule.
+CASES = [
+    ("mode", "async", "one of"),
+    ("num_rounds", 0, ">= 1"),
+    ("inner_steps", -1, ">= 1"),
+    ("replicas_per_host", 0, ">= 1"),
+    ("batch_size", 0, ">= 1"),
+    ("grad_accum_steps", 0, ">= 1"),
+    ("eval_every", 0, ">= 1"),
+    ("eval_batches", 0, ">= 1"),
+    ("model.num_layers", 0, ">= 1"),
+    ("model.d_model", 0, ">= 1"),
+    ("model.num_heads", 0, ">= 1"),
+    ("model.mlp_dim", 0, ">= 1"),
+    ("model.seq_len", 0, ">= 1"),
+    ("model.num_heads", 3, "divisible by config.model.num_heads"),
+    ("model.dtype", "float64", "one of"),
+    ("data.source", "web", "one of"),
+    ("data.sharding", "random", "one of"),
+    ("data.vocab_size", 1, ">= 2"),
+    ("data.eval_fraction", 1.0, "(0, 1)"),
+    ("data.markov_order", 0, ">= 1"),
+    ("data.branching", 33, "[1, config.data.vocab_size"),
+    ("data.markov_order", 5, "2**20"),
+    ("data.num_sequences", 10, ">= replicas_per_host x batch_size"),
+    ("data.num_eval_sequences", 10, ">= eval_batches x batch_size"),
+    ("inner.lr", 0.0, "> 0"),
+    ("inner.lr", math.nan, "finite"),
+    ("inner.lr", math.inf, "finite"),
+    ("inner.warmup_steps", -1, "[0, num_rounds x inner_steps"),
+    ("inner.warmup_steps", 10 ** 6, "[0, num_rounds x inner_steps"),
+    ("inner.final_lr_fraction", 1.5, "[0, 1]"),
+    ("inner.weight_decay", -0.1, ">= 0"),
+    ("inner.b1", 1.0, "[0, 1)"),
+    ("inner.b2", -0.1, "[0, 1)"),
+    ("inner.eps", 0.0, "> 0"),
+    ("inner.clip_norm", -1.0, ">= 0"),
+    ("outer.lr", -1.0, "> 0"),
+    ("outer.momentum", 1.0, "[0, 1)"),
+    ("outer.momentum", -0.5, "[0, 1)"),
+    ("outer.nesterov", 1, "must be a finite bool"),
+    ("num_rounds", 2.5, "must be a finite int"),
+    ("num_rounds", True, "must be a finite int"),
+    ("data.path", 3, "must be a finite str"),
+]
+
+
+def set_field(config, dotted, value):
+  *parents, leaf = dotted.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  with node.ignore_type():
+    node[leaf] = value
+
+
+@pytest.mark.parametrize("field, value, message", CASES)
+def test_rule(field, value, message):
+  config = config_lib.get_default_config()
+  set_field(config, field, value)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(config)
+  assert f"config.{field}" in str(e.value)
+  assert message in str(e.value)
+
+
+def test_batch_split_over_devices():
+  config = config_lib.get_default_config()
+  config.batch_size = 6
+  config.grad_accum_steps = 1
+  config_lib.validate(config, num_local_devices=2)
+  with pytest.raises(config_lib.ConfigError, match="local devices"):
+    config_lib.validate(config, num_local_devices=4)
+  config.grad_accum_steps = 4
+  with pytest.raises(config_lib.ConfigError, match=r"config\.batch_size.*grad_accum_steps"):
+    config_lib.validate(config)
+
+
+@pytest.mark.parametrize("source, field, extra", [
+    ("text", "config.data.path", {"vocab_size": 256}),
+    ("text", "config.data.vocab_size", {"path": REPO}),
+    ("tokens", "config.data.path", {}),
+    ("tokens", "config.data.token_dtype", {"path": __file__, "token_dtype": "int8"}),
+    ("tokens", "config.data.vocab_size", {"path": __file__, "vocab_size": 70000}),
+    ("text", "config.data.sharding", {"path": REPO, "vocab_size": 256,
+                                      "sharding": "non_iid"}),
+])
+def test_file_sources(source, field, extra):
+  config = config_lib.get_default_config()
+  config.data.source = source
+  config.data.update(extra)
+  with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+    config_lib.validate(config)
+
+
+def test_all_errors_reported_at_once():
+  config = config_lib.get_default_config()
+  config.outer.lr = -1.0
+  config.inner.eps = 0.0
+  config.mode = "bogus"
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(config)
+  for field in ("config.outer.lr", "config.inner.eps", "config.mode"):
+    assert field in str(e.value)
+
+
+def test_unknown_and_missing_fields():
+  config = config_lib.get_default_config()
+  config.outer.lr_ = 0.5
+  del config.inner["eps"]
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(config)
+  assert "config.outer.lr_: unknown field; did you mean config.outer.lr?" in str(e.value)
+  assert "config.inner.eps: missing" in str(e.value)
