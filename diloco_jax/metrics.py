@@ -118,7 +118,7 @@ def plot_losses(records: list[Mapping[str, Any]], path: str, *, floor: float | N
   if evals:
     ax.plot(*zip(*evals), "o-", markersize=3, label="eval (anchor)")
   if floor is not None:
-    ax.axhline(floor, color="k", linestyle="--", label=f"floor (entropy rate) {floor:.3f}")
+    ax.axhline(floor, color="k", linestyle="--", label=f"floor (true model) {floor:.3f}")
   if unigram is not None:
     ax.axhline(unigram, color="gray", linestyle=":", label=f"best unigram {unigram:.3f}")
   ax.set_xlabel("tokens seen (all replicas)")

@@ -68,11 +68,11 @@ class OuterStep:
     times["outer_mean"], t = _lap(t)
     outer_state = jax.block_until_ready(self._update(outer_state, mean_delta))
     times["outer_update"], t = _lap(t)
-    params = self._broadcast(jax.device_put(outer_state.anchor, self._replicated))
-    replicas = replicas.replace(params=jax.block_until_ready(params))
+    anchor = jax.device_put(outer_state.anchor, self._replicated)
+    replicas = replicas.replace(params=jax.block_until_ready(self._broadcast(anchor)))
     times["outer_h2d"], t = _lap(t)
     times["outer_time"] = sum(times.values())
-    return outer_state, replicas, times
+    return outer_state, replicas, anchor, times
 
 
 def _lap(t0: float) -> tuple[float, float]:
@@ -104,7 +104,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   outer_step = OuterStep(outer_optimizer, mesh=mesh, num_replicas=num_replicas)
   with jax.default_device(outer_step.host_device):
     anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
-    outer_state = state_lib.init_outer_state(outer_optimizer, anchor)
+    # Committed to the host CPU device, as every later outer state is: the outer-step
+    # functions then compile once, not once for the first round and again for the rest.
+    outer_state = jax.device_put(state_lib.init_outer_state(outer_optimizer, anchor),
+                                 outer_step.host)
   train_step = inner.ReplicaStep(loss_fn, inner_optimizer, mesh=mesh,
                                  grad_accum_steps=config.grad_accum_steps, ddp=ddp)
   # ddp keeps one set of params (a replica axis of size 1) for all replicas' gradients.
@@ -152,14 +155,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
       finish(pending)  # Round r-1's values: read while round r's steps run.
     if ddp:
       times = {"outer_time": 0.0}
+      anchor = jax.tree.map(lambda x: x[0], replicas.params)  # ddp's one set of params
     else:
-      outer_state, replicas, times = outer_step(outer_state, replicas)
+      outer_state, replicas, anchor, times = outer_step(outer_state, replicas)
     record = {"round": r, "inner_step": r * h, "tokens": r * h * tokens_per_step,
               "losses": losses, **times}
     if r % config.eval_every == 0 or r == num_rounds:
-      # Replica 0 holds the anchor bit for bit right after the outer step.
-      record["eval_loss"] = eval_step(jax.tree.map(lambda x: x[0], replicas.params),
-                                      eval_batches)
+      record["eval_loss"] = eval_step(anchor, eval_batches)
       record["floor"] = spec.floor
     now = time.perf_counter()
     round_times.append(now - t_round)
