@@ -78,11 +78,12 @@ class ConfigError(ValueError):
   """A config value is invalid; the message names each bad field (e.g. config.outer.lr)."""
 
 
-def _flatten(c: ml_collections.ConfigDict, prefix: str = "config") -> dict[str, Any]:
+def flatten(c: ml_collections.ConfigDict, prefix: str = "config") -> dict[str, Any]:
+  """{"config.a.b": value} for every leaf field."""
   out = {}
   for key, value in c.items():
     name = f"{prefix}.{key}"
-    out.update(_flatten(value, name) if isinstance(value, ml_collections.ConfigDict)
+    out.update(flatten(value, name) if isinstance(value, ml_collections.ConfigDict)
                else {name: value})
   return out
 
@@ -94,8 +95,8 @@ def _is_number(x) -> bool:
 def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1) -> None:
   """Raises one ConfigError listing every invalid field, before anything compiles."""
   errors: list[str] = []
-  values = _flatten(config)
-  schema = _flatten(get_default_config())
+  values = flatten(config)
+  schema = flatten(get_default_config())
   for name in values.keys() - schema.keys():
     close = difflib.get_close_matches(name, schema.keys(), n=1)
     errors.append(f"{name}: unknown field" + (f"; did you mean {close[0]}?" if close else ""))

@@ -39,8 +39,12 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     floor = f" (floor {r['floor']:.4f})" if r.get("floor") is not None else ""
     parts.append(f"eval {r['eval_loss']:.4f}{floor}")
   parts += [f"{format_count(r['tokens_per_sec'])} tok/s",
-            f"outer {1e3 * r['outer_time']:.0f} ms",
-            f"ETA {format_duration(r['eta'])}"]
+            f"outer {1e3 * r['outer_time']:.0f} ms"]
+  if r.get("bytes_sent"):
+    parts.append(f"sent {format_count(r['bytes_sent'])}B")
+  if "anchor_hash" in r:  # debug_checks: the same on every host, or the run has stopped
+    parts.append(f"anchor {r['anchor_hash'][:8]} on all hosts")
+  parts.append(f"ETA {format_duration(r['eta'])}")
   return " | ".join(parts)
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import hashlib
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 Params = Any
@@ -58,3 +61,14 @@ def init_replica_state(inner_optimizer: optax.GradientTransformation, anchor: Pa
 
 def broadcast_to_replicas(tree: Params, num_replicas: int) -> Params:
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas, *x.shape)), tree)
+
+
+def fingerprint(tree: Any) -> str:
+  """sha256 (hex) of every leaf's dtype, shape and bytes, in tree order: equal on two hosts
+  only if the trees are equal bit for bit."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(tree):
+    a = np.asarray(leaf)
+    digest.update(f"{a.dtype}{a.shape}".encode())
+    digest.update(np.ascontiguousarray(a).tobytes())
+  return digest.hexdigest()

@@ -1,10 +1,10 @@
 """The round loop: inner phases on every replica, the outer step, eval, metrics.
 
 One round is H inner steps of every local replica (one jitted call per step, dispatched
-without waiting), then the outer step: the replicas' params are copied to the host, the
-mean pseudo-gradient moves the anchor with the outer optimizer, and the new anchor is
-copied back into every replica. Metrics are read one round late so the devices never
-wait for logging.
+without waiting), then the outer step (`outer.py`): Δ of every replica is summed on this
+host, across hosts on the dispatch thread, and the outer optimizer moves the anchor,
+which is copied back into every replica. Metrics are read one round late so the devices
+never wait for logging; only host 0 prints and writes files.
 """
 
 from __future__ import annotations
@@ -17,172 +17,198 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from diloco_jax import collective as collective_lib
 from diloco_jax import config as config_lib
 from diloco_jax import data as data_lib
-from diloco_jax import diloco
+from diloco_jax import dispatch
 from diloco_jax import inner
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optim
+from diloco_jax import outer as outer_lib
 from diloco_jax import state as state_lib
 
 
 class TrainResult(NamedTuple):
-  """Attributes: outer_state, the final OuterState (on the host); replicas, the final
-  ReplicaState; records, one metrics dict per round; traces, how often each jitted
-  function was traced."""
+  """Attributes: outer_state, the final OuterState (on the host); replicas, this host's
+  final ReplicaState; records, one metrics dict per round; traces, how often each jitted
+  inner program was traced."""
   outer_state: state_lib.OuterState
   replicas: state_lib.ReplicaState
   records: list[dict[str, Any]]
   traces: dict[str, int]
 
 
-class OuterStep:
-  """The sync outer step, timed in its four parts; the outer state lives on the host CPU.
-
-  The accelerators hold only what plain training holds; the anchor, momentum and Δ stay
-  in host memory, where the cross-host mean runs (DESIGN.md, "Where the outer state lives").
-  """
-
-  def __init__(self, outer_optimizer, *, mesh, num_replicas: int):
-    self.host_device = jax.local_devices(backend="cpu")[0]
-    self.host = SingleDeviceSharding(self.host_device)
-    self._replicated = NamedSharding(mesh, P())
-    self._mean = jax.jit(diloco.mean_pseudo_gradient)
-    self._update = jax.jit(functools.partial(diloco.outer_update, outer_optimizer),
-                           donate_argnums=0)
-    self._broadcast = jax.jit(
-        functools.partial(state_lib.broadcast_to_replicas, num_replicas=num_replicas),
-        out_shardings=self._replicated)
-
-  def __call__(self, outer_state, replicas):
-    times = {}
-    # Wait for the inner phase first, so the figures below time the outer step alone.
-    jax.block_until_ready(replicas.params)
-    t = time.perf_counter()
-    local = jax.block_until_ready(jax.device_put(replicas.params, self.host))
-    times["outer_d2h"], t = _lap(t)
-    mean_delta = jax.block_until_ready(self._mean(outer_state.anchor, local))
-    times["outer_mean"], t = _lap(t)
-    outer_state = jax.block_until_ready(self._update(outer_state, mean_delta))
-    times["outer_update"], t = _lap(t)
-    anchor = jax.device_put(outer_state.anchor, self._replicated)
-    replicas = replicas.replace(params=jax.block_until_ready(self._broadcast(anchor)))
-    times["outer_h2d"], t = _lap(t)
-    times["outer_time"] = sum(times.values())
-    return outer_state, replicas, anchor, times
+class AnchorMismatchError(RuntimeError):
+  """debug_checks: the outer state differs between hosts after an outer step."""
 
 
-def _lap(t0: float) -> tuple[float, float]:
-  t = time.perf_counter()
-  return t - t0, t
+class Trainer:
+  """Everything one host needs for a run; `run_round(r)` trains round r and returns its
+  (not yet logged) record, `run()` the whole run."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               dispatcher: dispatch.Dispatcher):
+    config_lib.validate(config, num_local_devices=jax.local_device_count())
+    self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
+    self.host, self.num_hosts = jax.process_index(), jax.process_count()
+    self.is_host0 = self.host == 0
+    self.replicas_per_host = config.replicas_per_host
+    self.h, self.num_rounds = config.inner_steps, config.num_rounds
+    self.total_steps = self.num_rounds * self.h
+    self.num_replicas = self.replicas_per_host * self.num_hosts  # K
+    self.tokens_per_step = self.num_replicas * config.batch_size * config.model.seq_len
+
+    self.data = data_lib.make_host_data(
+        config.data, seq_len=config.model.seq_len, batch_size=config.batch_size,
+        replicas_per_host=self.replicas_per_host, num_eval_batches=config.eval_batches,
+        host_index=self.host, num_hosts=self.num_hosts)
+    self.spec = self.data.spec
+    model_cfg = model_lib.GPTConfig.from_config(config.model, self.spec.vocab_size)
+    loss_fn = model_lib.make_loss_fn(model_cfg)
+    inner_optimizer = optim.inner_optimizer(config.inner, self.total_steps)
+    self.mesh = inner.local_mesh()
+    self.collective = collective_lib.make_collective()
+    self.ddp = config.mode == "ddp"
+
+    self.outer_step = outer_lib.SyncOuterStep(
+        optim.outer_optimizer(config.outer), mesh=self.mesh, collective=self.collective,
+        dispatcher=dispatcher, replicas_per_host=self.replicas_per_host)
+    with jax.default_device(self.outer_step.host_device):
+      anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
+    self.num_params = model_lib.count_params(anchor)
+    self.outer_state = self.outer_step.init(anchor)
+    if self.ddp:
+      reduce = None
+      if self.num_hosts > 1:
+        reduce = lambda g: self.dispatcher.run(self.collective.sum, jax.device_get(g),
+                                               what="cross-host sum of gradients")
+      self.train_step = inner.DDPStep(loss_fn, inner_optimizer, mesh=self.mesh,
+                                      num_replicas=self.num_replicas, reduce=reduce,
+                                      grad_accum_steps=config.grad_accum_steps)
+    else:
+      self.train_step = inner.ReplicaStep(loss_fn, inner_optimizer, mesh=self.mesh,
+                                          grad_accum_steps=config.grad_accum_steps)
+    # ddp keeps one set of params (a replica axis of size 1) for all replicas' gradients.
+    init = jax.jit(functools.partial(state_lib.init_replica_state, inner_optimizer,
+                                     num_replicas=1 if self.ddp else self.replicas_per_host),
+                   out_shardings=self.train_step.state_sharding)
+    self.replicas = init(jax.device_put(anchor, self.train_step.state_sharding))
+    self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
+    self.eval_batches = self.eval_step.put(self.data.eval_batches)
+    self.bar: metrics_lib.ProgressBar | None = None
+
+  def run_round(self, r: int) -> dict[str, Any]:
+    """Round r: H inner steps of every local replica, then the outer step."""
+    losses = []
+    for i in range(self.h):
+      self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
+      losses.append(loss_R)
+      if self.bar is not None:
+        self.bar.update((r - 1) * self.h + i + 1, f"round {r}/{self.num_rounds}")
+    loss_sum = jax.numpy.sum(jax.numpy.stack(losses))  # dispatched, not waited for
+    if self.ddp:
+      anchor = jax.tree.map(lambda x: x[0], self.replicas.params)  # ddp's one set of params
+      loss_total = self._host_sum(loss_sum, r)
+      record = {"outer_time": 0.0, "loss_sum": loss_total}
+    else:
+      self.outer_state, self.replicas, anchor, record = self.outer_step(
+          self.outer_state, self.replicas, loss_sum, r)
+      if self.config.debug_checks:
+        record["anchor_hash"] = self._check_same_outer_state(r)
+    record.update(round=r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step,
+                  train_loss=record.pop("loss_sum") / (self.num_replicas * self.h))
+    if self.is_host0 and (r % self.config.eval_every == 0 or r == self.num_rounds):
+      record["eval_loss"] = self.eval_step(anchor, self.eval_batches)  # read a round late
+      record["floor"] = self.spec.floor
+    return record
+
+  def _host_sum(self, x: jax.Array, r: int) -> float:
+    if self.num_hosts == 1:
+      return x
+    return float(self.dispatcher.run(self.collective.sum, np.asarray(x), round_=r,
+                                     what="cross-host sum of losses"))
+
+  def _check_same_outer_state(self, r: int) -> str:
+    """Hashes the outer state on every host and stops if any two hosts differ."""
+    digest = state_lib.fingerprint(self.outer_state)
+    words = np.frombuffer(bytes.fromhex(digest), np.uint32)
+    every = self.dispatcher.run(self.collective.allgather, words, round_=r,
+                                what="debug check of the outer state")
+    if not (every == words).all():
+      hashes = ", ".join(f"host {h}: {row.tobytes().hex()[:16]}" for h, row in enumerate(every))
+      raise AnchorMismatchError(f"round {r}: the outer state differs between hosts ({hashes})")
+    return digest[:16]
+
+  def print_startup(self) -> None:
+    devices = [str(d) for d in self.mesh.devices.flat]
+    print(f"host {self.host}/{self.num_hosts}: {len(devices)} local device(s) {devices}, "
+          f"{self.replicas_per_host} replica(s), mode {self.config.mode}", flush=True)
+    if self.is_host0:
+      spec = self.spec
+      floor = f"{spec.floor:.4f}" if spec.floor is not None else "unknown (not synthetic)"
+      print(f"model {self.num_params / 1e6:.2f}M params; {self.num_replicas} replicas "
+            f"({self.num_hosts} host(s) x {self.replicas_per_host}); {self.num_rounds} rounds x "
+            f"{self.h} inner steps; {self.tokens_per_step * self.total_steps:,} tokens; "
+            f"loss floor {floor}, best unigram loss {spec.unigram_loss:.4f}", flush=True)
+
+  def run(self) -> TrainResult:
+    self.print_startup()
+    writer = metrics_lib.MetricsWriter(self.workdir, enabled=self.is_host0)
+    self.bar = metrics_lib.ProgressBar(self.total_steps, enabled=self.is_host0)
+    round_times: list[float] = []
+    pending = None  # The previous round's record, still holding device values.
+
+    def finish(record):
+      """Reads a round's device values (they are done by now) and logs the round."""
+      record["train_loss"] = float(record["train_loss"])
+      if "eval_loss" in record:
+        record["eval_loss"] = float(record["eval_loss"])
+      self.bar.clear()
+      if self.is_host0:
+        print(metrics_lib.round_line(record, self.num_rounds, self.total_steps), flush=True)
+      writer.write(record)
+
+    t_round = time.perf_counter()
+    for r in range(1, self.num_rounds + 1):
+      record = self.run_round(r)
+      if pending is not None:
+        finish(pending)  # Round r-1's values: read after round r's work was dispatched.
+      now = time.perf_counter()
+      round_times.append(now - t_round)
+      t_round = now
+      # The first round includes compilation; later rounds predict the rest better.
+      typical = np.mean(round_times[1:] if len(round_times) > 1 else round_times)
+      record.update(round_time=round_times[-1],
+                    tokens_per_sec=self.h * self.tokens_per_step / round_times[-1],
+                    elapsed=float(np.sum(round_times)),
+                    eta=float(typical * (self.num_rounds - r)))
+      pending = record
+    finish(pending)
+    writer.close()
+    if self.is_host0:
+      self._report(writer.records, float(np.sum(round_times)))
+    return TrainResult(self.outer_state, self.replicas, writer.records,
+                       {"inner_step": self.train_step.traces, "eval_step": self.eval_step.traces})
+
+  def _report(self, records, elapsed: float) -> None:
+    spec, final_eval = self.spec, records[-1]["eval_loss"]
+    floor = f"{spec.floor:.4f}" if spec.floor is not None else "unknown"
+    print(f"final eval loss {final_eval:.4f} | loss floor {floor} | best unigram loss "
+          f"{spec.unigram_loss:.4f} | {self.num_rounds} rounds in "
+          f"{metrics_lib.format_duration(elapsed)}", flush=True)
+    metrics_lib.plot_losses(
+        records, os.path.join(self.workdir, "loss.png"), floor=spec.floor,
+        unigram=spec.unigram_loss,
+        title=f"{self.config.mode}: {self.num_hosts} host(s) x {self.replicas_per_host} "
+              f"replicas, H={self.h}")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
-  """Trains per `config`, writing metrics, TensorBoard events and a loss plot to `workdir`."""
+  """Trains per `config`, writing metrics, TensorBoard events and a loss plot to `workdir`
+  (host 0). On several hosts, `distributed.initialize` must have run first."""
   config_lib.validate(config, num_local_devices=jax.local_device_count())
   os.makedirs(workdir, exist_ok=True)
-  is_host0 = jax.process_index() == 0
-  num_replicas = config.replicas_per_host
-  h, num_rounds = config.inner_steps, config.num_rounds
-  total_steps = num_rounds * h
-
-  data = data_lib.make_host_data(
-      config.data, seq_len=config.model.seq_len, batch_size=config.batch_size,
-      replicas_per_host=num_replicas, num_eval_batches=config.eval_batches,
-      host_index=jax.process_index(), num_hosts=jax.process_count())
-  spec = data.spec
-  model_cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
-  loss_fn = model_lib.make_loss_fn(model_cfg)
-  inner_optimizer = optim.inner_optimizer(config.inner, total_steps)
-  outer_optimizer = optim.outer_optimizer(config.outer)
-  mesh = inner.local_mesh()
-  ddp = config.mode == "ddp"
-
-  outer_step = OuterStep(outer_optimizer, mesh=mesh, num_replicas=num_replicas)
-  with jax.default_device(outer_step.host_device):
-    anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
-    # Committed to the host CPU device, as every later outer state is: the outer-step
-    # functions then compile once, not once for the first round and again for the rest.
-    outer_state = jax.device_put(state_lib.init_outer_state(outer_optimizer, anchor),
-                                 outer_step.host)
-  train_step = inner.ReplicaStep(loss_fn, inner_optimizer, mesh=mesh,
-                                 grad_accum_steps=config.grad_accum_steps, ddp=ddp)
-  # ddp keeps one set of params (a replica axis of size 1) for all replicas' gradients.
-  replicas = train_step.place(jax.jit(
-      functools.partial(state_lib.init_replica_state, inner_optimizer,
-                        num_replicas=1 if ddp else num_replicas),
-      out_shardings=train_step.state_sharding)(jax.device_put(anchor, train_step.state_sharding)))
-  eval_step = inner.EvalStep(loss_fn, mesh=mesh)
-  eval_batches = eval_step.put(data.eval_batches)
-
-  num_params = model_lib.count_params(anchor)
-  tokens_per_step = num_replicas * jax.process_count() * config.batch_size * config.model.seq_len
-  print(f"host {jax.process_index()}/{jax.process_count()}: {len(mesh.devices)} local "
-        f"device(s) {[str(d) for d in mesh.devices]}, {num_replicas} replica(s), "
-        f"mode {config.mode}", flush=True)
-  if is_host0:
-    floor = f"{spec.floor:.4f}" if spec.floor is not None else "unknown (not synthetic)"
-    print(f"model {num_params / 1e6:.2f}M params; {num_rounds} rounds x {h} inner steps; "
-          f"{format(tokens_per_step * total_steps, ',')} tokens; loss floor {floor}, "
-          f"best unigram loss {spec.unigram_loss:.4f}", flush=True)
-
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_host0)
-  bar = metrics_lib.ProgressBar(total_steps, enabled=is_host0)
-  round_times: list[float] = []
-  pending = None  # The previous round's record, still holding device values.
-
-  def finish(record):
-    """Reads a round's device values (they are done by now) and logs the round."""
-    record["train_loss"] = float(np.mean(jax.device_get(record.pop("losses"))))
-    if "eval_loss" in record:
-      record["eval_loss"] = float(record["eval_loss"])
-    bar.clear()
-    if is_host0:
-      print(metrics_lib.round_line(record, num_rounds, total_steps), flush=True)
-    writer.write(record)
-
-  t_round = time.perf_counter()
-  for r in range(1, num_rounds + 1):
-    losses = []
-    for _ in range(h):
-      replicas, loss_R = train_step(replicas, data.next_batch())
-      losses.append(loss_R)
-      bar.update((r - 1) * h + len(losses), f"round {r}/{num_rounds}")
-    if pending is not None:
-      finish(pending)  # Round r-1's values: read while round r's steps run.
-    if ddp:
-      times = {"outer_time": 0.0}
-      anchor = jax.tree.map(lambda x: x[0], replicas.params)  # ddp's one set of params
-    else:
-      outer_state, replicas, anchor, times = outer_step(outer_state, replicas)
-    record = {"round": r, "inner_step": r * h, "tokens": r * h * tokens_per_step,
-              "losses": losses, **times}
-    if r % config.eval_every == 0 or r == num_rounds:
-      record["eval_loss"] = eval_step(anchor, eval_batches)
-      record["floor"] = spec.floor
-    now = time.perf_counter()
-    round_times.append(now - t_round)
-    t_round = now
-    # The first round includes compilation; later rounds predict the rest better.
-    typical = np.mean(round_times[1:] if len(round_times) > 1 else round_times)
-    record.update(round_time=round_times[-1], tokens_per_sec=h * tokens_per_step / round_times[-1],
-                  elapsed=float(np.sum(round_times)), eta=float(typical * (num_rounds - r)))
-    pending = record
-  finish(pending)
-  writer.close()
-
-  final_eval = writer.records[-1]["eval_loss"]
-  if is_host0:
-    floor = f"{spec.floor:.4f}" if spec.floor is not None else "unknown"
-    print(f"final eval loss {final_eval:.4f} | loss floor {floor} | best unigram loss "
-          f"{spec.unigram_loss:.4f} | {num_rounds} rounds in "
-          f"{metrics_lib.format_duration(float(np.sum(round_times)))}", flush=True)
-    metrics_lib.plot_losses(writer.records, os.path.join(workdir, "loss.png"),
-                            floor=spec.floor, unigram=spec.unigram_loss,
-                            title=f"{config.mode}: {num_replicas} replicas x "
-                                  f"{jax.process_count()} host(s), H={h}")
-  return TrainResult(outer_state, replicas, writer.records,
-                     {"inner_step": train_step.traces, "eval_step": eval_step.traces})
+  with dispatch.Dispatcher() as dispatcher:
+    return Trainer(config, workdir, dispatcher).run()

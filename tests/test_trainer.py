@@ -151,3 +151,14 @@ def test_cli_rejects_misspelled_field(tmp_path):
   proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.outer.lrr=0.5")
   assert proc.returncode != 0
   assert "lrr" in proc.stderr + proc.stdout
+
+
+def test_debug_checks_stop_when_hosts_differ(tmp_path):
+  """A host whose outer state hashes differently stops the run, naming the round."""
+  from diloco_jax import dispatch
+  config = small_config(debug_checks=True)
+  with dispatch.Dispatcher() as d:
+    t = trainer.Trainer(config, str(tmp_path), d)
+    t.collective.allgather = lambda words: np.stack([words, words ^ 1])  # host 1 differs
+    with pytest.raises(trainer.AnchorMismatchError, match="round 1: the outer state differs"):
+      t.run_round(1)

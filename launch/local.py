@@ -1,0 +1,132 @@
+"""Starts N trainer hosts on this machine, one CPU device each, and watches them.
+
+  python launch/local.py --hosts=4 -- --config=configs/tiny.py --workdir=/tmp/run
+
+Everything after `--` goes to `python -m diloco_jax.train` on every host, followed by
+--coordinator_address (a free port on 127.0.0.1), --num_hosts and --host_id. Each output
+line is prefixed with its host id. Hosts share fate: if one exits non-zero or is killed,
+the others are killed at once and the launcher exits non-zero with that host's code.
+SIGTERM to the launcher is passed to every host (the trainer's preemption signal);
+SIGINT kills them. Hosts die with the launcher even if it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+  """In the child, before exec: SIGKILL when the launcher dies (Linux), so no orphans."""
+  try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  except OSError:
+    pass
+
+
+class Hosts:
+  """The running host processes and the threads copying their output."""
+
+  def __init__(self, num_hosts: int, train_args: list[str], port: int):
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+           "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    self.procs = []
+    self._lock = threading.Lock()
+    self._threads = []
+    for host in range(num_hosts):
+      cmd = [sys.executable, "-m", "diloco_jax.train", *train_args,
+             f"--coordinator_address=127.0.0.1:{port}", f"--num_hosts={num_hosts}",
+             f"--host_id={host}"]
+      proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True, preexec_fn=_die_with_parent)
+      self.procs.append(proc)
+      t = threading.Thread(target=self._copy, args=(host, proc), daemon=True)
+      t.start()
+      self._threads.append(t)
+
+  def _copy(self, host: int, proc: subprocess.Popen) -> None:
+    for line in iter(proc.stdout.readline, b""):
+      with self._lock:
+        sys.stdout.write(f"[host {host}] {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+  def signal_all(self, sig: int) -> None:
+    for proc in self.procs:
+      if proc.poll() is None:
+        try:
+          os.killpg(proc.pid, sig)  # the host and anything it started
+        except ProcessLookupError:
+          pass
+
+  def kill_all(self) -> None:
+    self.signal_all(signal.SIGKILL)
+    for proc in self.procs:
+      proc.wait()
+    for proc in self.procs:  # Leftovers of a host's process group (e.g. data workers).
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+
+  def wait(self) -> int:
+    """0 when every host exits 0; else the first failure's code, the rest killed."""
+    while True:
+      codes = [p.poll() for p in self.procs]
+      failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
+      if failed:
+        host, code = failed[0]
+        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"[launcher] host {host} {reason}; stopping the other hosts", flush=True)
+        self.kill_all()
+        self._drain()
+        return code if code > 0 else 128 - code
+      if all(c == 0 for c in codes):
+        self._drain()
+        return 0
+      time.sleep(0.1)
+
+  def _drain(self) -> None:
+    for t in self._threads:
+      t.join(timeout=5)
+
+
+def main(argv: list[str]) -> int:
+  if "--" in argv:
+    split = argv.index("--")
+    own, train_args = argv[:split], argv[split + 1:]
+  else:
+    own, train_args = argv, []
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hosts", type=int, required=True, help="host processes to start")
+  parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+  args = parser.parse_args(own)
+  if args.hosts < 1:
+    parser.error(f"--hosts={args.hosts}: must be >= 1")
+  hosts = Hosts(args.hosts, train_args, args.port or free_port())
+  signal.signal(signal.SIGTERM, lambda *_: hosts.signal_all(signal.SIGTERM))
+  try:
+    return hosts.wait()
+  except KeyboardInterrupt:
+    hosts.kill_all()
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

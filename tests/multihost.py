@@ -1,0 +1,77 @@
+"""Helpers for tests that run several host processes on localhost."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from diloco_jax import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
+
+
+def small_config(**overrides):
+  """A model and data small enough that a round takes tens of milliseconds on a CPU."""
+  c = config_lib.get_default_config()
+  c.update(dict(num_rounds=3, inner_steps=4, replicas_per_host=2, batch_size=4,
+                eval_batches=2, eval_every=1))
+  c.model.update(dict(num_layers=1, d_model=32, num_heads=2, mlp_dim=64, seq_len=16))
+  c.data.update(dict(vocab_size=16, num_sequences=512, num_eval_sequences=64))
+  c.inner.update(dict(warmup_steps=2))
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start(cmd: list[str], **kw) -> subprocess.Popen:
+  return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+  """Waits for every process (killing all at the deadline); [(returncode, output)]."""
+  deadline = time.monotonic() + timeout
+  out = []
+  for p in procs:
+    try:
+      text, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      text, _ = p.communicate()
+      raise AssertionError(f"host process still running after {timeout}s:\n{text[-3000:]}")
+    out.append((p.returncode, text))
+  return out
+
+
+def run_hosts(tmp_path, num_hosts: int, timeout: float = 240, **overrides) -> list[dict]:
+  """Trains `small_config(**overrides)` on `num_hosts` processes; per host, the final
+  anchor's leaves and the records (tests/host_main.py)."""
+  port = free_port()
+  procs = [start([sys.executable, "tests/host_main.py", str(tmp_path), str(h), str(num_hosts),
+                  str(port), json.dumps(overrides)]) for h in range(num_hosts)]
+  for code, text in finish(procs, timeout):
+    assert code == 0, text[-4000:]
+  results = []
+  for h in range(num_hosts):
+    with np.load(tmp_path / f"host{h}.npz") as f:
+      leaves = [f[f"leaf{i}"] for i in range(len(f.files) - 1)]
+      results.append({"leaves": leaves, "records": json.loads(str(f["records"]))})
+  return results

@@ -1,0 +1,139 @@
+"""The multi-host runtime in parts: dispatcher, start-up resolution, config agreement, and
+the cross-host collective against numpy."""
+
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from diloco_jax import collective
+from diloco_jax import dispatch
+from diloco_jax import distributed
+from tests import multihost
+
+
+def test_dispatcher_runs_jobs_in_order_on_one_thread():
+  seen = []
+  with dispatch.Dispatcher() as d:
+    futures = [d.submit(lambda i=i: (time.sleep(0.01 * (5 - i)), seen.append(
+        (i, threading.current_thread().name)))[1], round_=i) for i in range(5)]
+    for f in futures:
+      f.result(timeout=10)
+  assert [i for i, _ in seen] == list(range(5))
+  assert {name for _, name in seen} == {"diloco-dispatch"}
+
+
+def test_dispatcher_error_names_round_and_fails_later_jobs():
+  with pytest.raises(RuntimeError):
+    with dispatch.Dispatcher() as d:
+      def boom():
+        raise ConnectionError("Connection closed by peer")
+      bad = d.submit(boom, round_=7, what="cross-host sum")
+      later = d.submit(lambda: 1, round_=8)
+      with pytest.raises(dispatch.CollectiveError, match=r"cross-host sum failed in round 7: "
+                                                         r"ConnectionError"):
+        bad.result(timeout=10)
+      with pytest.raises(dispatch.CollectiveError, match="round 7"):  # no new collective
+        later.result(timeout=10)
+      assert d.failed
+      raise RuntimeError("the trainer stops")  # __exit__ must not wait for a stuck job
+
+
+def test_dispatcher_close_waits_for_queued_jobs():
+  d = dispatch.Dispatcher()
+  f = d.submit(time.sleep, 0.2)
+  assert d.close(timeout=10)
+  assert f.done()
+  with pytest.raises(RuntimeError, match="after close"):
+    d.submit(print)
+
+
+def test_single_host_needs_no_flags(monkeypatch):
+  for var in ("DILOCO_COORDINATOR_ADDRESS", "DILOCO_NUM_HOSTS", "DILOCO_HOST_ID",
+              "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+    monkeypatch.delenv(var, raising=False)
+  assert distributed.initialize(distributed.Cluster()) is False
+  assert distributed.initialize(distributed.Cluster(num_hosts=1)) is False
+
+
+def test_cluster_from_environment(monkeypatch):
+  monkeypatch.setenv("DILOCO_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("DILOCO_NUM_HOSTS", "4")
+  monkeypatch.setenv("DILOCO_HOST_ID", "3")
+  c = distributed.Cluster(host_id=2).resolved()  # a flag wins over the environment
+  assert (c.coordinator_address, c.num_hosts, c.host_id) == ("10.0.0.1:1234", 4, 2)
+  monkeypatch.setenv("DILOCO_NUM_HOSTS", "four")
+  with pytest.raises(distributed.StartupError, match="DILOCO_NUM_HOSTS='four'"):
+    distributed.Cluster().resolved()
+
+
+@pytest.mark.parametrize("cluster, message", [
+    (distributed.Cluster("127.0.0.1:1", num_hosts=2, host_id=2), "--host_id=2"),
+    (distributed.Cluster("127.0.0.1:1", num_hosts=0, host_id=0), "--num_hosts=0"),
+    (distributed.Cluster("127.0.0.1:1", 2, 0, initialization_timeout=0),
+     "--initialization_timeout=0"),
+])
+def test_bad_cluster_flags(cluster, message):
+  with pytest.raises(distributed.StartupError, match=message):
+    distributed.initialize(cluster)
+
+
+def test_differing_fields():
+  a = {"config.outer.lr": 0.7, "config.seed": 0, "diloco_jax": "0.1.0"}
+  b = {"config.outer.lr": 0.5, "config.seed": 0, "diloco_jax": "0.2.0"}
+  assert distributed.differing_fields([a, a]) == {}
+  assert distributed.differing_fields([a, b, a]) == {
+      "config.outer.lr": [0.7, 0.5, 0.7], "diloco_jax": ["0.1.0", "0.2.0", "0.1.0"]}
+
+
+def test_pack_unpack_round_trip():
+  tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": [np.float32(2.5)],
+          "c": np.arange(4, dtype=np.int32)}
+  flat, layout = collective._pack(tree)
+  assert sorted(str(dt) for dt in flat) == ["float32", "int32"]  # one buffer per dtype
+  back = collective._unpack(flat, layout)
+  np.testing.assert_array_equal(back["a"], tree["a"])
+  np.testing.assert_array_equal(back["b"][0], tree["b"][0])
+  np.testing.assert_array_equal(back["c"], tree["c"])
+
+
+COLLECTIVE_HOST = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from diloco_jax import distributed
+    host, port = int(sys.argv[1]), sys.argv[2]
+    distributed.initialize(distributed.Cluster(f"127.0.0.1:{port}", 3, host,
+                                               initialization_timeout=60))
+    from diloco_jax import collective
+    c = collective.make_collective()
+    assert isinstance(c, collective.HostCollective) and c.num_hosts == 3
+    rng = np.random.default_rng(host)
+    tree = {"w": rng.normal(size=(5, 7)).astype(np.float32), "n": np.int32(host + 1)}
+    total = c.sum(tree)
+    # Independent reference: every host's tree, regenerated from the seeds.
+    ref = [np.random.default_rng(h).normal(size=(5, 7)).astype(np.float32) for h in range(3)]
+    np.testing.assert_allclose(total["w"], ref[0] + ref[1] + ref[2], rtol=1e-6)
+    assert int(total["n"]) == 1 + 2 + 3
+    np.testing.assert_allclose(c.mean(tree)["w"], (ref[0] + ref[1] + ref[2]) / 3, rtol=1e-6)
+    gathered = c.allgather(np.array([host, 10 * host], np.uint32))
+    np.testing.assert_array_equal(gathered, [[0, 0], [1, 10], [2, 20]])
+    # Ring all-reduce of 35 floats + 1 int32 (two buffers), twice, then an all-gather.
+    expected = 2 * (2 * 2 * 35 * 4 // 3 + 2 * 2 * 4 // 3) + 2 * 8
+    assert c.bytes_sent == expected, (c.bytes_sent, expected)
+    np.save(sys.argv[3] + f"/sum{host}.npy", total["w"])
+    print("ok")
+""")
+
+
+def test_host_collective_three_hosts(tmp_path):
+  port = multihost.free_port()
+  procs = [multihost.start([sys.executable, "-c", COLLECTIVE_HOST, str(h), str(port),
+                            str(tmp_path)]) for h in range(3)]
+  for code, text in multihost.finish(procs, timeout=120):
+    assert code == 0 and "ok" in text, text[-3000:]
+  sums = [np.load(tmp_path / f"sum{h}.npy") for h in range(3)]
+  for s in sums[1:]:  # every host received the same bytes
+    assert s.tobytes() == sums[0].tobytes()
