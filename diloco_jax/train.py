@@ -4,13 +4,16 @@ On several hosts, run the same command on every host with --coordinator_address,
 --num_hosts and --host_id (or DILOCO_* environment variables, or under SLURM with none).
 """
 
+import os
 import sys
+import traceback
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from diloco_jax import config as config_lib
+from diloco_jax import dispatch
 from diloco_jax import distributed
 from diloco_jax import trainer
 
@@ -49,6 +52,14 @@ def main(argv):
     sys.exit(f"Invalid config:\n{e}")
   except distributed.StartupError as e:
     sys.exit(f"Start-up failed: {e}")
+  except dispatch.CollectiveError as e:
+    # A peer is gone: exit now rather than wait at JAX's shutdown barrier for a host that
+    # will never arrive (which would end in an abort at the heartbeat timeout).
+    traceback.print_exc()
+    sys.stderr.write(f"Stopped: {e}\nAnother host failed or was killed: see its log.\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

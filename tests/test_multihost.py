@@ -116,3 +116,24 @@ def test_killed_host_stops_the_launcher(tmp_path):
   assert "host 1 killed by signal 9" in rest
   time.sleep(0.5)
   assert not [p for p in hosts if _alive(p)], "orphaned host processes"
+
+
+def test_slurm_environment_is_detected(tmp_path):
+  """No flags under SLURM: JAX's auto-detection finds the coordinator, hosts and ids."""
+  port = multihost.free_port()
+  procs = []
+  for host in range(2):
+    env = {**multihost.ENV, "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost",
+           "SLURM_NTASKS": "2", "SLURM_PROCID": str(host), "SLURM_LOCALID": str(host),
+           "JAX_COORDINATOR_PORT": str(port)}
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "diloco_jax.train", "--config=configs/tiny.py",
+         f"--workdir={tmp_path}", "--config.num_rounds=1", "--config.inner_steps=2",
+         "--config.inner.warmup_steps=1", "--config.replicas_per_host=1",
+         "--initialization_timeout=60"], cwd=multihost.REPO, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+  results = multihost.finish(procs, timeout=120)
+  for code, text in results:
+    assert code == 0, text[-3000:]
+  assert "host 1/2: 1 local device(s)" in results[1][1]
+  assert "round 1/1" in results[0][1] and "2 replicas (2 host(s) x 1)" in results[0][1]

@@ -1,0 +1,83 @@
+"""What one sync outer step costs across hosts on localhost, part by part.
+
+  python bench/outer_step.py [--hosts=2,4] [--models=tiny,25m] [--rounds=6]
+
+For each model and number of hosts, runs the real trainer with `launch/local.py` (one
+replica per host, one CPU device each, H=2 so the run is mostly outer steps) and reads
+host 0's metrics.jsonl: the median over rounds 2..R of the device→host copy, the mean
+(Δ, this host's sum, the cross-host sum over gloo/TCP and the division by K), the outer
+optimizer update, the host→device copy, and the bytes this host sent per round (ring
+all-reduce: 2(n−1)/n of the payload). Prints a table, writes bench/results/outer_step.json.
+On one machine the "network" is loopback: this measures the software path, not a WAN
+(bench/wan.py shapes bandwidth for that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {
+    # configs/tiny.py's model.
+    "tiny": [],
+    # ≈25M params: 8 blocks of width 512 (12·512²·8 = 25.2M in the blocks).
+    "25m": ["--config.model.num_layers=8", "--config.model.d_model=512",
+            "--config.model.num_heads=8", "--config.model.mlp_dim=2048",
+            "--config.batch_size=2", "--config.eval_batches=1"],
+}
+PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d", "outer_time")
+
+
+def run(model: str, hosts: int, rounds: int) -> dict:
+  with tempfile.TemporaryDirectory() as workdir:
+    cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}", "--",
+           "--config=configs/tiny.py", f"--workdir={workdir}", "--config.replicas_per_host=1",
+           f"--config.num_rounds={rounds}", "--config.inner_steps=2",
+           "--config.inner.warmup_steps=1", f"--config.eval_every={10 ** 6}", *MODELS[model]]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+      raise RuntimeError(f"{model} on {hosts} hosts failed:\n{proc.stdout[-3000:]}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f][1:]  # round 1 compiles
+  params = next(line for line in proc.stdout.splitlines() if "M params" in line)
+  row = {"model": model, "hosts": hosts,
+         "params_millions": float(params.split("model ")[1].split("M")[0]),
+         "bytes_sent_per_round": statistics.median(r["bytes_sent"] for r in records)}
+  row.update({part: statistics.median(r[part] for r in records) for part in PARTS})
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hosts", default="2,4")
+  parser.add_argument("--models", default="tiny,25m")
+  parser.add_argument("--rounds", type=int, default=6)
+  parser.add_argument("--out", default=os.path.join(REPO, "bench", "results",
+                                                    "outer_step.json"))
+  args = parser.parse_args()
+  rows = []
+  for model in args.models.split(","):
+    for hosts in map(int, args.hosts.split(",")):
+      rows.append(run(model, hosts, args.rounds))
+      print(f"done: {model} on {hosts} hosts", flush=True)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump({"rows": rows, "rounds_timed": args.rounds - 1}, f, indent=2)
+  print(f"\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
+        f"| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['model']} | {r['params_millions']:.2f}M | {r['hosts']} | "
+          + " | ".join(f"{1e3 * r[p]:.1f}" for p in PARTS)
+          + f" | {r['bytes_sent_per_round'] / 1e6:.2f} |")
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
