@@ -72,3 +72,33 @@ def fingerprint(tree: Any) -> str:
     digest.update(f"{a.dtype}{a.shape}".encode())
     digest.update(np.ascontiguousarray(a).tobytes())
   return digest.hexdigest()
+
+
+@flax.struct.dataclass
+class EagerState:
+  """The outer state of eager mode (ALGORITHMS.md §3) for the replicas held here, each leaf
+  with a leading replica axis [R, ...] except `prev_mean` and `step`.
+
+  Attributes:
+    params: θ_m, each replica's own outer params: where its next inner phase starts.
+    opt_state: b_m, each replica's own outer optimizer state.
+    prev_deltas: Δ_m of the previous round, needed to take the replica's own stale term
+      out of the delayed mean.
+    prev_mean: Δ̄ of the previous round (identical on every host).
+    step: number of eager outer steps applied (identical on every host).
+  """
+  params: Params
+  opt_state: optax.OptState
+  prev_deltas: Params
+  prev_mean: Params
+  step: jax.Array
+
+
+def init_eager_state(outer_optimizer: optax.GradientTransformation, anchor: Params,
+                     num_replicas: int) -> EagerState:
+  """Every replica at the anchor; Δ̄⁽⁰⁾ = Δ_m⁽⁰⁾ = 0 (so round 1 applies Δ_m/K alone)."""
+  params = broadcast_to_replicas(anchor, num_replicas)
+  zeros = jax.tree.map(jnp.zeros_like, anchor)
+  return EagerState(params=params, opt_state=jax.vmap(outer_optimizer.init)(params),
+                    prev_deltas=broadcast_to_replicas(zeros, num_replicas), prev_mean=zeros,
+                    step=jnp.zeros((), jnp.int32))

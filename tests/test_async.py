@@ -1,0 +1,124 @@
+"""Async DiLoCo in `simulate`: delayed (ALGORITHMS.md §2) and eager (§3) against independent
+numpy implementations written here, and their invariants."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import diloco_jax
+from diloco_jax import optim
+from tests.test_simulate import (H, K, T, NumpyAdamW, inner_config, loss_fn, make_problem,
+                                 np_grads)
+
+LR, MU = 0.7, 0.9
+
+
+@pytest.fixture(autouse=True)
+def x64():
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", False)
+
+
+def nesterov(params, buf, grad, lr=LR, mu=MU):
+  buf = {k: mu * buf[k] + grad[k] for k in params}
+  return {k: params[k] - lr * (grad[k] + mu * buf[k]) for k in params}, buf
+
+
+def inner_phase(start, opt, batches, t, m):
+  local = {k: v.copy() for k, v in start.items()}
+  for h in range(H):
+    batch = {k: v[t, m, h] for k, v in batches.items()}
+    local = opt.step(local, np_grads(local, batch))
+  return local
+
+
+def np_delayed(params, batches, inner, k=K):
+  """§2: Δ against this round's start; the previous round's mean applied one round late."""
+  s = {n: v.copy() for n, v in params.items()}
+  buf = {n: np.zeros_like(v) for n, v in params.items()}
+  opts = [NumpyAdamW(inner, T * H, params) for _ in range(k)]
+  in_flight = None
+  for t in range(T):
+    deltas = []
+    for m in range(k):
+      local = inner_phase(s, opts[m], batches, t, m)
+      deltas.append({n: s[n] - local[n] for n in s})
+    if in_flight is not None:
+      s, buf = nesterov(s, buf, in_flight)
+    in_flight = {n: sum(d[n] for d in deltas) / k for n in s}
+  s, buf = nesterov(s, buf, in_flight)  # drained at the end
+  return s
+
+
+def np_eager(params, batches, inner, k=K):
+  """§3: each replica m applies Δ_m/K + (Δ̄_prev − Δ_m,prev/K) with its own momentum."""
+  theta = [{n: v.copy() for n, v in params.items()} for _ in range(k)]
+  buf = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(k)]
+  prev = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(k)]
+  prev_mean = {n: np.zeros_like(v) for n, v in params.items()}
+  opts = [NumpyAdamW(inner, T * H, params) for _ in range(k)]
+  for t in range(T):
+    deltas = []
+    for m in range(k):
+      local = inner_phase(theta[m], opts[m], batches, t, m)
+      deltas.append({n: theta[m][n] - local[n] for n in params})
+    for m in range(k):
+      grad = {n: deltas[m][n] / k + (prev_mean[n] - prev[m][n] / k) for n in params}
+      theta[m], buf[m] = nesterov(theta[m], buf[m], grad)
+    prev = deltas
+    prev_mean = {n: sum(d[n] for d in deltas) / k for n in params}
+  # Drain: the proxy Δ_m/K is replaced by the last mean, with Nesterov's immediate
+  # coefficient lr(1+μ) and no momentum step.
+  final = [{n: theta[m][n] - LR * (1 + MU) * (prev_mean[n] - prev[m][n] / k) for n in params}
+           for m in range(k)]
+  return {n: sum(f[n] for f in final) / k for n in params}
+
+
+def run(mode, params, batches, inner):
+  return diloco_jax.simulate(
+      loss_fn, params, batches, inner_optimizer=optim.inner_optimizer(inner, T * H),
+      outer_optimizer=optax.sgd(LR, momentum=MU, nesterov=True), mode=mode)
+
+
+@pytest.mark.parametrize("mode, reference", [("delayed", np_delayed), ("eager", np_eager)])
+def test_matches_numpy_float64(mode, reference):
+  params, batches = make_problem(5)
+  inner = inner_config()
+  result = run(mode, params, batches, inner)
+  expected = reference(params, batches, inner)
+  for n in expected:
+    np.testing.assert_allclose(result.params[n], expected[n], atol=1e-10, rtol=0)
+  sync = run("sync", params, batches, inner)
+  assert not np.allclose(result.params["w"], sync.params["w"], atol=1e-6)  # a real difference
+
+
+def test_eager_one_replica_is_sync_bit_for_bit():
+  params, batches = make_problem(6)
+  one = {n: v[:, :1] for n, v in batches.items()}
+  inner = inner_config()
+  eager, sync = run("eager", params, one, inner), run("sync", params, one, inner)
+  for n in params:
+    np.testing.assert_array_equal(eager.params[n], sync.params[n])
+  np.testing.assert_array_equal(eager.losses, sync.losses)
+
+
+def test_constant_mock():
+  """Each inner step adds −c; with μ=0 (§6): delayed^(r) = sync^(r−1) before the drain and
+  sync after it; eager applies Hc/K in round 1 and Hc from round 2 on, then the drain."""
+  c, eta = 0.25, 0.5
+  params = {"w": np.ones(3)}
+  batches = {"x": np.zeros((T, K, H, 1))}
+  linear = lambda p, b: (p["w"].sum() * c + 0 * b["x"].sum())
+  kw = dict(inner_optimizer=optax.sgd(1.0), outer_optimizer=optax.sgd(eta))
+  sync = diloco_jax.simulate(linear, params, batches, mode="sync", **kw)
+  delayed = diloco_jax.simulate(linear, params, batches, mode="delayed", **kw)
+  eager = diloco_jax.simulate(linear, params, batches, mode="eager", **kw)
+  np.testing.assert_allclose(sync.params["w"], 1 - T * eta * H * c, atol=1e-14)
+  np.testing.assert_allclose(delayed.params["w"], sync.params["w"], atol=1e-14)  # drained
+  assert int(delayed.outer_state.step) == T
+  # Eager: H c/K, then H c per round; the drain adds the missing (1 − 1/K) H c.
+  np.testing.assert_allclose(eager.params["w"], 1 - T * eta * H * c, atol=1e-14)
+  np.testing.assert_allclose(eager.outer_state.params["w"][0],  # before the drain
+                             1 - eta * H * c * (1 / K + (T - 1)), atol=1e-14)
