@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-MODES = ("sync", "ddp")
+MODES = ("sync", "delayed", "eager", "ddp")
 DATA_SOURCES = ("synthetic", "text", "tokens")
 SHARDINGS = ("iid", "non_iid")
 TOKEN_DTYPES = ("uint16", "int32")
@@ -26,7 +26,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   """Every config field with its default. Config files start from this."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds parameter init; data seeds live in `data`.
-  c.mode = "sync"  # One of MODES: 'sync' DiLoCo, or 'ddp' (gradients averaged every step).
+  c.mode = "sync"  # One of MODES: 'sync', 'delayed', 'eager' DiLoCo, or 'ddp' (baseline).
   c.num_rounds = 20  # Rounds T: each is H inner steps plus one outer step.
   c.inner_steps = 50  # H: inner steps per round (in 'ddp', steps between log lines).
   c.replicas_per_host = 4  # DiLoCo replicas on this host; K = hosts * replicas_per_host.

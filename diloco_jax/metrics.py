@@ -40,6 +40,9 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     parts.append(f"eval {r['eval_loss']:.4f}{floor}")
   parts += [f"{format_count(r['tokens_per_sec'])} tok/s",
             f"outer {1e3 * r['outer_time']:.0f} ms"]
+  if "collective_time" in r:  # how long the cross-host sum took, and how much of it the
+    # next inner phase hid (async modes; 0% in sync, which waits for all of it)
+    parts.append(f"comm {1e3 * r['collective_time']:.0f} ms ({100 * r['overlap']:.0f}% hidden)")
   if r.get("bytes_sent"):
     parts.append(f"sent {format_count(r['bytes_sent'])}B")
   if "anchor_hash" in r:  # debug_checks: the same on every host, or the run has stopped

@@ -1,22 +1,27 @@
-"""The outer step as the trainer runs it: on the host, across hosts, timed in its parts.
+"""The outer step as the trainer runs it, per mode: on the host, across hosts, timed.
 
 The accelerators hold only what plain training holds. The anchor, the outer momentum and
 Δ live on this host's CPU device (DESIGN.md, "Where the outer state lives"):
 
-  replicas' params ──d2h──► Σ_local (anchor − θ_m) ──dispatch thread──► Σ over hosts
-      ──► outer optimizer on Σ / K ──► new anchor ──h2d──► every local replica
+  replicas' params ──d2h──► Δ_m, Σ_local Δ_m ──dispatch thread──► Σ over hosts
+      ──► outer optimizer on Σ / K ──► new start point ──h2d──► every local replica
 
-The math is `diloco`'s, so `simulate` and the trainer agree; this module adds placement,
-the cross-host sum (always on the dispatch thread) and the timings.
+`sync` waits for the sum; `delayed` and `eager` submit it and start the next inner phase
+at once, applying it one round later (ALGORITHMS.md §2, §3). The math is `diloco`'s, so
+`simulate` and the trainer agree; this module adds placement, the cross-host sum (always
+on the dispatch thread), timings and diagnostics. A round's record is a dict that is
+completed when its sum arrives (the trainer logs it one round late).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
@@ -27,68 +32,224 @@ from diloco_jax import state as state_lib
 Params = Any
 
 
-class SyncOuterStep:
-  """ALGORITHMS.md §1: wait for the mean pseudo-gradient of all K replicas, then apply it.
+def _delta_stats(deltas_R: Params, mean: Params) -> jax.Array:
+  """[R, 3]: per replica ‖Δ_m‖, cos(Δ_m, Δ̄) and ‖Δ_m − Δ̄‖² (float32)."""
+  leaves_R, mean_leaves = jax.tree.leaves(deltas_R), jax.tree.leaves(mean)
+  f32 = lambda x: x.astype(jnp.float32)
+  dot = sum(jnp.sum(f32(d) * f32(m)[None], axis=tuple(range(1, d.ndim)))
+            for d, m in zip(leaves_R, mean_leaves))
+  sq = sum(jnp.sum(jnp.square(f32(d)), axis=tuple(range(1, d.ndim))) for d in leaves_R)
+  mean_sq = sum(jnp.sum(jnp.square(f32(m))) for m in mean_leaves)
+  cos = dot / jnp.maximum(jnp.sqrt(sq * mean_sq), 1e-30)
+  return jnp.stack([jnp.sqrt(sq), cos, sq - 2 * dot + mean_sq], axis=1)
 
-  `__call__` returns the new outer state, the replicas reset to the new anchor, the
-  anchor on the local devices (for eval) and a record of figures for the metrics.
-  """
+
+class _Pending:
+  """A cross-host sum in flight and the record of the round it belongs to."""
+
+  def __init__(self, future: concurrent.futures.Future, record: dict, deltas_R: Params,
+               times: dict):
+    self.future, self.record, self.deltas_R, self.times = future, record, deltas_R, times
+
+
+class OuterStep:
+  """What every mode shares: placement, the timed cross-host sum, the round's record."""
 
   def __init__(self, outer_optimizer: optax.GradientTransformation, *, mesh: Mesh,
-               collective, dispatcher, replicas_per_host: int):
+               collective, dispatcher, replicas_per_host: int, steps_done=lambda: 0):
     self.collective, self.dispatcher = collective, dispatcher
+    self.replicas_per_host = replicas_per_host
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
     self.host_device = (getattr(collective, "device", None)
                         or jax.local_devices(backend="cpu")[0])
     self.host = SingleDeviceSharding(self.host_device)
-    self._on_mesh = NamedSharding(mesh, P())  # the anchor, replicated on every local device
-    self._optimizer = outer_optimizer
-    # Σ over this host's replicas of Δ_m = anchor − θ_m (the cross-host sum adds hosts).
-    self._delta_sum = jax.jit(
-        lambda anchor, local_R: diloco.replica_sum(diloco.pseudo_gradients(anchor, local_R)))
-    self._update = jax.jit(self._apply_mean, donate_argnums=0)
+    self.on_mesh = NamedSharding(mesh, P())  # replicated on every local device
+    self.optimizer = outer_optimizer
+    self._steps_done = steps_done  # inner steps finished on the devices so far
+    self._deltas = jax.jit(diloco.pseudo_gradients)
+    self._sum_R = jax.jit(diloco.replica_sum)
+    self._mean = jax.jit(lambda total: diloco.divide(total, self.num_replicas))
+    self._stats = jax.jit(_delta_stats)
     self._broadcast = jax.jit(
         functools.partial(state_lib.broadcast_to_replicas, num_replicas=replicas_per_host),
-        out_shardings=self._on_mesh)
+        out_shardings=self.on_mesh)
+    self.pending: _Pending | None = None
 
-  def _apply_mean(self, outer_state, delta_total):
-    mean_delta = diloco.divide(delta_total, self.num_replicas)  # Δ̄ = Σ_all Δ_m / K
-    return diloco.outer_update(self._optimizer, outer_state, mean_delta)
-
-  def init(self, anchor: Params) -> state_lib.OuterState:
+  def init(self, anchor: Params):
     # Committed to the host CPU device, as every later outer state is, so the outer-step
     # programs compile once rather than again in round 2.
-    return jax.device_put(state_lib.init_outer_state(self._optimizer, anchor), self.host)
+    return jax.device_put(state_lib.init_outer_state(self.optimizer, anchor), self.host)
 
-  def cross_host_sum(self, tree: Params, round_: int) -> Params:
-    """Σ over hosts, issued on the dispatch thread; blocks until it is done."""
-    return self.dispatcher.run(self.collective.sum, tree, round_=round_,
-                               what="cross-host sum of pseudo-gradients")
+  def place(self, tree: Params) -> Params:
+    """A copy on the local devices. Never an alias: on a CPU host, the host device is
+    also the compute device, and the outer state must survive the inner step's donation."""
+    return jax.device_put(tree, self.on_mesh, may_alias=False)
 
-  def __call__(self, outer_state: state_lib.OuterState, replicas: state_lib.ReplicaState,
-               loss_sum: jax.Array, round_: int):
-    times = {}
-    # Wait for the inner phase first, so the figures below time the outer step alone.
-    jax.block_until_ready(replicas.params)
+  def to_host(self, params_R: Params, times: dict) -> Params:
+    jax.block_until_ready(params_R)  # the inner phase is done: time the outer step alone
     t = time.perf_counter()
-    local_R = jax.block_until_ready(jax.device_put(replicas.params, self.host))
-    times["outer_d2h"], t = _lap(t)
-    sent = self.collective.bytes_sent
-    # The round's summed train loss rides along with Δ: one collective, not two.
-    total = self.cross_host_sum(
-        {"delta": self._delta_sum(outer_state.anchor, local_R), "loss": loss_sum}, round_)
-    times["outer_mean"], t = _lap(t)
-    outer_state = jax.block_until_ready(self._update(outer_state, total["delta"]))
-    times["outer_update"], t = _lap(t)
-    anchor = jax.device_put(outer_state.anchor, self._on_mesh)
+    local_R = jax.block_until_ready(jax.device_put(params_R, self.host))
+    times["outer_d2h"] = time.perf_counter() - t
+    return local_R
+
+  def submit(self, deltas_R: Params, loss_sum, record: dict, round_: int) -> _Pending:
+    """Queues Σ over hosts of (Σ_local Δ_m, the round's loss sum) on the dispatch thread."""
+    payload = {"delta": self._sum_R(deltas_R), "loss": loss_sum}
+    times: dict = {}
+
+    def job():
+      t, done, sent = time.perf_counter(), self._steps_done(), self.collective.bytes_sent
+      total = self.collective.sum(payload)
+      jax.block_until_ready(total)
+      times.update(collective_time=time.perf_counter() - t,
+                   bytes_sent=self.collective.bytes_sent - sent,
+                   overlap_steps=self._steps_done() - done)
+      return total
+
+    future = self.dispatcher.submit(job, round_=round_,
+                                    what="cross-host sum of pseudo-gradients")
+    return _Pending(future, record, deltas_R, times)
+
+  def wait(self, pending: _Pending) -> Params:
+    """The mean Δ̄ of `pending`'s round; completes that round's record."""
+    t = time.perf_counter()
+    total = pending.future.result()
+    wait = time.perf_counter() - t
+    mean = self._mean(total["delta"])
+    record = pending.record
+    collective = pending.times["collective_time"]
+    record.update(pending.times, outer_wait=wait, loss_sum=float(np.asarray(total["loss"])),
+                  overlap=float(np.clip(1 - wait / collective, 0, 1)) if collective else 0.0)
+    record["stats"] = self.dispatcher.submit(  # gathered on the dispatch thread, read late
+        self.collective.allgather, np.asarray(self._stats(pending.deltas_R, mean)),
+        round_=record["round"], what="gather of Δ diagnostics")
+    return mean
+
+  def to_replicas(self, replicas: state_lib.ReplicaState, anchor: Params, times: dict):
+    t = time.perf_counter()
+    anchor = self.place(anchor)
     replicas = replicas.replace(params=jax.block_until_ready(self._broadcast(anchor)))
-    times["outer_h2d"], t = _lap(t)
-    record = {**times, "outer_time": sum(times.values()),
-              "bytes_sent": self.collective.bytes_sent - sent,
-              "loss_sum": float(np.asarray(total["loss"]))}
+    times["outer_h2d"] = time.perf_counter() - t
+    return replicas, anchor
+
+
+class SyncOuterStep(OuterStep):
+  """ALGORITHMS.md §1: wait for the mean pseudo-gradient of all K replicas, then apply it."""
+
+  def __init__(self, *args, **kw):
+    super().__init__(*args, **kw)
+    self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
+                           donate_argnums=0)
+
+  def __call__(self, outer_state, replicas, loss_sum, round_: int):
+    """Returns the new outer state, the replicas reset to it, the params to evaluate (on
+    the local devices) and the round's record."""
+    record = {"round": round_}
+    local_R = self.to_host(replicas.params, record)
+    t = time.perf_counter()
+    deltas_R = self._deltas(outer_state.anchor, local_R)
+    mean = self.wait(self.submit(deltas_R, loss_sum, record, round_))
+    record["outer_mean"] = time.perf_counter() - t
+    t = time.perf_counter()
+    outer_state = jax.block_until_ready(self._update(outer_state, mean))
+    record["outer_update"] = time.perf_counter() - t
+    replicas, anchor = self.to_replicas(replicas, outer_state.anchor, record)
     return outer_state, replicas, anchor, record
 
+  def drain(self, outer_state, replicas):
+    return outer_state, replicas, self.place(outer_state.anchor)
 
-def _lap(t0: float) -> tuple[float, float]:
-  t = time.perf_counter()
-  return t - t0, t
+  def replicated(self, outer_state):
+    return outer_state
+
+
+class DelayedOuterStep(OuterStep):
+  """ALGORITHMS.md §2: submit this round's Δ (measured against this round's start s_r) and
+  apply the previous round's mean, s_{r+1} = OuterOpt(s_r, Δ̄^(r−1)), without waiting for
+  this round's."""
+
+  def __init__(self, *args, **kw):
+    super().__init__(*args, **kw)
+    self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
+                           donate_argnums=0)
+
+  def __call__(self, outer_state, replicas, loss_sum, round_: int):
+    record = {"round": round_}
+    local_R = self.to_host(replicas.params, record)
+    t = time.perf_counter()
+    deltas_R = self._deltas(outer_state.anchor, local_R)  # against s_r, before the update
+    previous, self.pending = self.pending, None
+    if previous is not None:
+      mean = self.wait(previous)
+      outer_state = jax.block_until_ready(self._update(outer_state, mean))
+    self.pending = self.submit(deltas_R, loss_sum, record, round_)
+    record["outer_update"] = time.perf_counter() - t
+    replicas, anchor = self.to_replicas(replicas, outer_state.anchor, record)
+    return outer_state, replicas, anchor, record
+
+  def drain(self, outer_state, replicas):
+    """Applies the mean still in flight after the last round."""
+    if self.pending is not None:
+      mean = self.wait(self.pending)
+      self.pending = None
+      outer_state = self._update(outer_state, mean)
+      replicas, _ = self.to_replicas(replicas, outer_state.anchor, {})
+    return outer_state, replicas, self.place(outer_state.anchor)
+
+  def replicated(self, outer_state):
+    return outer_state
+
+
+class EagerOuterStep(OuterStep):
+  """ALGORITHMS.md §3: each replica applies its fresh Δ_m/K plus the delayed mean of the
+  others, Δ̄^(r−1) − Δ_m^(r−1)/K, from its own θ_m with its own momentum; this round's Δ
+  goes out on the dispatch thread and is used next round."""
+
+  def __init__(self, *args, **kw):
+    super().__init__(*args, **kw)
+    self._update = jax.jit(functools.partial(diloco.eager_update, self.optimizer,
+                                             num_replicas=self.num_replicas),
+                           donate_argnums=0)
+    self._drain = jax.jit(functools.partial(diloco.eager_drain, self.optimizer,
+                                            num_replicas=self.num_replicas))
+    self._deltas_R = jax.jit(lambda start_R, local_R: jax.tree.map(jnp.subtract, start_R,
+                                                                    local_R))
+    self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+  def init(self, anchor: Params):
+    return jax.device_put(state_lib.init_eager_state(self.optimizer, anchor,
+                                                     self.replicas_per_host), self.host)
+
+  def __call__(self, eager, replicas, loss_sum, round_: int):
+    record = {"round": round_}
+    local_R = self.to_host(replicas.params, record)
+    t = time.perf_counter()
+    deltas_R = self._deltas_R(eager.params, local_R)  # each from its own θ_m
+    previous, self.pending = self.pending, None
+    self.pending = self.submit(deltas_R, loss_sum, record, round_)  # FIFO: after previous
+    # Round 1 has no delayed mean: Δ̄⁽⁰⁾ = 0 (a fresh buffer: `eager` is donated).
+    prev_mean = self.wait(previous) if previous is not None else self._zeros(eager.prev_mean)
+    eager = jax.block_until_ready(self._update(eager, deltas_R, prev_mean))
+    record["outer_update"] = time.perf_counter() - t
+    t = time.perf_counter()
+    replicas = replicas.replace(params=self.place(eager.params))
+    jax.block_until_ready(replicas.params)
+    record["outer_h2d"] = time.perf_counter() - t
+    # Evaluated: this host's first replica (the replicas differ by their fresh terms).
+    return eager, replicas, jax.tree.map(lambda x: x[0], replicas.params), record
+
+  def drain(self, eager, replicas):
+    """The last mean arrives: every replica swaps its proxy for it (`diloco.eager_drain`),
+    then the final params are the mean over all K replicas (one more cross-host sum)."""
+    if self.pending is not None:
+      last_mean = self.wait(self.pending)
+      self.pending = None
+      eager = eager.replace(params=self._drain(eager, last_mean), prev_mean=last_mean)
+    total = self.dispatcher.run(self.collective.sum, self._sum_R(eager.params),
+                                what="cross-host mean of the final params")
+    final = self.place(self._mean(total))
+    return eager, replicas.replace(params=self._broadcast(final)), final
+
+  def replicated(self, eager):
+    """What must be identical on every host: the delayed mean and the step count."""
+    return (eager.prev_mean, eager.step)

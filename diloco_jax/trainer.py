@@ -31,13 +31,22 @@ from diloco_jax import state as state_lib
 
 
 class TrainResult(NamedTuple):
-  """Attributes: outer_state, the final OuterState (on the host); replicas, this host's
-  final ReplicaState; records, one metrics dict per round; traces, how often each jitted
-  inner program was traced."""
-  outer_state: state_lib.OuterState
+  """Attributes: params, the trained params (the final anchor; eager: the mean of all
+  replicas; ddp: its one set), on the local devices; outer_state, the final outer state
+  (OuterState, or EagerState, on the host); replicas, this host's final ReplicaState;
+  records, one metrics dict per round; traces, how often each jitted inner program was
+  traced."""
+  params: Any
+  outer_state: Any
   replicas: state_lib.ReplicaState
   records: list[dict[str, Any]]
   traces: dict[str, int]
+
+
+OUTER_STEPS = {"sync": outer_lib.SyncOuterStep, "delayed": outer_lib.DelayedOuterStep,
+               "eager": outer_lib.EagerOuterStep}
+# The parts of the outer step on the main thread's path (seconds; see README).
+OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
 
 
 class AnchorMismatchError(RuntimeError):
@@ -72,9 +81,11 @@ class Trainer:
     self.collective = collective_lib.make_collective()
     self.ddp = config.mode == "ddp"
 
-    self.outer_step = outer_lib.SyncOuterStep(
+    self._done_before, self._round_losses = 0, []  # inner steps finished, for `overlap_steps`
+    self.outer_step = OUTER_STEPS.get(config.mode, outer_lib.SyncOuterStep)(
         optim.outer_optimizer(config.outer), mesh=self.mesh, collective=self.collective,
-        dispatcher=dispatcher, replicas_per_host=self.replicas_per_host)
+        dispatcher=dispatcher, replicas_per_host=self.replicas_per_host,
+        steps_done=self._steps_done)
     with jax.default_device(self.outer_step.host_device):
       anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
     self.num_params = model_lib.count_params(anchor)
@@ -98,10 +109,13 @@ class Trainer:
     self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
     self.bar: metrics_lib.ProgressBar | None = None
+    self.eval_params = None
 
   def run_round(self, r: int) -> dict[str, Any]:
-    """Round r: H inner steps of every local replica, then the outer step."""
-    losses = []
+    """Round r: H inner steps of every local replica, then the outer step. Returns the
+    round's record; parts of it arrive later (the loss with the cross-host sum)."""
+    self._done_before += len(self._round_losses)
+    self._round_losses = losses = []
     for i in range(self.h):
       self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
       losses.append(loss_R)
@@ -109,20 +123,31 @@ class Trainer:
         self.bar.update((r - 1) * self.h + i + 1, f"round {r}/{self.num_rounds}")
     loss_sum = jax.numpy.sum(jax.numpy.stack(losses))  # dispatched, not waited for
     if self.ddp:
-      anchor = jax.tree.map(lambda x: x[0], self.replicas.params)  # ddp's one set of params
-      loss_total = self._host_sum(loss_sum, r)
-      record = {"outer_time": 0.0, "loss_sum": loss_total}
+      self.eval_params = jax.tree.map(lambda x: x[0], self.replicas.params)  # its one set
+      record = {"round": r, "loss_sum": self._host_sum(loss_sum, r)}
     else:
-      self.outer_state, self.replicas, anchor, record = self.outer_step(
+      self.outer_state, self.replicas, self.eval_params, record = self.outer_step(
           self.outer_state, self.replicas, loss_sum, r)
       if self.config.debug_checks:
         record["anchor_hash"] = self._check_same_outer_state(r)
-    record.update(round=r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step,
-                  train_loss=record.pop("loss_sum") / (self.num_replicas * self.h))
-    if self.is_host0 and (r % self.config.eval_every == 0 or r == self.num_rounds):
-      record["eval_loss"] = self.eval_step(anchor, self.eval_batches)  # read a round late
+    record.update(inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step)
+    if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
+      record["eval_loss"] = self.eval_step(self.eval_params, self.eval_batches)  # read late
       record["floor"] = self.spec.floor
     return record
+
+  def _steps_done(self) -> int:
+    """Inner steps finished on the devices so far (read from the dispatch thread)."""
+    return self._done_before + sum(loss.is_ready() for loss in list(self._round_losses))
+
+  def finish_run(self, last: dict[str, Any]) -> None:
+    """After the last round: apply what is still in flight, then the final eval."""
+    if not self.ddp:
+      self.outer_state, self.replicas, self.eval_params = self.outer_step.drain(
+          self.outer_state, self.replicas)
+    if self.is_host0:
+      last["eval_loss"] = self.eval_step(self.eval_params, self.eval_batches)
+      last["floor"] = self.spec.floor
 
   def _host_sum(self, x: jax.Array, r: int) -> float:
     if self.num_hosts == 1:
@@ -132,7 +157,7 @@ class Trainer:
 
   def _check_same_outer_state(self, r: int) -> str:
     """Hashes the outer state on every host and stops if any two hosts differ."""
-    digest = state_lib.fingerprint(self.outer_state)
+    digest = state_lib.fingerprint(self.outer_step.replicated(self.outer_state))
     words = np.frombuffer(bytes.fromhex(digest), np.uint32)
     every = self.dispatcher.run(self.collective.allgather, words, round_=r,
                                 what="debug check of the outer state")
@@ -161,10 +186,15 @@ class Trainer:
     pending = None  # The previous round's record, still holding device values.
 
     def finish(record):
-      """Reads a round's device values (they are done by now) and logs the round."""
-      record["train_loss"] = float(record["train_loss"])
+      """Completes a round's record (its values have arrived by now) and logs it."""
+      record["train_loss"] = float(record.pop("loss_sum")) / (self.num_replicas * self.h)
       if "eval_loss" in record:
         record["eval_loss"] = float(record["eval_loss"])
+      record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
+      if "stats" in record:  # [hosts, R, 3] -> per replica, in replica order
+        stats = record.pop("stats").result().reshape(self.num_replicas, 3)
+        record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
+                      param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
       self.bar.clear()
       if self.is_host0:
         print(metrics_lib.round_line(record, self.num_rounds, self.total_steps), flush=True)
@@ -185,11 +215,12 @@ class Trainer:
                     elapsed=float(np.sum(round_times)),
                     eta=float(typical * (self.num_rounds - r)))
       pending = record
+    self.finish_run(pending)
     finish(pending)
     writer.close()
     if self.is_host0:
       self._report(writer.records, float(np.sum(round_times)))
-    return TrainResult(self.outer_state, self.replicas, writer.records,
+    return TrainResult(self.eval_params, self.outer_state, self.replicas, writer.records,
                        {"inner_step": self.train_step.traces, "eval_step": self.eval_step.traces})
 
   def _report(self, records, elapsed: float) -> None:

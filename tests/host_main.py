@@ -24,9 +24,7 @@ def main(out_dir, host_id, num_hosts, port, overrides):
   from tests import multihost
   config = multihost.small_config(**json.loads(overrides))
   result = trainer.train_and_evaluate(config, os.path.join(out_dir, f"work{host_id}"))
-  params = result.outer_state.anchor if config.mode != "ddp" else jax.tree.map(
-      lambda x: x[0], result.replicas.params)
-  leaves = {f"leaf{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
+  leaves = {f"leaf{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(result.params))}
   np.savez(os.path.join(out_dir, f"host{host_id}.npz"), **leaves,
            records=json.dumps(result.records))
 

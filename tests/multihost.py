@@ -11,7 +11,14 @@ import time
 
 import numpy as np
 
+import jax
+import jax.numpy as jnp
+
+import diloco_jax
 from diloco_jax import config as config_lib
+from diloco_jax import data as data_lib
+from diloco_jax import model as model_lib
+from diloco_jax import optim
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
@@ -75,3 +82,25 @@ def run_hosts(tmp_path, num_hosts: int, timeout: float = 240, **overrides) -> li
       leaves = [f[f"leaf{i}"] for i in range(len(f.files) - 1)]
       results.append({"leaves": leaves, "records": json.loads(str(f["records"]))})
   return results
+
+
+def trainer_batches(config):
+  """The batches the trainer consumes (one host), rearranged to simulate's [T, K, H, ...]."""
+  data = data_lib.make_host_data(config.data, seq_len=config.model.seq_len,
+                                 batch_size=config.batch_size,
+                                 replicas_per_host=config.replicas_per_host,
+                                 num_eval_batches=config.eval_batches)
+  steps = [data.next_batch() for _ in range(config.num_rounds * config.inner_steps)]
+  b = np.stack(steps).reshape(config.num_rounds, config.inner_steps, *steps[0].shape)
+  return b.swapaxes(1, 2), data.spec
+
+
+def simulate_trainer(config):
+  """`simulate` on the model, optimizers and batches the trainer would use for `config`."""
+  batches, spec = trainer_batches(config)
+  cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
+  total = config.num_rounds * config.inner_steps
+  return diloco_jax.simulate(
+      model_lib.make_loss_fn(cfg), model_lib.init_params(cfg, jax.random.key(config.seed)),
+      jnp.asarray(batches), inner_optimizer=optim.inner_optimizer(config.inner, total),
+      outer_optimizer=optim.outer_optimizer(config.outer), mode=config.mode)

@@ -17,30 +17,9 @@ from diloco_jax import data as data_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optim
 from diloco_jax import trainer
+from tests.multihost import simulate_trainer, small_config, trainer_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def small_config(**overrides):
-  c = config_lib.get_default_config()
-  c.update(dict(num_rounds=3, inner_steps=4, replicas_per_host=2, batch_size=4,
-                eval_batches=2, eval_every=1))
-  c.model.update(dict(num_layers=1, d_model=32, num_heads=2, mlp_dim=64, seq_len=16))
-  c.data.update(dict(vocab_size=16, num_sequences=512, num_eval_sequences=64))
-  c.inner.update(dict(warmup_steps=2))
-  c.update(overrides)
-  return c
-
-
-def trainer_batches(config):
-  """The batches the trainer consumes, rearranged to simulate's [T, K, H, B, L+1]."""
-  data = data_lib.make_host_data(config.data, seq_len=config.model.seq_len,
-                                 batch_size=config.batch_size,
-                                 replicas_per_host=config.replicas_per_host,
-                                 num_eval_batches=config.eval_batches)
-  steps = [data.next_batch() for _ in range(config.num_rounds * config.inner_steps)]
-  b = np.stack(steps).reshape(config.num_rounds, config.inner_steps, *steps[0].shape)
-  return b.swapaxes(1, 2), data.spec
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +31,7 @@ def sync_run(tmp_path_factory):
 
 def test_trainer_equals_simulate(sync_run):
   config, _, result = sync_run
-  batches, spec = trainer_batches(config)
-  cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
-  total = config.num_rounds * config.inner_steps
-  expected = diloco_jax.simulate(
-      model_lib.make_loss_fn(cfg), model_lib.init_params(cfg, jax.random.key(config.seed)),
-      jnp.asarray(batches), inner_optimizer=optim.inner_optimizer(config.inner, total),
-      outer_optimizer=optim.outer_optimizer(config.outer))
+  expected = simulate_trainer(config)
   diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                                        result.outer_state.anchor, expected.params))
   # One jitted step per inner step vs. one scan over the whole run: XLA fuses the two
