@@ -60,6 +60,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                dispatcher: dispatch.Dispatcher):
     config_lib.validate(config, num_local_devices=jax.local_device_count())
+    os.makedirs(workdir, exist_ok=True)
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self.is_host0 = self.host == 0
@@ -239,7 +240,5 @@ class Trainer:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains per `config`, writing metrics, TensorBoard events and a loss plot to `workdir`
   (host 0). On several hosts, `distributed.initialize` must have run first."""
-  config_lib.validate(config, num_local_devices=jax.local_device_count())
-  os.makedirs(workdir, exist_ok=True)
   with dispatch.Dispatcher() as dispatcher:
     return Trainer(config, workdir, dispatcher).run()
