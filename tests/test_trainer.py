@@ -133,7 +133,8 @@ def test_debug_checks_stop_when_hosts_differ(tmp_path):
   config = small_config(debug_checks=True)
   with dispatch.Dispatcher() as d:
     t = trainer.Trainer(config, str(tmp_path), d)
-    t.collective.allgather = lambda words: np.stack([words, words ^ 1])  # host 1 differs
+    # A second host whose outer-state hash differs (other gathers: the same on both).
+    t.collective.allgather = lambda x: np.stack([x, x ^ 1 if x.dtype == np.uint32 else x])
     with pytest.raises(trainer.AnchorMismatchError, match="round 1: the outer state differs"):
       t.run_round(1)
 
