@@ -178,13 +178,15 @@ def main():
   parser.add_argument("--modes", default="none,sync,delayed,eager,ddp")
   parser.add_argument("--subnet", type=int, default=77, help="10.77.<subnet>.0/24")
   parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "wan.json"))
+  parser.add_argument("--workdir", default="", help="keep each mode's workdirs here")
   args = parser.parse_args()
   if os.geteuid() != 0:
     sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs")
   signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
   rows = []
   with Network(args.hosts, args.rate_mbit, args.subnet) as net, \
-       tempfile.TemporaryDirectory() as tmp:
+       tempfile.TemporaryDirectory() as scratch:
+    tmp = args.workdir or scratch
     for mode in args.modes.split(","):
       t = time.time()
       rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, mode)))
