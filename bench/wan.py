@@ -138,7 +138,10 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
   tokens = records[-1]["tokens"] - records[0]["tokens"]
   if mode == "none":
     tokens *= net.num_hosts  # each one-host job counted only its own tokens
-  row = {"mode": mode, "outer_lr": OUTER_LR[mode], "wall_s": wall,
+  # The main thread's time in outer steps (waiting for the mean included): the time the
+  # devices sat idle because of DiLoCo, whatever else slowed the host down.
+  idle = sum(r.get("outer_time", 0.0) for r in records[1:])
+  row = {"mode": mode, "outer_lr": OUTER_LR[mode], "wall_s": wall, "idle_fraction": idle / wall,
          "tokens_per_sec": tokens / wall, "final_eval_loss": records[-1]["eval_loss"],
          "curve": [(sum(r["round_time"] for r in records[1:i + 1]), r["eval_loss"])
                    for i, r in enumerate(records) if "eval_loss" in r and i > 0]}
@@ -200,13 +203,14 @@ def main():
     json.dump({"hosts": args.hosts, "rate_mbit": args.rate_mbit, "rounds": args.rounds,
                "rows": rows}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)
-  print(f"\n{title}\n| mode | outer lr | wall s | compute util. | tokens/s | MB/host (wire) "
-        f"| comm s/round | final eval loss |\n|---|---|---|---|---|---|---|---|")
+  print(f"\n{title}\n| mode | outer lr | wall s | compute util. | outer-step idle | tokens/s "
+        f"| MB/host (wire) | comm s/round | final eval loss |\n|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     mb = f"{max(r['bytes_per_host']) / 1e6:.1f}" if "bytes_per_host" in r else "0"
     comm = f"{r['comm_s_per_round']:.2f}" if r.get("comm_s_per_round") else "-"
     print(f"| {r['mode']} | {r['outer_lr']} | {r['wall_s']:.1f} | "
-          f"{r['compute_utilization']:.2f} | {r['tokens_per_sec']:,.0f} | {mb} | {comm} | "
+          f"{r['compute_utilization']:.2f} | {100 * r['idle_fraction']:.1f}% | "
+          f"{r['tokens_per_sec']:,.0f} | {mb} | {comm} | "
           f"{r['final_eval_loss']:.4f} |")
   print(f"wrote {args.out} and {args.out.replace('.json', '.png')}")
 
