@@ -70,8 +70,8 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"rows": rows, "rounds_timed": args.rounds - 1}, f, indent=2)
-  print(f"\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
-        f"| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|")
+  print("\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
+        "| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['model']} | {r['params_millions']:.2f}M | {r['hosts']} | "
           + " | ".join(f"{1e3 * r[p]:.1f}" for p in PARTS)

@@ -4,7 +4,6 @@ import importlib.util
 import math
 import os
 
-import ml_collections
 import pytest
 
 from diloco_jax import config as config_lib

@@ -8,11 +8,6 @@ import textwrap
 import jax
 import numpy as np
 
-from diloco_jax import inner
-from diloco_jax import model as model_lib
-from diloco_jax import optim
-from diloco_jax import config as config_lib
-from diloco_jax import state as state_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

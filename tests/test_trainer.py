@@ -12,9 +12,6 @@ import numpy as np
 import optax
 import pytest
 
-import diloco_jax
-from diloco_jax import config as config_lib
-from diloco_jax import data as data_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optim
 from diloco_jax import trainer
