@@ -73,6 +73,8 @@ class OuterStep:
     self._broadcast = jax.jit(
         functools.partial(state_lib.broadcast_to_replicas, num_replicas=replicas_per_host),
         out_shardings=self.on_mesh)
+    self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
+                           donate_argnums=0)
     self.pending: _Pending | None = None
 
   def init(self, anchor: Params):
@@ -125,6 +127,10 @@ class OuterStep:
         round_=record["round"], what="gather of Δ diagnostics")
     return mean
 
+  def replicated(self, outer_state):
+    """What must be identical on every host after every outer step."""
+    return outer_state
+
   def to_replicas(self, replicas: state_lib.ReplicaState, anchor: Params, times: dict):
     t = time.perf_counter()
     anchor = self.place(anchor)
@@ -135,11 +141,6 @@ class OuterStep:
 
 class SyncOuterStep(OuterStep):
   """ALGORITHMS.md §1: wait for the mean pseudo-gradient of all K replicas, then apply it."""
-
-  def __init__(self, *args, **kw):
-    super().__init__(*args, **kw)
-    self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
-                           donate_argnums=0)
 
   def __call__(self, outer_state, replicas, loss_sum, round_: int):
     """Returns the new outer state, the replicas reset to it, the params to evaluate (on
@@ -159,19 +160,11 @@ class SyncOuterStep(OuterStep):
   def drain(self, outer_state, replicas):
     return outer_state, replicas, self.place(outer_state.anchor)
 
-  def replicated(self, outer_state):
-    return outer_state
-
 
 class DelayedOuterStep(OuterStep):
   """ALGORITHMS.md §2: submit this round's Δ (measured against this round's start s_r) and
   apply the previous round's mean, s_{r+1} = OuterOpt(s_r, Δ̄^(r−1)), without waiting for
   this round's."""
-
-  def __init__(self, *args, **kw):
-    super().__init__(*args, **kw)
-    self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
-                           donate_argnums=0)
 
   def __call__(self, outer_state, replicas, loss_sum, round_: int):
     record = {"round": round_}
@@ -195,9 +188,6 @@ class DelayedOuterStep(OuterStep):
       outer_state = self._update(outer_state, mean)
       replicas, _ = self.to_replicas(replicas, outer_state.anchor, {})
     return outer_state, replicas, self.place(outer_state.anchor)
-
-  def replicated(self, outer_state):
-    return outer_state
 
 
 class EagerOuterStep(OuterStep):
