@@ -64,6 +64,19 @@ class LocalCollective:
     return np.asarray(x)[None]
 
 
+def host_mesh() -> Mesh:
+  """A mesh of one CPU device per host (axis "hosts"): where cross-host sums run and
+  where checkpointed host state lives."""
+  num_hosts = jax.process_count()
+  first_cpu: dict[int, jax.Device] = {}
+  for d in sorted(jax.devices("cpu"), key=lambda d: d.id):
+    first_cpu.setdefault(d.process_index, d)
+  if sorted(first_cpu) != list(range(num_hosts)):
+    raise RuntimeError(f"diloco_jax needs a CPU device on every host; found CPU devices "
+                       f"on hosts {sorted(first_cpu)} of {num_hosts}")
+  return Mesh(np.array([first_cpu[h] for h in range(num_hosts)]), (HOSTS_AXIS,))
+
+
 class HostCollective:
   """Sums and gathers across hosts with XLA collectives on a mesh of one CPU device per host.
 
@@ -75,14 +88,8 @@ class HostCollective:
   def __init__(self):
     self.num_hosts = jax.process_count()
     self.host_index = jax.process_index()
-    first_cpu: dict[int, jax.Device] = {}
-    for d in sorted(jax.devices("cpu"), key=lambda d: d.id):
-      first_cpu.setdefault(d.process_index, d)
-    if sorted(first_cpu) != list(range(self.num_hosts)):
-      raise RuntimeError(f"HostCollective needs a CPU device on every host; found CPU devices "
-                         f"on hosts {sorted(first_cpu)} of {self.num_hosts}")
-    self.device = first_cpu[self.host_index]
-    self.mesh = Mesh(np.array([first_cpu[h] for h in range(self.num_hosts)]), (HOSTS_AXIS,))
+    self.mesh = host_mesh()
+    self.device = self.mesh.devices[self.host_index]
     self._rows = NamedSharding(self.mesh, P(HOSTS_AXIS))  # [hosts, N]: one row per host
     replicated = NamedSharding(self.mesh, P())  # the result: a full copy on every host
     self._sum = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=replicated)

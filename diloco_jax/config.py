@@ -71,7 +71,20 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.lr = 0.7  # Outer SGD learning rate (DiLoCo paper: 0.7).
   c.outer.momentum = 0.9  # Outer momentum (DiLoCo paper: 0.9); 0 is plain SGD.
   c.outer.nesterov = True  # Nesterov momentum (as in the paper).
+  c.outer.max_skipped_rounds = 3  # Rounds in a row with a NaN/Inf Δ before the job stops.
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
+  c.checkpoint.keep = 3  # Newest checkpoints kept in workdir/checkpoints.
+  c.elastic = False  # Experimental: survivors train on when a host dies (README).
   return c
+
+
+# Fields a resumed run may change; every other field must equal the checkpoint's, since it
+# changes the math (a resumed run is bit-identical to one never interrupted).
+RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
+                     "config.checkpoint.every", "config.checkpoint.keep",
+                     "config.outer.max_skipped_rounds", "config.elastic")
 
 
 class ConfigError(ValueError):
@@ -178,5 +191,9 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1) -
   check("config.inner.clip_norm", i.clip_norm >= 0, "must be >= 0 (0 turns clipping off)")
   check("config.outer.lr", o.lr > 0, "must be > 0")
   check("config.outer.momentum", 0 <= o.momentum < 1, "must be in [0, 1)")
+  check("config.outer.max_skipped_rounds", o.max_skipped_rounds >= 1, "must be >= 1")
+  check("config.checkpoint.every", c.checkpoint.every >= 0,
+        "must be >= 0 (0: checkpoints only at preemption and at the end)")
+  check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
   if errors:
     raise ConfigError("\n".join(errors))

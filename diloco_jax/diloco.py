@@ -121,3 +121,25 @@ def eager_drain(outer_optimizer: optax.GradientTransformation, eager: state_lib.
     return optax.apply_updates(params, updates)
 
   return jax.lax.map(lambda a: one(*a), (eager.params, grads_R))
+
+
+def finite_replicas(deltas_R: Params) -> jax.Array:
+  """[R] bool: whether every entry of replica m's Δ_m is finite (no NaN or Inf)."""
+  per_leaf = [jnp.all(jnp.isfinite(d), axis=tuple(range(1, d.ndim)))
+              for d in jax.tree.leaves(deltas_R)]
+  return jnp.all(jnp.stack(per_leaf), axis=0)
+
+
+def drop_replicas(deltas_R: Params, keep_R: jax.Array) -> Params:
+  """Δ_m where keep_R[m], else zeros: a dropped replica contributes nothing."""
+  return jax.tree.map(
+      lambda d: jnp.where(keep_R.reshape((-1,) + (1,) * (d.ndim - 1)), d, jnp.zeros_like(d)),
+      deltas_R)
+
+
+def zero_nonfinite(tree: Any) -> Any:
+  """Every NaN or Inf entry replaced by 0 (an inner optimizer state after a replica
+  diverged: its moments restart from zero where they broke)."""
+  return jax.tree.map(
+      lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+      if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)

@@ -79,13 +79,23 @@ class MetricsWriter:
   """Appends one JSON record per round to workdir/metrics.jsonl and mirrors the scalars
   to TensorBoard event files in workdir/tensorboard, with tokens seen as the x axis."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, resume_before: int | None = None):
+    """`resume_before`: a resumed run keeps the records of earlier rounds (later ones are
+    trained again); None starts the file afresh."""
     self.enabled = enabled
     self.records: list[dict[str, Any]] = []
+    path = os.path.join(workdir, "metrics.jsonl")
+    if resume_before is not None and os.path.exists(path):
+      with open(path) as f:
+        self.records = [r for r in map(json.loads, filter(str.strip, f))
+                        if r["round"] < resume_before]
     if not enabled:
       return
     from tensorboardX import SummaryWriter  # Imported on host 0 only.
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self._jsonl = open(path, "w")
+    for record in self.records:
+      self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, record: Mapping[str, Any]) -> None:

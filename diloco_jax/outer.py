@@ -44,21 +44,30 @@ def _delta_stats(deltas_R: Params, mean: Params) -> jax.Array:
   return jnp.stack([jnp.sqrt(sq), cos, sq - 2 * dot + mean_sq], axis=1)
 
 
+class BadPseudoGradientError(RuntimeError):
+  """Pseudo-gradients with NaN or Inf entries in `outer.max_skipped_rounds` rounds in a row."""
+
+
 class _Pending:
-  """A cross-host sum in flight and the record of the round it belongs to."""
+  """A cross-host sum in flight, what went into it from this host, and the record of the
+  round it belongs to."""
 
   def __init__(self, future: concurrent.futures.Future, record: dict, deltas_R: Params,
-               times: dict):
-    self.future, self.record, self.deltas_R, self.times = future, record, deltas_R, times
+               loss_sum, finite_R: np.ndarray, times: dict):
+    self.future, self.record, self.times = future, record, times
+    self.deltas_R, self.loss_sum, self.finite_R = deltas_R, loss_sum, finite_R
 
 
 class OuterStep:
   """What every mode shares: placement, the timed cross-host sum, the round's record."""
 
   def __init__(self, outer_optimizer: optax.GradientTransformation, *, mesh: Mesh,
-               collective, dispatcher, replicas_per_host: int, steps_done=lambda: 0):
+               collective, dispatcher, replicas_per_host: int, steps_done=lambda: 0,
+               max_skipped_rounds: int = 3):
     self.collective, self.dispatcher = collective, dispatcher
     self.replicas_per_host = replicas_per_host
+    self.max_skipped_rounds = max_skipped_rounds
+    self.skipped_total = self.skipped_in_a_row = 0  # rounds with a NaN/Inf Δ
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
     self.host_device = (getattr(collective, "device", None)
                         or jax.local_devices(backend="cpu")[0])
@@ -70,6 +79,8 @@ class OuterStep:
     self._sum_R = jax.jit(diloco.replica_sum)
     self._mean = jax.jit(lambda total: diloco.divide(total, self.num_replicas))
     self._stats = jax.jit(_delta_stats)
+    self._finite = jax.jit(diloco.finite_replicas)
+    self._zero_nonfinite = jax.jit(diloco.zero_nonfinite)
     self._broadcast = jax.jit(
         functools.partial(state_lib.broadcast_to_replicas, num_replicas=replicas_per_host),
         out_shardings=self.on_mesh)
@@ -94,9 +105,27 @@ class OuterStep:
     times["outer_d2h"] = time.perf_counter() - t
     return local_R
 
-  def submit(self, deltas_R: Params, loss_sum, record: dict, round_: int) -> _Pending:
-    """Queues Σ over hosts of (Σ_local Δ_m, the round's loss sum) on the dispatch thread."""
-    payload = {"delta": self._sum_R(deltas_R), "loss": loss_sum}
+  def pseudo_gradients(self, start: Params, local_R: Params) -> Params:
+    """Δ_m = start − θ_m per replica (`start`: the anchor, or [R, ...] per replica)."""
+    return self._deltas(start, local_R)
+
+  def check_finite(self, deltas_R: Params, replicas: state_lib.ReplicaState):
+    """[R] flags: which local Δ_m are finite. A replica whose Δ is not gets its inner
+    optimizer state repaired (NaN/Inf moments set to 0): otherwise it would diverge again
+    from the anchor in the next round."""
+    finite_R = np.asarray(self._finite(deltas_R))
+    if not finite_R.all():
+      replicas = replicas.replace(opt_state=self._zero_nonfinite(replicas.opt_state))
+    return finite_R, replicas
+
+  def submit(self, deltas_R: Params, loss_sum, finite_R: np.ndarray, record: dict,
+             round_: int) -> _Pending:
+    """Queues Σ over hosts of (Σ_local Δ_m, the round's loss sum, which replicas' Δ were
+    not finite) on the dispatch thread."""
+    host, R = self.collective.host_index, self.replicas_per_host
+    bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
+    bad_K[host * R:(host + 1) * R] = ~np.asarray(finite_R, bool)
+    payload = {"delta": self._sum_R(deltas_R), "loss": loss_sum, "bad": bad_K}
     times: dict = {}
 
     def job():
@@ -110,26 +139,79 @@ class OuterStep:
 
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
-    return _Pending(future, record, deltas_R, times)
+    return _Pending(future, record, deltas_R, loss_sum, finite_R, times)
 
-  def wait(self, pending: _Pending) -> Params:
-    """The mean Δ̄ of `pending`'s round; completes that round's record."""
+  def inflight(self) -> dict | None:
+    """What this host put into the sum still in flight (checkpointed in async modes: the
+    sum is issued again on resume, and arrives with the same bits)."""
+    p = self.pending
+    if p is None:
+      return None
+    return {"deltas": p.deltas_R, "loss": p.loss_sum, "finite": p.finite_R}
+
+  def resume_inflight(self, inflight: dict, record: dict, round_: int) -> None:
+    """Issues again the sum that was in flight when the checkpoint was written."""
+    deltas_R = jax.device_put(inflight["deltas"], self.host)
+    self.pending = self.submit(deltas_R, inflight["loss"], np.asarray(inflight["finite"]),
+                               record, round_)
+
+  def wait(self, pending: _Pending) -> tuple[Params, bool]:
+    """The mean Δ̄ of `pending`'s round and whether to apply it (False when some replica's
+    Δ was not finite: the same answer on every host, which all see the same flags).
+    Completes that round's record."""
     t = time.perf_counter()
     total = pending.future.result()
     wait = time.perf_counter() - t
     mean = self._mean(total["delta"])
     record = pending.record
+    ok = self._count_bad(np.asarray(total["bad"]) > 0, record)
     collective = pending.times["collective_time"]
     record.update(pending.times, outer_wait=wait, loss_sum=float(np.asarray(total["loss"])),
                   overlap=float(np.clip(1 - wait / collective, 0, 1)) if collective else 0.0)
     record["stats"] = self.dispatcher.submit(  # gathered on the dispatch thread, read late
         self.collective.allgather, np.asarray(self._stats(pending.deltas_R, mean)),
         round_=record["round"], what="gather of Δ diagnostics")
-    return mean
+    return mean, ok
+
+  def _count_bad(self, bad_K: np.ndarray, record: dict) -> bool:
+    if not bad_K.any():
+      self.skipped_in_a_row = 0
+      record["skipped_rounds"] = self.skipped_total
+      return True
+    self.skipped_total += 1
+    self.skipped_in_a_row += 1
+    R = self.replicas_per_host
+    where = ", ".join(f"host {g // R} replica {g % R}" for g in np.flatnonzero(bad_K))
+    record.update(skipped=1, skipped_rounds=self.skipped_total, bad_replicas=where)
+    if self.skipped_in_a_row >= self.max_skipped_rounds:
+      raise BadPseudoGradientError(
+          f"round {record['round']}: pseudo-gradients with NaN or Inf entries in "
+          f"{self.skipped_in_a_row} rounds in a row (outer.max_skipped_rounds="
+          f"{self.max_skipped_rounds}); this round from {where}")
+    if self.collective.host_index == 0:
+      print(f"WARNING: round {record['round']}: NaN or Inf in the pseudo-gradient of "
+            f"{where}; outer step skipped on every host ({self.skipped_in_a_row} in a row)",
+            flush=True)
+    return False
 
   def replicated(self, outer_state):
     """What must be identical on every host after every outer step."""
     return outer_state
+
+  # Checkpoints (checkpoint.py): the outer state split into what every host holds
+  # identically and what is this host's own, and joined again on resume.
+  sends_late = False  # True where a round's sum is still in flight after the round.
+
+  def split(self, outer_state) -> tuple[Any, Any]:
+    return outer_state, None
+
+  def join(self, shared, own):
+    return jax.device_put(shared, self.host)
+
+  def inflight_like(self, params_R: Params) -> dict:
+    """The structure of `inflight()`, for restoring it."""
+    return {"deltas": params_R, "loss": np.zeros((), np.float32),
+            "finite": np.ones(self.replicas_per_host, bool)}
 
   def to_replicas(self, replicas: state_lib.ReplicaState, anchor: Params, times: dict):
     t = time.perf_counter()
@@ -148,11 +230,13 @@ class SyncOuterStep(OuterStep):
     record = {"round": round_}
     local_R = self.to_host(replicas.params, record)
     t = time.perf_counter()
-    deltas_R = self._deltas(outer_state.anchor, local_R)
-    mean = self.wait(self.submit(deltas_R, loss_sum, record, round_))
+    deltas_R = self.pseudo_gradients(outer_state.anchor, local_R)
+    finite_R, replicas = self.check_finite(deltas_R, replicas)
+    mean, ok = self.wait(self.submit(deltas_R, loss_sum, finite_R, record, round_))
     record["outer_mean"] = time.perf_counter() - t
     t = time.perf_counter()
-    outer_state = jax.block_until_ready(self._update(outer_state, mean))
+    if ok:
+      outer_state = jax.block_until_ready(self._update(outer_state, mean))
     record["outer_update"] = time.perf_counter() - t
     replicas, anchor = self.to_replicas(replicas, outer_state.anchor, record)
     return outer_state, replicas, anchor, record
@@ -166,16 +250,20 @@ class DelayedOuterStep(OuterStep):
   apply the previous round's mean, s_{r+1} = OuterOpt(s_r, Δ̄^(r−1)), without waiting for
   this round's."""
 
+  sends_late = True
+
   def __call__(self, outer_state, replicas, loss_sum, round_: int):
     record = {"round": round_}
     local_R = self.to_host(replicas.params, record)
     t = time.perf_counter()
-    deltas_R = self._deltas(outer_state.anchor, local_R)  # against s_r, before the update
+    deltas_R = self.pseudo_gradients(outer_state.anchor, local_R)  # against s_r
+    finite_R, replicas = self.check_finite(deltas_R, replicas)
     previous, self.pending = self.pending, None
     if previous is not None:
-      mean = self.wait(previous)
-      outer_state = jax.block_until_ready(self._update(outer_state, mean))
-    self.pending = self.submit(deltas_R, loss_sum, record, round_)
+      mean, ok = self.wait(previous)
+      if ok:
+        outer_state = jax.block_until_ready(self._update(outer_state, mean))
+    self.pending = self.submit(deltas_R, loss_sum, finite_R, record, round_)
     record["outer_update"] = time.perf_counter() - t
     replicas, anchor = self.to_replicas(replicas, outer_state.anchor, record)
     return outer_state, replicas, anchor, record
@@ -183,10 +271,11 @@ class DelayedOuterStep(OuterStep):
   def drain(self, outer_state, replicas):
     """Applies the mean still in flight after the last round."""
     if self.pending is not None:
-      mean = self.wait(self.pending)
+      mean, ok = self.wait(self.pending)
       self.pending = None
-      outer_state = self._update(outer_state, mean)
-      replicas, _ = self.to_replicas(replicas, outer_state.anchor, {})
+      if ok:
+        outer_state = self._update(outer_state, mean)
+        replicas, _ = self.to_replicas(replicas, outer_state.anchor, {})
     return outer_state, replicas, self.place(outer_state.anchor)
 
 
@@ -195,6 +284,8 @@ class EagerOuterStep(OuterStep):
   others, Δ̄^(r−1) − Δ_m^(r−1)/K, from its own θ_m with its own momentum; this round's Δ
   goes out on the dispatch thread and is used next round."""
 
+  sends_late = True
+
   def __init__(self, *args, **kw):
     super().__init__(*args, **kw)
     self._update = jax.jit(functools.partial(diloco.eager_update, self.optimizer,
@@ -202,8 +293,9 @@ class EagerOuterStep(OuterStep):
                            donate_argnums=0)
     self._drain = jax.jit(functools.partial(diloco.eager_drain, self.optimizer,
                                             num_replicas=self.num_replicas))
-    self._deltas_R = jax.jit(lambda start_R, local_R: jax.tree.map(jnp.subtract, start_R,
-                                                                    local_R))
+    self._deltas = jax.jit(lambda start_R, local_R: jax.tree.map(jnp.subtract, start_R,
+                                                                  local_R))
+    self._drop = jax.jit(diloco.drop_replicas)
     self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
   def init(self, anchor: Params):
@@ -214,13 +306,20 @@ class EagerOuterStep(OuterStep):
     record = {"round": round_}
     local_R = self.to_host(replicas.params, record)
     t = time.perf_counter()
-    deltas_R = self._deltas_R(eager.params, local_R)  # each from its own θ_m
+    deltas_R = self.pseudo_gradients(eager.params, local_R)  # each from its own θ_m
+    finite_R, replicas = self.check_finite(deltas_R, replicas)
+    if not finite_R.all():  # a broken replica applies nothing of its own this round
+      deltas_R = self._drop(deltas_R, finite_R)
     previous, self.pending = self.pending, None
     # Round 1 has no delayed mean: Δ̄⁽⁰⁾ = 0 (a fresh buffer: `eager` is donated). Waiting
     # before submitting costs no overlap (the dispatch thread runs jobs in order anyway)
     # and keeps the small diagnostics job of round r−1 ahead of round r's sum.
-    prev_mean = self.wait(previous) if previous is not None else self._zeros(eager.prev_mean)
-    self.pending = self.submit(deltas_R, loss_sum, record, round_)
+    prev_mean, ok = (self.wait(previous) if previous is not None
+                     else (self._zeros(eager.prev_mean), True))
+    if not ok:  # skipped on every host: the delayed term Δ̄ − Δ_m/K of that round is 0
+      prev_mean = self._zeros(eager.prev_mean)
+      eager = eager.replace(prev_deltas=self._zeros(eager.prev_deltas))
+    self.pending = self.submit(deltas_R, loss_sum, finite_R, record, round_)
     eager = jax.block_until_ready(self._update(eager, deltas_R, prev_mean))
     record["outer_update"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -234,9 +333,10 @@ class EagerOuterStep(OuterStep):
     """The last mean arrives: every replica swaps its proxy for it (`diloco.eager_drain`),
     then the final params are the mean over all K replicas (one more cross-host sum)."""
     if self.pending is not None:
-      last_mean = self.wait(self.pending)
+      last_mean, ok = self.wait(self.pending)
       self.pending = None
-      eager = eager.replace(params=self._drain(eager, last_mean), prev_mean=last_mean)
+      if ok:
+        eager = eager.replace(params=self._drain(eager, last_mean), prev_mean=last_mean)
     total = self.dispatcher.run(self.collective.sum, self._sum_R(eager.params),
                                 what="cross-host mean of the final params")
     final = self.place(self._mean(total))
@@ -245,3 +345,13 @@ class EagerOuterStep(OuterStep):
   def replicated(self, eager):
     """What must be identical on every host: the delayed mean and the step count."""
     return (eager.prev_mean, eager.step)
+
+  def split(self, eager):
+    return ({"prev_mean": eager.prev_mean, "step": eager.step},
+            {"params": eager.params, "opt_state": eager.opt_state,
+             "prev_deltas": eager.prev_deltas})
+
+  def join(self, shared, own):
+    return jax.device_put(state_lib.EagerState(
+        params=own["params"], opt_state=own["opt_state"], prev_deltas=own["prev_deltas"],
+        prev_mean=shared["prev_mean"], step=shared["step"]), self.host)

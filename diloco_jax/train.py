@@ -10,11 +10,14 @@ import traceback
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from diloco_jax import config as config_lib
+from diloco_jax import checkpoint
 from diloco_jax import dispatch
 from diloco_jax import distributed
+from diloco_jax import outer
 from diloco_jax import trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -39,6 +42,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
+    logging.set_verbosity(logging.WARNING)
   cluster = distributed.Cluster(
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
@@ -52,6 +57,10 @@ def main(argv):
     sys.exit(f"Invalid config:\n{e}")
   except distributed.StartupError as e:
     sys.exit(f"Start-up failed: {e}")
+  except checkpoint.CheckpointError as e:
+    sys.exit(f"Checkpoint error: {e}")
+  except outer.BadPseudoGradientError as e:
+    sys.exit(f"Stopped: {e}")
   except dispatch.CollectiveError as e:
     # A peer is gone: exit now rather than wait at JAX's shutdown barrier for a host that
     # will never arrive (which would end in an abort at the heartbeat timeout).

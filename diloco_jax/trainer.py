@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import threading
 import time
 from typing import Any, NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
+import diloco_jax
+from diloco_jax import checkpoint as checkpoint_lib
 from diloco_jax import collective as collective_lib
 from diloco_jax import config as config_lib
 from diloco_jax import data as data_lib
@@ -35,12 +40,14 @@ class TrainResult(NamedTuple):
   replicas; ddp: its one set), on the local devices; outer_state, the final outer state
   (OuterState, or EagerState, on the host); replicas, this host's final ReplicaState;
   records, one metrics dict per round; traces, how often each jitted inner program was
-  traced."""
+  traced; preempted_at, the round after which a preemption stopped the run (None: it ran
+  to the end)."""
   params: Any
   outer_state: Any
   replicas: state_lib.ReplicaState
   records: list[dict[str, Any]]
   traces: dict[str, int]
+  preempted_at: int | None = None
 
 
 OUTER_STEPS = {"sync": outer_lib.SyncOuterStep, "delayed": outer_lib.DelayedOuterStep,
@@ -60,7 +67,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                dispatcher: dispatch.Dispatcher):
     config_lib.validate(config, num_local_devices=jax.local_device_count())
-    os.makedirs(workdir, exist_ok=True)
+    checkpoint_lib.check_writable(workdir)
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self.is_host0 = self.host == 0
@@ -86,7 +93,7 @@ class Trainer:
     self.outer_step = OUTER_STEPS.get(config.mode, outer_lib.SyncOuterStep)(
         optim.outer_optimizer(config.outer), mesh=self.mesh, collective=self.collective,
         dispatcher=dispatcher, replicas_per_host=self.replicas_per_host,
-        steps_done=self._steps_done)
+        steps_done=self._steps_done, max_skipped_rounds=config.outer.max_skipped_rounds)
     with jax.default_device(self.outer_step.host_device):
       anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
     self.num_params = model_lib.count_params(anchor)
@@ -111,6 +118,13 @@ class Trainer:
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
     self.bar: metrics_lib.ProgressBar | None = None
     self.eval_params = None
+    self.finished_before = False  # resumed from the checkpoint of a finished run
+    self.checkpointer = checkpoint_lib.Checkpointer(
+        workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
+        collective=self.collective)
+    self._sigterm = threading.Event()  # one host: SIGTERM asks for a checkpoint and exit
+    if self.num_hosts == 1 and threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
 
   def run_round(self, r: int) -> dict[str, Any]:
     """Round r: H inner steps of every local replica, then the outer step. Returns the
@@ -141,14 +155,17 @@ class Trainer:
     """Inner steps finished on the devices so far (read from the dispatch thread)."""
     return self._done_before + sum(loss.is_ready() for loss in list(self._round_losses))
 
-  def finish_run(self, last: dict[str, Any]) -> None:
-    """After the last round: apply what is still in flight, then the final eval."""
+  def finish_run(self, last: dict[str, Any] | None) -> None:
+    """After the last round: apply what is still in flight, then the final eval (into
+    the last round's record; None when it was logged before a resume)."""
     if not self.ddp:
       self.outer_state, self.replicas, self.eval_params = self.outer_step.drain(
           self.outer_state, self.replicas)
+    self.final_eval = None
     if self.is_host0:
-      last["eval_loss"] = self.eval_step(self.eval_params, self.eval_batches)
-      last["floor"] = self.spec.floor
+      self.final_eval = self.eval_step(self.eval_params, self.eval_batches)
+      if last is not None:
+        last["eval_loss"], last["floor"] = self.final_eval, self.spec.floor
 
   def _host_sum(self, x: jax.Array, r: int) -> float:
     if self.num_hosts == 1:
@@ -167,6 +184,102 @@ class Trainer:
       raise AnchorMismatchError(f"round {r}: the outer state differs between hosts ({hashes})")
     return digest[:16]
 
+  def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
+    """Everything needed to continue after round r (after its outer step); `finished`:
+    after the last round, with what was in flight applied (the final model)."""
+    shared, own_outer = self.outer_step.split(self.outer_state)
+    own = {"replicas": self.replicas,
+           "data": checkpoint_lib.encode_json(self.data.get_state())}
+    if own_outer is not None:
+      own["outer"] = own_outer
+    inflight = self.outer_step.inflight()
+    if inflight is not None:
+      own["inflight"] = inflight
+    meta = {"round": r, "finished": finished, "inflight": inflight is not None,
+            "mode": self.config.mode, "num_hosts": self.num_hosts,
+            "replicas_per_host": self.replicas_per_host,
+            "skipped_total": self.outer_step.skipped_total,
+            "skipped_in_a_row": self.outer_step.skipped_in_a_row,
+            "config": self.config.to_dict(), "diloco_jax": diloco_jax.__version__,
+            "jax": jax.__version__, "saved_at": time.time()}
+    return checkpoint_lib.Snapshot(r, shared, own, meta)
+
+  def _check_checkpoint(self, meta: dict) -> None:
+    """Refuses a checkpoint that does not belong to this run's world and math."""
+    where = f"checkpoint {meta['round']} in {self.checkpointer.directory}"
+    saved = (meta["num_hosts"], meta["replicas_per_host"])
+    if saved != (self.num_hosts, self.replicas_per_host):
+      raise checkpoint_lib.CheckpointError(
+          f"{where} was written by {saved[0]} host(s) x {saved[1]} replica(s); this run has "
+          f"{self.num_hosts} x {self.replicas_per_host}. A run resumes only in the world "
+          f"that wrote it (each replica's inner state, data iterator and in-flight "
+          f"pseudo-gradient belong to one host and replica): restart with "
+          f"{saved[0]} host(s) and --config.replicas_per_host={saved[1]}, or use a new "
+          f"--workdir")
+    before = config_lib.flatten(ml_collections.ConfigDict(meta["config"]))
+    now = config_lib.flatten(self.config)
+    changed = sorted(k for k in before.keys() | now.keys()
+                     if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
+    if changed:
+      lines = "\n".join(f"  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}"
+                        for k in changed)
+      raise checkpoint_lib.CheckpointError(
+          f"the config differs from {where} in fields that change the math:\n{lines}\n"
+          f"Run with the checkpoint's values to resume, or use a new --workdir. Fields a "
+          f"resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
+
+  def resume(self) -> tuple[int, dict | None]:
+    """Restores the newest readable checkpoint. Returns the last round it holds (0: none)
+    and, in async modes, that round's record, whose sum is issued again."""
+    def like(meta):
+      snap = self.snapshot(0)
+      if meta["inflight"]:
+        snap.own["inflight"] = self.outer_step.inflight_like(
+            jax.device_get(self.replicas.params))
+      return snap
+
+    snap = self.checkpointer.restore(like, self._check_checkpoint)
+    if snap is None:
+      return 0, None
+    self.finished_before = snap.meta["finished"]
+    r, own = snap.round, snap.own
+    self.outer_state = self.outer_step.join(snap.shared, own.get("outer"))
+    self.replicas = jax.device_put(own["replicas"], self.train_step.state_sharding)
+    self.data.set_state(checkpoint_lib.decode_json(own["data"]))
+    self.outer_step.skipped_total = snap.meta["skipped_total"]
+    self.outer_step.skipped_in_a_row = snap.meta["skipped_in_a_row"]
+    self._done_before = r * self.h
+    if self.ddp or self.config.mode == "eager":
+      self.eval_params = jax.tree.map(lambda x: x[0], self.replicas.params)
+    else:
+      self.eval_params = self.outer_step.place(self.outer_state.anchor)
+    if self.is_host0:
+      print(f"resumed from checkpoint {r} ({self.checkpointer.directory}/{r}): outer "
+            f"state, {self.num_replicas} replicas' inner state and data iterators"
+            + (", the pseudo-gradients in flight" if "inflight" in own else "")
+            + ("; the run had finished" if self.finished_before
+               else f"; continuing at round {r + 1} of {self.num_rounds}"), flush=True)
+    if "inflight" not in own:
+      return r, None
+    record = {"round": r, "inner_step": r * self.h, "tokens": r * self.h * self.tokens_per_step,
+              "resumed": True, "round_time": 0.0, "tokens_per_sec": 0.0, "elapsed": 0.0,
+              "eta": 0.0}
+    if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
+      record.update(eval_loss=self.eval_step(self.eval_params, self.eval_batches),
+                    floor=self.spec.floor)
+    self.outer_step.resume_inflight(own["inflight"], record, r)
+    return r, record
+
+  def preempted(self, r: int) -> bool:
+    """Whether any host got a preemption notice (SIGTERM); every host answers the same
+    for the same round (JAX's preemption sync point, through the coordination service)."""
+    if self.num_hosts == 1:
+      return self._sigterm.is_set()
+    try:
+      return multihost_utils.reached_preemption_sync_point(r)
+    except RuntimeError:  # the preemption service is off
+      return False
+
   def print_startup(self) -> None:
     devices = [str(d) for d in self.mesh.devices.flat]
     print(f"host {self.host}/{self.num_hosts}: {len(devices)} local device(s) {devices}, "
@@ -181,31 +294,19 @@ class Trainer:
 
   def run(self) -> TrainResult:
     self.print_startup()
-    writer = metrics_lib.MetricsWriter(self.workdir, enabled=self.is_host0)
+    done, pending = self.resume()  # pending: the last record, still holding device values
+    self.writer = metrics_lib.MetricsWriter(
+        self.workdir, enabled=self.is_host0,
+        resume_before=(done if pending is not None else done + 1) if done else None)
     self.bar = metrics_lib.ProgressBar(self.total_steps, enabled=self.is_host0)
     round_times: list[float] = []
-    pending = None  # The previous round's record, still holding device values.
-
-    def finish(record):
-      """Completes a round's record (its values have arrived by now) and logs it."""
-      record["train_loss"] = float(record.pop("loss_sum")) / (self.num_replicas * self.h)
-      if "eval_loss" in record:
-        record["eval_loss"] = float(record["eval_loss"])
-      record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
-      if "stats" in record:  # [hosts, R, 3] -> per replica, in replica order
-        stats = record.pop("stats").result().reshape(self.num_replicas, 3)
-        record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
-                      param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
-      self.bar.clear()
-      if self.is_host0:
-        print(metrics_lib.round_line(record, self.num_rounds, self.total_steps), flush=True)
-      writer.write(record)
+    every, preempted_at = self.config.checkpoint.every, None
 
     t_round = time.perf_counter()
-    for r in range(1, self.num_rounds + 1):
+    for r in range(done + 1, self.num_rounds + 1):
       record = self.run_round(r)
       if pending is not None:
-        finish(pending)  # Round r-1's values: read after round r's work was dispatched.
+        self._log(pending)  # Round r-1's values: read after round r's work was dispatched.
       now = time.perf_counter()
       round_times.append(now - t_round)
       t_round = now
@@ -216,16 +317,62 @@ class Trainer:
                     elapsed=float(np.sum(round_times)),
                     eta=float(typical * (self.num_rounds - r)))
       pending = record
-    self.finish_run(pending)
-    finish(pending)
-    writer.close()
+      preempted = self.preempted(r)
+      if r < self.num_rounds and (preempted or (every and r % every == 0)):
+        pending = self._save(r, pending)
+      if preempted and r < self.num_rounds:
+        preempted_at = r
+        break
+      t_round = time.perf_counter()  # the save's blocking part is in the next round
+
+    if self.finished_before:
+      self.final_eval = (self.eval_step(self.eval_params, self.eval_batches)
+                         if self.is_host0 else None)
+    elif preempted_at is None:
+      self.finish_run(pending)
+      self.checkpointer.save(self.snapshot(self.num_rounds, finished=True))
+    if pending is not None and preempted_at is None:  # else logged after the resume
+      self._log(pending)
+    self.checkpointer.wait()
+    self.checkpointer.close()
+    self.writer.close()
+    if preempted_at is not None:
+      if self.is_host0:
+        print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
+              f"{self.checkpointer.directory}; run the same command to continue", flush=True)
+    elif self.is_host0:
+      self._report(self.writer.records, float(np.sum(round_times)))
+    return TrainResult(self.eval_params, self.outer_state, self.replicas, self.writer.records,
+                       {"inner_step": self.train_step.traces, "eval_step": self.eval_step.traces},
+                       preempted_at)
+
+  def _save(self, r: int, record: dict) -> dict | None:
+    """Starts a checkpoint of round r. Returns the round's record if it is still waiting
+    for its sum (async modes: logged when it arrives, and again after a resume), else
+    logs it now so that the metrics file and the checkpoint agree."""
+    record["checkpoint_blocking"] = self.checkpointer.save(self.snapshot(r))
+    if self.outer_step.pending is not None:
+      return record
+    self._log(record)
+    return None
+
+  def _log(self, record: dict) -> None:
+    """Completes a round's record (its values have arrived by now) and logs it."""
+    record["train_loss"] = float(record.pop("loss_sum")) / (self.num_replicas * self.h)
+    if "eval_loss" in record:
+      record["eval_loss"] = float(record["eval_loss"])
+    record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
+    if "stats" in record:  # [hosts, R, 3] -> per replica, in replica order
+      stats = record.pop("stats").result().reshape(self.num_replicas, 3)
+      record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
+                    param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
+    self.bar.clear()
     if self.is_host0:
-      self._report(writer.records, float(np.sum(round_times)))
-    return TrainResult(self.eval_params, self.outer_state, self.replicas, writer.records,
-                       {"inner_step": self.train_step.traces, "eval_step": self.eval_step.traces})
+      print(metrics_lib.round_line(record, self.num_rounds, self.total_steps), flush=True)
+    self.writer.write(record)
 
   def _report(self, records, elapsed: float) -> None:
-    spec, final_eval = self.spec, records[-1]["eval_loss"]
+    spec, final_eval = self.spec, float(self.final_eval)
     floor = f"{spec.floor:.4f}" if spec.floor is not None else "unknown"
     print(f"final eval loss {final_eval:.4f} | loss floor {floor} | best unigram loss "
           f"{spec.unigram_loss:.4f} | {self.num_rounds} rounds in "

@@ -5,9 +5,11 @@
 Everything after `--` goes to `python -m diloco_jax.train` on every host, followed by
 --coordinator_address (a free port on 127.0.0.1), --num_hosts and --host_id. Each output
 line is prefixed with its host id. Hosts share fate: if one exits non-zero or is killed,
-the others are killed at once and the launcher exits non-zero with that host's code.
-SIGTERM to the launcher is passed to every host (the trainer's preemption signal);
-SIGINT kills them. Hosts die with the launcher even if it is SIGKILLed.
+the others are killed at once and the launcher exits non-zero with that host's code,
+or, with --max_restarts=N, starts every host again (up to N times): the trainer resumes
+from the newest checkpoint in --workdir. SIGTERM to the launcher is passed to every host
+(the trainer's preemption signal: checkpoint, exit 0; no restart follows); SIGINT kills
+them. Hosts die with the launcher even if it is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -116,16 +118,36 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--hosts", type=int, required=True, help="host processes to start")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+  parser.add_argument("--max_restarts", type=int, default=0,
+                      help="after a host fails, start all hosts again up to this many times")
   args = parser.parse_args(own)
   if args.hosts < 1:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
-  hosts = Hosts(args.hosts, train_args, args.port or free_port())
-  signal.signal(signal.SIGTERM, lambda *_: hosts.signal_all(signal.SIGTERM))
-  try:
-    return hosts.wait()
-  except KeyboardInterrupt:
-    hosts.kill_all()
-    return 130
+  if args.max_restarts < 0:
+    parser.error(f"--max_restarts={args.max_restarts}: must be >= 0")
+  current: list[Hosts] = []
+  terminated = threading.Event()
+
+  def on_sigterm(*_):
+    terminated.set()
+    if current:
+      current[-1].signal_all(signal.SIGTERM)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+  for attempt in range(args.max_restarts + 1):
+    if attempt:
+      print(f"[launcher] restart {attempt}/{args.max_restarts}: starting all {args.hosts} "
+            f"hosts again; they resume from the newest checkpoint", flush=True)
+    # A fresh port each time: the old coordinator's may still be held by the kernel.
+    current.append(Hosts(args.hosts, train_args, args.port or free_port()))
+    try:
+      code = current[-1].wait()
+    except KeyboardInterrupt:
+      current[-1].kill_all()
+      return 130
+    if code == 0 or terminated.is_set():
+      return code
+  return code
 
 
 if __name__ == "__main__":

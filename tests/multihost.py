@@ -104,3 +104,26 @@ def simulate_trainer(config):
       model_lib.make_loss_fn(cfg), model_lib.init_params(cfg, jax.random.key(config.seed)),
       jnp.asarray(batches), inner_optimizer=optim.inner_optimizer(config.inner, total),
       outer_optimizer=optim.outer_optimizer(config.outer), mode=config.mode)
+
+
+def children(pid: int) -> list[int]:
+  """PIDs of the live processes whose parent is `pid`."""
+  kids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as f:
+          fields = f.read().rsplit(")", 1)[1].split()
+      except OSError:
+        continue
+      if int(fields[1]) == pid:  # fields: state, ppid, ...
+        kids.append(int(entry))
+  return kids
+
+
+def alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False

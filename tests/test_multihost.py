@@ -47,7 +47,7 @@ def test_two_hosts_equal_one_host(tmp_path, mode):
 
 def train_cmd(tmp_path, host, num_hosts, port, *extra):
   return [sys.executable, "-m", "diloco_jax.train", "--config=configs/tiny.py",
-          f"--workdir={tmp_path}/host{host}", f"--coordinator_address=127.0.0.1:{port}",
+          f"--workdir={tmp_path}/work", f"--coordinator_address=127.0.0.1:{port}",
           f"--num_hosts={num_hosts}", f"--host_id={host}", *extra]
 
 
@@ -75,28 +75,6 @@ def test_different_configs_stop_every_host(tmp_path):
     assert "config.outer.lr: host 0=0.7, host 1=0.5" in text, text[-3000:]
 
 
-def _children(pid):
-  kids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/stat") as f:
-          fields = f.read().rsplit(")", 1)[1].split()
-      except OSError:
-        continue
-      if int(fields[1]) == pid:  # fields: state, ppid, ...
-        kids.append(int(entry))
-  return kids
-
-
-def _alive(pid):
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
 def test_killed_host_stops_the_launcher(tmp_path):
   """SIGKILL of host 1 mid-run: the launcher kills host 0 and exits non-zero at once."""
   launcher = multihost.start([sys.executable, "launch/local.py", "--hosts=2", "--",
@@ -109,7 +87,7 @@ def test_killed_host_stops_the_launcher(tmp_path):
       break
   else:
     raise AssertionError("".join(lines[-50:]))
-  hosts = _children(launcher.pid)
+  hosts = multihost.children(launcher.pid)
   assert len(hosts) == 2, hosts
   victim = next(p for p in hosts if "--host_id=1" in open(f"/proc/{p}/cmdline").read()
                 .replace("\0", " "))
@@ -120,7 +98,7 @@ def test_killed_host_stops_the_launcher(tmp_path):
   assert launcher.returncode != 0
   assert "host 1 killed by signal 9" in rest
   time.sleep(0.5)
-  assert not [p for p in hosts if _alive(p)], "orphaned host processes"
+  assert not [p for p in hosts if multihost.alive(p)], "orphaned host processes"
 
 
 def test_slurm_environment_is_detected(tmp_path):

@@ -1,0 +1,246 @@
+"""Checkpoints at round boundaries: orbax, written in the background, restored on start.
+
+A checkpoint is one orbax step directory, workdir/checkpoints/<round>, with three items:
+
+  shared  what every host holds bit for bit (the outer state): fully replicated global
+          arrays, read by every host on restore.
+  hosts   what each host holds for itself (its replicas' params and inner optimizer
+          state, its data iterators, in async modes the pseudo-gradients still in flight):
+          global arrays with a leading hosts axis, each host writing and reading its row.
+          (Orbax cannot write host-local arrays in a multi-host job; FACTS.md.)
+  meta    JSON: the round, the config, the world (hosts × replicas), versions.
+
+Saving costs the main thread one copy of the state into host memory; the dispatch thread
+hands that copy to orbax, which writes it in the background while training goes on. All
+orbax calls run on the dispatch thread (DESIGN.md rule 1), and orbax's barriers go through
+the coordination service rather than gloo collectives, so they never interleave with a
+cross-host sum.
+
+Restoring tries the newest checkpoint first. Every host reads its part, and the hosts
+agree (an all-gather of ok flags) before anyone uses it; a checkpoint that any host cannot
+read is moved to workdir/checkpoints_unreadable/ with a warning naming it, and the one
+before is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax import collective as collective_lib
+
+CHECKPOINTS = "checkpoints"
+UNREADABLE = "checkpoints_unreadable"
+JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint cannot be written or used; the message says which and why."""
+
+
+@dataclasses.dataclass
+class Snapshot:
+  """Everything needed to continue after round `round` (DESIGN.md rule 5).
+
+  Attributes:
+    round: the last round whose outer step is in `shared`.
+    shared: pytree identical on every host (written once).
+    own: pytree of this host's state (one row per host on disk).
+    meta: JSON-serializable description (round, config, world, versions).
+  """
+  round: int
+  shared: Any
+  own: Any
+  meta: dict[str, Any]
+
+
+def encode_json(items: list[Any]) -> np.ndarray:
+  """[len(items), JSON_BYTES] uint8: each item as JSON, zero-padded (a fixed shape, so
+  the same array layout on every host)."""
+  out = np.zeros((len(items), JSON_BYTES), np.uint8)
+  for i, item in enumerate(items):
+    raw = json.dumps(item).encode()
+    if len(raw) > JSON_BYTES:
+      raise CheckpointError(f"a data iterator's state is {len(raw)} bytes of JSON, more "
+                            f"than the {JSON_BYTES} bytes reserved for it")
+    out[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+  return out
+
+
+def decode_json(rows: np.ndarray) -> list[Any]:
+  return [json.loads(bytes(row).rstrip(b"\0")) for row in np.asarray(rows)]
+
+
+def check_writable(workdir: str) -> None:
+  """Fails at start, not at the first checkpoint, when `workdir` cannot be written."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_test_{uuid.uuid4().hex}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise CheckpointError(f"--workdir={workdir} is not a writable directory: {e}") from e
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+  """(fn(), None), or (None, the exception)."""
+  try:
+    return fn(), None
+  except Exception as e:  # noqa: BLE001 -- any read failure: the caller tries the one before
+    return None, e
+
+
+def _copy(tree: Any) -> Any:
+  """A private host-memory copy: the live arrays are donated by the next step."""
+  return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+class Checkpointer:
+  """Saves and restores `Snapshot`s under workdir/checkpoints, keeping the newest `keep`.
+
+  Orbax deletes an old checkpoint only after a newer one is complete, so a crash during a
+  save never leaves the run without a good one.
+  """
+
+  def __init__(self, workdir: str, *, keep: int, dispatcher, collective):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, CHECKPOINTS)
+    self.dispatcher, self.collective = dispatcher, collective
+    self.num_hosts, self.host = jax.process_count(), jax.process_index()
+    self.mesh = collective_lib.host_mesh()
+    self.device = self.mesh.devices.flat[self.host]
+    self._replicated = NamedSharding(self.mesh, P())
+    self._rows = NamedSharding(self.mesh, P(collective_lib.HOSTS_AXIS))
+    # An explicit set of processes makes orbax use coordination-service barriers, not
+    # collective ones that could interleave with a sum on the dispatch thread.
+    processes = set(range(self.num_hosts)) if self.num_hosts > 1 else None
+    os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=False, enable_async_checkpointing=True,
+        cleanup_tmp_directories=True,  # a save cut short by a crash
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            active_processes=processes))
+    self.manager = dispatcher.run(lambda: ocp.CheckpointManager(self.directory,
+                                                                options=options),
+                                  what="opening the checkpoint directory")
+
+  # Global arrays over the host mesh, built from (and read back into) host memory.
+  def _to_replicated(self, tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        x.shape, self._replicated, [jax.device_put(x, self.device)]), tree)
+
+  def _to_rows(self, tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        (self.num_hosts, *x.shape), self._rows, [jax.device_put(x[None], self.device)]),
+        tree)
+
+  def _abstract(self, tree: Any, rows: bool) -> Any:
+    lead = (self.num_hosts,) if rows else ()
+    sharding = self._rows if rows else self._replicated
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *np.shape(x)), x.dtype,
+                                                       sharding=sharding), tree)
+
+  def save(self, snapshot: Snapshot) -> float:
+    """Starts writing `snapshot`; returns the seconds the caller was blocked (the copy)."""
+    t = time.perf_counter()
+    shared, own = _copy(snapshot.shared), _copy(snapshot.own)
+    blocked = time.perf_counter() - t
+
+    def job():
+      self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
+          shared=ocp.args.StandardSave(self._to_replicated(shared)),
+          hosts=ocp.args.StandardSave(self._to_rows(own)),
+          meta=ocp.args.JsonSave(snapshot.meta)))
+
+    self.dispatcher.submit(job, round_=snapshot.round, what="checkpoint save")
+    return blocked
+
+  def wait(self) -> None:
+    """Until every started save is complete on disk."""
+    self.dispatcher.run(self.manager.wait_until_finished, what="checkpoint save (finish)")
+
+  def close(self) -> None:
+    self.dispatcher.run(self.manager.close, what="closing the checkpoint manager")
+
+  def steps(self) -> list[int]:
+    """Complete checkpoints, newest first; the same list on every host or an error."""
+    steps = sorted(self.dispatcher.run(lambda: (self.manager.reload(),
+                                                self.manager.all_steps())[1]), reverse=True)
+    newest = np.array([steps[0] if steps else -1, len(steps)], np.int64)
+    seen = self.dispatcher.run(self.collective.allgather, newest,
+                               what="agreeing on the checkpoints")
+    if not (seen == newest).all():
+      raise CheckpointError(
+          f"hosts see different checkpoints in {self.directory} (newest, count per host: "
+          f"{seen.tolist()}): the workdir must be one directory shared by every host")
+    return steps
+
+  def restore(self, like: Callable[[dict], Snapshot],
+              check_meta: Callable[[dict], None]) -> Snapshot | None:
+    """The newest checkpoint every host can read, or None if there is none.
+
+    `like(meta)` gives the structure, shapes and dtypes; `check_meta(meta)` raises a
+    CheckpointError if the checkpoint does not fit this run (not a read failure: it stops
+    the run rather than falling back to an older checkpoint)."""
+    tried = []
+    for step in self.steps():
+      # A read failure is caught on the dispatch thread: it must not count as a failed
+      # collective (after which the dispatcher refuses every job).
+      meta, error = self.dispatcher.run(_attempt, lambda: self.manager.restore(  # noqa: B023
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+      snapshot = None
+      if error is None:
+        check_meta(meta)
+        want = like(meta)
+        restored, error = self.dispatcher.run(_attempt, lambda: self.manager.restore(  # noqa: B023
+            step, args=ocp.args.Composite(
+                shared=ocp.args.StandardRestore(self._abstract(want.shared, rows=False)),
+                hosts=ocp.args.StandardRestore(self._abstract(want.own, rows=True)))))
+        if error is None:
+          shared = jax.tree.map(lambda g: np.asarray(g.addressable_data(0)), restored.shared)
+          own = jax.tree.map(lambda g: np.asarray(g.addressable_data(0))[0], restored.hosts)
+          snapshot = Snapshot(step, shared, own, meta)
+      ok = error is None
+      flags = self.dispatcher.run(self.collective.allgather, np.array([ok], np.int32),
+                                  what="agreeing on a readable checkpoint")[:, 0]
+      if flags.all():
+        return snapshot
+      bad_hosts = [h for h, f in enumerate(flags) if not f]
+      if error is not None:
+        sys.stderr.write(f"host {self.host}: cannot read checkpoint {step}: "
+                         f"{type(error).__name__}: {str(error)[:500]}\n")
+      self._set_aside(step, bad_hosts)
+      tried.append(step)
+    if tried:
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} could be read (tried rounds "
+          f"{', '.join(map(str, tried))}; they are now in {UNREADABLE}/). Nothing was "
+          f"deleted; to start from scratch, use another --workdir")
+    return None
+
+  def _set_aside(self, step: int, bad_hosts: list[int]) -> None:
+    """Moves an unreadable checkpoint out of orbax's way (kept for inspection), on every
+    host's view, with a warning naming it."""
+    if self.host == 0:
+      target = os.path.join(self.workdir, UNREADABLE, f"{step}-{int(time.time())}")
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), target)
+      print(f"WARNING: checkpoint {step} in {self.directory} is incomplete or corrupt "
+            f"(unreadable on host(s) {bad_hosts}); moved to {target}; trying the one "
+            f"before it", file=sys.stderr, flush=True)
+    # Nobody lists the directory again before host 0 has moved it.
+    self.dispatcher.run(self.collective.allgather, np.zeros(1, np.int32),
+                        what="waiting for an unreadable checkpoint to be set aside")
+    self.dispatcher.run(self.manager.reload, what="listing the checkpoints again")

@@ -1,0 +1,250 @@
+"""Checkpoints: a resumed run is bit-identical to one never interrupted (preemption,
+SIGKILL of any host, corrupt checkpoints), and what cannot be resumed is refused clearly."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax import checkpoint
+from diloco_jax import trainer
+from tests import multihost
+
+
+def final_leaves(result):
+  return [np.asarray(x) for x in jax.tree.leaves(result.params)]
+
+
+def losses(result):
+  return [(r["round"], r["train_loss"], r.get("eval_loss")) for r in result.records]
+
+
+def preempt_at(monkeypatch, round_):
+  monkeypatch.setattr(trainer.Trainer, "preempted", lambda self, r: r == round_)
+
+
+@pytest.mark.parametrize("mode", ["sync", "delayed", "eager"])
+def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode):
+  """Stop after round 2 of 4 (checkpoint, clean return), run again: the same final params,
+  and the same metrics for every round, as a run never stopped. In async modes the sum in
+  flight at the checkpoint is part of it."""
+  config = multihost.small_config(mode=mode, num_rounds=4, **{"checkpoint.every": 0})
+  reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
+  with monkeypatch.context() as m:
+    preempt_at(m, 2)
+    first = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert first.preempted_at == 2
+  assert [r["round"] for r in first.records] == ([1, 2] if mode == "sync" else [1])
+  resumed = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert resumed.preempted_at is None
+  for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert losses(resumed) == losses(reference)
+  with open(tmp_path / "run" / "metrics.jsonl") as f:  # every round logged exactly once
+    assert [json.loads(line)["round"] for line in f] == [1, 2, 3, 4]
+
+
+def test_finished_run_is_not_trained_again(tmp_path, capsys):
+  config = multihost.small_config(num_rounds=2)
+  first = trainer.train_and_evaluate(config, str(tmp_path))
+  again = trainer.train_and_evaluate(config, str(tmp_path))
+  assert "the run had finished" in capsys.readouterr().out
+  for a, b in zip(final_leaves(again), final_leaves(first), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert losses(again) == losses(first)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd):
+  config = multihost.small_config(num_rounds=3)
+  reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
+  trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  newest = tmp_path / "run" / checkpoint.CHECKPOINTS / "3"
+  biggest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  with open(biggest, "r+b") as f:
+    f.truncate(biggest.stat().st_size // 2)
+  capfd.readouterr()
+  resumed = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  out = capfd.readouterr()
+  assert "WARNING: checkpoint 3" in out.err and "corrupt" in out.err, out.err[-2000:]
+  assert "resumed from checkpoint 2" in out.out
+  assert (tmp_path / "run" / checkpoint.UNREADABLE).is_dir()  # set aside, not deleted
+  for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_every_checkpoint_unreadable_is_an_error(tmp_path):
+  config = multihost.small_config(num_rounds=1)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  for meta in (tmp_path / checkpoint.CHECKPOINTS).glob("*/meta/metadata"):
+    meta.write_text("{not json")
+  with pytest.raises(checkpoint.CheckpointError, match="no checkpoint .* could be read"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+
+
+def test_different_world_is_refused(tmp_path):
+  trainer.train_and_evaluate(multihost.small_config(num_rounds=2, replicas_per_host=2),
+                             str(tmp_path))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"written by 1 host\(s\) x 2 replica\(s\); this run has 1 x 1"):
+    trainer.train_and_evaluate(multihost.small_config(num_rounds=2, replicas_per_host=1),
+                               str(tmp_path))
+
+
+def test_changed_config_is_refused_but_eval_settings_may_change(tmp_path):
+  trainer.train_and_evaluate(multihost.small_config(num_rounds=2), str(tmp_path))
+  with pytest.raises(checkpoint.CheckpointError, match=r"config.outer.lr: checkpoint 0.7"):
+    trainer.train_and_evaluate(multihost.small_config(num_rounds=2, **{"outer.lr": 0.5}),
+                               str(tmp_path))
+  trainer.train_and_evaluate(multihost.small_config(num_rounds=2, eval_every=2),
+                             str(tmp_path))
+
+
+def test_unwritable_workdir_is_a_clear_error_at_start(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(checkpoint.CheckpointError, match="is not a writable directory"):
+    trainer.train_and_evaluate(multihost.small_config(), str(blocker / "run"))
+  proc = subprocess.run(
+      [sys.executable, "-m", "diloco_jax.train", "--config=configs/tiny.py",
+       f"--workdir={blocker}/run"], cwd=multihost.REPO, env=multihost.ENV, text=True,
+      capture_output=True, timeout=120)
+  assert proc.returncode != 0
+  assert "is not a writable directory" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_checkpoint_json_round_trip():
+  states = [{"next_index": 7}, {"next_index": 123456789, "epoch": [1, 2]}]
+  assert checkpoint.decode_json(checkpoint.encode_json(states)) == states
+  with pytest.raises(checkpoint.CheckpointError, match="bytes of JSON"):
+    checkpoint.encode_json([{"x": "y" * checkpoint.JSON_BYTES}])
+
+
+# Several hosts through the launcher, as a user runs them.
+
+TINY = ["--config=configs/tiny.py", "--config.replicas_per_host=1", "--config.num_rounds=10",
+        "--config.inner_steps=5", "--config.inner.warmup_steps=5",
+        "--config.debug_checks=True", "--heartbeat_timeout=20"]
+
+
+def launch(workdir, *extra, hosts=2, max_restarts=0):
+  return multihost.start([sys.executable, "launch/local.py", f"--hosts={hosts}",
+                          f"--max_restarts={max_restarts}", "--", f"--workdir={workdir}",
+                          *TINY, *extra])
+
+
+def records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def same_run(workdir, reference):
+  """Every round's anchor hash (taken on every host) and losses equal the reference's."""
+  got, want = records(workdir), records(reference)
+  assert [r["round"] for r in got] == list(range(1, 11))
+  for key in ("anchor_hash", "train_loss", "eval_loss"):
+    assert [r.get(key) for r in got] == [r.get(key) for r in want], key
+
+
+def host_pid(launcher, host):
+  for pid in multihost.children(launcher.pid):
+    with open(f"/proc/{pid}/cmdline") as f:
+      if f"--host_id={host}" in f.read().replace("\0", " "):
+        return pid
+  raise AssertionError(f"host {host} not running")
+
+
+def wait_for_checkpoint(workdir, round_, launcher, timeout=180):
+  ckpts = os.path.join(workdir, checkpoint.CHECKPOINTS)
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if os.path.isdir(ckpts) and any(d.isdigit() and int(d) >= round_ for d in os.listdir(ckpts)):
+      return
+    assert launcher.poll() is None, launcher.communicate()[0][-4000:]
+    time.sleep(0.05)
+  raise AssertionError(f"no checkpoint {round_} after {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+  """Uninterrupted 2-host runs, one per mode, computed once."""
+  out = {}
+
+  def get(mode):
+    if mode not in out:
+      workdir = tmp_path_factory.mktemp(f"reference_{mode}")
+      text = launch(workdir, f"--config.mode={mode}").communicate(timeout=300)[0]
+      assert "final eval loss" in text, text[-4000:]
+      out[mode] = workdir
+    return out[mode]
+
+  return get
+
+
+@pytest.mark.parametrize("mode,victim", [("sync", 1), ("sync", 0), ("eager", 1)])
+def test_sigkill_restart_resumes_bit_identically(tmp_path, references, mode, victim):
+  """SIGKILL of one host at a random moment after checkpoint 3; the launcher restarts
+  every host, which resume from the newest checkpoint and end where an uninterrupted run
+  ends, every round's anchor hash included."""
+  reference = references(mode)
+  launcher = launch(tmp_path, f"--config.mode={mode}", max_restarts=1)
+  wait_for_checkpoint(tmp_path, 3, launcher)
+  time.sleep(random.uniform(0, 0.5))
+  os.kill(host_pid(launcher, victim), signal.SIGKILL)
+  text = launcher.communicate(timeout=300)[0]
+  assert launcher.returncode == 0, text[-4000:]
+  assert f"host {victim} killed by signal 9" in text and "restart 1/1" in text
+  assert "resumed from checkpoint" in text, text[-4000:]
+  same_run(tmp_path, reference)
+
+
+def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):
+  reference = references("sync")
+  launcher = launch(tmp_path)
+  wait_for_checkpoint(tmp_path, 2, launcher)
+  os.kill(host_pid(launcher, 1), signal.SIGTERM)
+  text = launcher.communicate(timeout=120)[0]
+  assert launcher.returncode == 0, text[-4000:]
+  assert "preempted: stopped after round" in text, text[-4000:]
+  stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
+  assert stopped < 10
+  assert max(int(d) for d in os.listdir(tmp_path / checkpoint.CHECKPOINTS)) == stopped
+  text = launch(tmp_path).communicate(timeout=300)[0]
+  assert f"resumed from checkpoint {stopped}" in text, text[-4000:]
+  same_run(tmp_path, reference)
+
+
+def test_nan_pseudo_gradient_skips_the_round_on_every_host(tmp_path):
+  """NaN in host 1's replica's Δ in round 2: every host skips that outer step (the anchor
+  hash, taken on every host, stays that of round 1) and counts it."""
+  results = multihost.run_hosts(tmp_path, 2, replicas_per_host=1, num_rounds=4,
+                                debug_checks=True,
+                                _inject_nan={"host": 1, "replica": 0, "rounds": [2]})
+  for host in results:
+    recs = host["records"]
+    assert [r.get("skipped", 0) for r in recs] == [0, 1, 0, 0]
+    assert [r["skipped_rounds"] for r in recs] == [0, 1, 1, 1]
+    assert recs[1]["anchor_hash"] == recs[0]["anchor_hash"] != recs[2]["anchor_hash"]
+    assert recs[1]["bad_replicas"] == "host 1 replica 0"
+    assert all(np.isfinite(x).all() for x in host["leaves"])
+  with open(tmp_path / "work" / "metrics.jsonl") as f:
+    assert [json.loads(line).get("skipped", 0) for line in f] == [0, 1, 0, 0]
+
+
+def test_repeated_nan_stops_the_job_naming_the_replica(tmp_path):
+  port = multihost.free_port()
+  overrides = json.dumps({"replicas_per_host": 1, "num_rounds": 6,
+                          "outer.max_skipped_rounds": 3,
+                          "_inject_nan": {"host": 1, "replica": 0, "rounds": [2, 3, 4]}})
+  procs = [multihost.start([sys.executable, "tests/host_main.py", str(tmp_path), str(h), "2",
+                            str(port), overrides]) for h in range(2)]
+  for code, text in multihost.finish(procs, timeout=240):
+    assert code != 0
+    assert "BadPseudoGradientError: round 4: pseudo-gradients with NaN or Inf entries in " \
+           "3 rounds in a row" in text and "host 1 replica 0" in text, text[-3000:]
