@@ -267,6 +267,8 @@ class Trainer:
     if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
       record.update(eval_loss=self.eval_step(self.eval_params, self.eval_batches),
                     floor=self.spec.floor)
+    if self.config.debug_checks:
+      record["anchor_hash"] = self._check_same_outer_state(r)
     self.outer_step.resume_inflight(own["inflight"], record, r)
     return r, record
 
