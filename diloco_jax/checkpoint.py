@@ -36,7 +36,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diloco_jax import collective as collective_lib
 
@@ -114,27 +114,46 @@ class Checkpointer:
   save never leaves the run without a good one.
   """
 
-  def __init__(self, workdir: str, *, keep: int, dispatcher, collective):
+  def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
+               elastic_timeout: int | None = None):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, CHECKPOINTS)
     self.dispatcher, self.collective = dispatcher, collective
     self.num_hosts, self.host = jax.process_count(), jax.process_index()
-    self.mesh = collective_lib.host_mesh()
-    self.device = self.mesh.devices.flat[self.host]
-    self._replicated = NamedSharding(self.mesh, P())
-    self._rows = NamedSharding(self.mesh, P(collective_lib.HOSTS_AXIS))
+    self.keep = keep
+    # Elastic mode: each save is finished within its job (so no host ever has one in
+    # flight when the next starts, and all decide alike), and a save whose barriers wait
+    # for a dead host gives up after this many seconds instead of holding the dispatch
+    # thread (and the sum that will find the host dead) for orbax's default 20 minutes.
+    self.elastic_timeout = elastic_timeout
+    self._first_cpu = list(collective_lib.host_mesh().devices.flat)
+    self.device = self._first_cpu[self.host]
+    os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
+    dispatcher.run(self._open, list(range(self.num_hosts)),
+                   what="opening the checkpoint directory")
+
+  def _open(self, hosts: list[int]) -> None:
+    """A manager for the hosts that write (all, unless elastic mode lost some)."""
+    self.hosts = hosts
+    self._generation = getattr(self, "_generation", -1) + 1
+    self._replicated, self._rows = self._shardings(hosts)
     # An explicit set of processes makes orbax use coordination-service barriers, not
     # collective ones that could interleave with a sum on the dispatch thread.
-    processes = set(range(self.num_hosts)) if self.num_hosts > 1 else None
-    os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
+    processes = set(hosts) if self.num_hosts > 1 else None
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=False, enable_async_checkpointing=True,
+        max_to_keep=self.keep, create=False, enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # a save cut short by a crash
+        async_options=ocp.AsyncOptions(timeout_secs=self.elastic_timeout or 1200),
         multiprocessing_options=ocp.options.MultiprocessingOptions(
-            active_processes=processes))
-    self.manager = dispatcher.run(lambda: ocp.CheckpointManager(self.directory,
-                                                                options=options),
-                                  what="opening the checkpoint directory")
+            active_processes=processes,
+            # A new manager's barriers must not share names with an old one's, whose
+            # barriers had other hosts in them (elastic mode).
+            barrier_sync_key_prefix=f"diloco{self._generation}" if self._generation else None))
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def _shardings(self, hosts: list[int]) -> tuple[NamedSharding, NamedSharding]:
+    mesh = Mesh(np.array([self._first_cpu[h] for h in hosts]), (collective_lib.HOSTS_AXIS,))
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P(collective_lib.HOSTS_AXIS))
 
   # Global arrays over the host mesh, built from (and read back into) host memory.
   def _to_replicated(self, tree: Any) -> Any:
@@ -143,12 +162,11 @@ class Checkpointer:
 
   def _to_rows(self, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
-        (self.num_hosts, *x.shape), self._rows, [jax.device_put(x[None], self.device)]),
+        (len(self.hosts), *x.shape), self._rows, [jax.device_put(x[None], self.device)]),
         tree)
 
-  def _abstract(self, tree: Any, rows: bool) -> Any:
-    lead = (self.num_hosts,) if rows else ()
-    sharding = self._rows if rows else self._replicated
+  def _abstract(self, tree: Any, sharding: NamedSharding, rows: int = 0) -> Any:
+    lead = (rows,) if rows else ()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *np.shape(x)), x.dtype,
                                                        sharding=sharding), tree)
 
@@ -157,22 +175,41 @@ class Checkpointer:
     t = time.perf_counter()
     shared, own = _copy(snapshot.shared), _copy(snapshot.own)
     blocked = time.perf_counter() - t
+    # Elastic mode: only the live hosts write (the manager of the whole world is dropped,
+    # with any save it still had in flight).
+    hosts = list(getattr(self.collective, "live", self.hosts))
+    snapshot.meta["hosts_in_rows"] = hosts
 
     def job():
-      self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
-          shared=ocp.args.StandardSave(self._to_replicated(shared)),
-          hosts=ocp.args.StandardSave(self._to_rows(own)),
-          meta=ocp.args.JsonSave(snapshot.meta)))
+      try:
+        if hosts != self.hosts:
+          self._open(hosts)
+        self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
+            shared=ocp.args.StandardSave(self._to_replicated(shared)),
+            hosts=ocp.args.StandardSave(self._to_rows(own)),
+            meta=ocp.args.JsonSave(snapshot.meta)))
+        if self.elastic_timeout:
+          self.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001
+        if not self.elastic_timeout:
+          raise
+        print(f"WARNING: host {self.host}: checkpoint {snapshot.round} failed (a host "
+              f"stopped?): {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+        # The manager may still wait for the dead host; the next save opens a new one
+        # for the hosts live then (opening one now would wait at a barrier for the dead).
+        self.hosts = None
 
     self.dispatcher.submit(job, round_=snapshot.round, what="checkpoint save")
     return blocked
 
   def wait(self) -> None:
     """Until every started save is complete on disk."""
-    self.dispatcher.run(self.manager.wait_until_finished, what="checkpoint save (finish)")
+    if self.hosts is not None:  # else the last save failed (elastic) and was reported
+      self.dispatcher.run(self.manager.wait_until_finished, what="checkpoint save (finish)")
 
   def close(self) -> None:
-    self.dispatcher.run(self.manager.close, what="closing the checkpoint manager")
+    if self.hosts is not None:
+      self.dispatcher.run(self.manager.close, what="closing the checkpoint manager")
 
   def steps(self) -> list[int]:
     """Complete checkpoints, newest first; the same list on every host or an error."""
@@ -204,13 +241,25 @@ class Checkpointer:
       if error is None:
         check_meta(meta)
         want = like(meta)
+        # The hosts that wrote rows: all of them, except after elastic mode lost some
+        # (then a host without a row gets own=None and starts its replicas afresh).
+        writers = meta.get("hosts_in_rows", list(range(self.num_hosts)))
+        everyone = self._shardings(list(range(self.num_hosts)))[0]  # a copy on every host
+        # Each host reads its own row; if some host has none, every host reads all rows
+        # (orbax cannot restore an array of which a host holds no shard).
+        rows = self._rows if writers == self.hosts else everyone
         restored, error = self.dispatcher.run(_attempt, lambda: self.manager.restore(  # noqa: B023
             step, args=ocp.args.Composite(
-                shared=ocp.args.StandardRestore(self._abstract(want.shared, rows=False)),
-                hosts=ocp.args.StandardRestore(self._abstract(want.own, rows=True)))))
+                shared=ocp.args.StandardRestore(self._abstract(want.shared, everyone)),
+                hosts=ocp.args.StandardRestore(self._abstract(want.own, rows,
+                                                              len(writers))))))
         if error is None:
           shared = jax.tree.map(lambda g: np.asarray(g.addressable_data(0)), restored.shared)
-          own = jax.tree.map(lambda g: np.asarray(g.addressable_data(0))[0], restored.hosts)
+          own = None
+          if self.host in writers:
+            row = 0 if rows is self._rows else writers.index(self.host)
+            own = jax.tree.map(lambda g: np.asarray(g.addressable_data(0))[row],  # noqa: B023
+                               restored.hosts)
           snapshot = Snapshot(step, shared, own, meta)
       ok = error is None
       flags = self.dispatcher.run(self.collective.allgather, np.array([ok], np.int32),

@@ -77,6 +77,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
   c.checkpoint.keep = 3  # Newest checkpoints kept in workdir/checkpoints.
   c.elastic = False  # Experimental: survivors train on when a host dies (README).
+  c.elastic_timeout = 60  # Elastic: seconds a sum or checkpoint waits for a dead host.
   return c
 
 
@@ -84,7 +85,8 @@ def get_default_config() -> ml_collections.ConfigDict:
 # changes the math (a resumed run is bit-identical to one never interrupted).
 RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
                      "config.checkpoint.every", "config.checkpoint.keep",
-                     "config.outer.max_skipped_rounds", "config.elastic")
+                     "config.outer.max_skipped_rounds", "config.elastic",
+                     "config.elastic_timeout")
 
 
 class ConfigError(ValueError):
@@ -195,5 +197,8 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1) -
   check("config.checkpoint.every", c.checkpoint.every >= 0,
         "must be >= 0 (0: checkpoints only at preemption and at the end)")
   check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
+  check("config.elastic_timeout", c.elastic_timeout >= 1, "must be >= 1")
+  check("config.elastic", not c.elastic or c.mode == "sync",
+        f"elastic mode is available for config.mode = 'sync' only (not {c.mode!r})")
   if errors:
     raise ConfigError("\n".join(errors))

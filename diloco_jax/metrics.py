@@ -38,6 +38,8 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
   if "eval_loss" in r:
     floor = f" (floor {r['floor']:.4f})" if r.get("floor") is not None else ""
     parts.append(f"eval {r['eval_loss']:.4f}{floor}")
+  if "replicas" in r:  # elastic mode: the replicas in this round's mean
+    parts.append(f"{int(r['replicas'])} replicas")
   parts += [f"{format_count(r['tokens_per_sec'])} tok/s",
             f"outer {1e3 * r['outer_time']:.0f} ms"]
   if "collective_time" in r:  # how long the cross-host sum took, and how much of it the

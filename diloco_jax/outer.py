@@ -87,6 +87,10 @@ class OuterStep:
     self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
                            donate_argnums=0)
     self.pending: _Pending | None = None
+    # Elastic mode: more per-host numbers summed with Δ ({"replicas": R, ...}); the mean
+    # then divides by the summed replica count (the live replicas), not K.
+    self.extra = None
+    self._mean_by = jax.jit(diloco.divide)
 
   def init(self, anchor: Params):
     # Committed to the host CPU device, as every later outer state is, so the outer-step
@@ -126,6 +130,8 @@ class OuterStep:
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * R:(host + 1) * R] = ~np.asarray(finite_R, bool)
     payload = {"delta": self._sum_R(deltas_R), "loss": loss_sum, "bad": bad_K}
+    if self.extra is not None:
+      payload["extra"] = {k: np.float32(v) for k, v in self.extra().items()}
     times: dict = {}
 
     def job():
@@ -162,8 +168,11 @@ class OuterStep:
     t = time.perf_counter()
     total = pending.future.result()
     wait = time.perf_counter() - t
-    mean = self._mean(total["delta"])
     record = pending.record
+    if "extra" in total:
+      record.update({k: float(v) for k, v in total["extra"].items()})
+    mean = (self._mean_by(total["delta"], total["extra"]["replicas"])
+            if "replicas" in total.get("extra", {}) else self._mean(total["delta"]))
     ok = self._count_bad(np.asarray(total["bad"]) > 0, record)
     collective = pending.times["collective_time"]
     record.update(pending.times, outer_wait=wait, loss_sum=float(np.asarray(total["loss"])),

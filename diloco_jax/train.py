@@ -4,10 +4,13 @@ On several hosts, run the same command on every host with --coordinator_address,
 --num_hosts and --host_id (or DILOCO_* environment variables, or under SLURM with none).
 """
 
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 
+import jax
 from absl import app
 from absl import flags
 from absl import logging
@@ -17,6 +20,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import checkpoint
 from diloco_jax import dispatch
 from diloco_jax import distributed
+from diloco_jax import elastic
 from diloco_jax import outer
 from diloco_jax import trainer
 
@@ -42,17 +46,29 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
     logging.set_verbosity(logging.WARNING)
   cluster = distributed.Cluster(
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+  config = _CONFIG.value
   try:
+    if config.elastic:
+      elastic.enable(config.elastic_timeout)
     distributed.initialize(cluster)
+    multi_host_elastic = config.elastic and jax.process_count() > 1
+    if multi_host_elastic and elastic.is_returning():
+      elastic.return_and_wait()
+      _exit(elastic.EXIT_RESTART)
     # Before validation: hosts that disagree must all stop, not wait for each other.
-    distributed.check_same_config(_CONFIG.value, timeout_s=_INIT_TIMEOUT.value)
-    trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    distributed.check_same_config(config, timeout_s=_INIT_TIMEOUT.value)
+    trainer.train_and_evaluate(config, _WORKDIR.value)
+    if multi_host_elastic:
+      elastic.finish()
+  except trainer.RestartForRejoin:
+    _exit(elastic.EXIT_RESTART)
   except config_lib.ConfigError as e:
     sys.exit(f"Invalid config:\n{e}")
   except distributed.StartupError as e:
@@ -66,9 +82,13 @@ def main(argv):
     # will never arrive (which would end in an abort at the heartbeat timeout).
     traceback.print_exc()
     sys.stderr.write(f"Stopped: {e}\nAnother host failed or was killed: see its log.\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(1)
+    _exit(1)
+
+
+def _exit(code: int) -> None:
+  sys.stderr.flush()
+  sys.stdout.flush()
+  os._exit(code)
 
 
 if __name__ == "__main__":

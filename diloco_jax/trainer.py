@@ -27,6 +27,7 @@ from diloco_jax import collective as collective_lib
 from diloco_jax import config as config_lib
 from diloco_jax import data as data_lib
 from diloco_jax import dispatch
+from diloco_jax import elastic
 from diloco_jax import inner
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
@@ -60,6 +61,10 @@ class AnchorMismatchError(RuntimeError):
   """debug_checks: the outer state differs between hosts after an outer step."""
 
 
+class RestartForRejoin(Exception):  # noqa: N818 -- a request, not a failure
+  """Elastic mode: a host returned; a checkpoint is written and every host must restart."""
+
+
 class Trainer:
   """Everything one host needs for a run; `run_round(r)` trains round r and returns its
   (not yet logged) record, `run()` the whole run."""
@@ -86,7 +91,9 @@ class Trainer:
     loss_fn = model_lib.make_loss_fn(model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.total_steps)
     self.mesh = inner.local_mesh()
-    self.collective = collective_lib.make_collective()
+    self.elastic = config.elastic and self.num_hosts > 1
+    self.collective = (elastic.ElasticCollective(config.elastic_timeout) if self.elastic
+                       else collective_lib.make_collective())
     self.ddp = config.mode == "ddp"
 
     self._done_before, self._round_losses = 0, []  # inner steps finished, for `overlap_steps`
@@ -94,6 +101,10 @@ class Trainer:
         optim.outer_optimizer(config.outer), mesh=self.mesh, collective=self.collective,
         dispatcher=dispatcher, replicas_per_host=self.replicas_per_host,
         steps_done=self._steps_done, max_skipped_rounds=config.outer.max_skipped_rounds)
+    if self.elastic:  # the mean divides by the live replicas; host 0 relays returning hosts
+      self.outer_step.extra = lambda: {
+          "replicas": self.replicas_per_host,
+          "rejoin": float(self.is_host0 and bool(elastic.rejoin_requested()))}
     with jax.default_device(self.outer_step.host_device):
       anchor = model_lib.init_params(model_cfg, jax.random.key(config.seed))
     self.num_params = model_lib.count_params(anchor)
@@ -110,10 +121,11 @@ class Trainer:
       self.train_step = inner.ReplicaStep(loss_fn, inner_optimizer, mesh=self.mesh,
                                           grad_accum_steps=config.grad_accum_steps)
     # ddp keeps one set of params (a replica axis of size 1) for all replicas' gradients.
-    init = jax.jit(functools.partial(state_lib.init_replica_state, inner_optimizer,
-                                     num_replicas=1 if self.ddp else self.replicas_per_host),
-                   out_shardings=self.train_step.state_sharding)
-    self.replicas = init(jax.device_put(anchor, self.train_step.state_sharding))
+    self._init_replicas = jax.jit(
+        functools.partial(state_lib.init_replica_state, inner_optimizer,
+                          num_replicas=1 if self.ddp else self.replicas_per_host),
+        out_shardings=self.train_step.state_sharding)
+    self.replicas = self._init_replicas(jax.device_put(anchor, self.train_step.state_sharding))
     self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
     self.bar: metrics_lib.ProgressBar | None = None
@@ -121,7 +133,8 @@ class Trainer:
     self.finished_before = False  # resumed from the checkpoint of a finished run
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
-        collective=self.collective)
+        collective=self.collective,
+        elastic_timeout=config.elastic_timeout if self.elastic else None)
     self._sigterm = threading.Event()  # one host: SIGTERM asks for a checkpoint and exit
     if self.num_hosts == 1 and threading.current_thread() is threading.main_thread():
       signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
@@ -200,6 +213,7 @@ class Trainer:
             "replicas_per_host": self.replicas_per_host,
             "skipped_total": self.outer_step.skipped_total,
             "skipped_in_a_row": self.outer_step.skipped_in_a_row,
+            "data_state": self.data.get_state(),  # host 0's (meta is written by host 0)
             "config": self.config.to_dict(), "diloco_jax": diloco_jax.__version__,
             "jax": jax.__version__, "saved_at": time.time()}
     return checkpoint_lib.Snapshot(r, shared, own, meta)
@@ -243,9 +257,13 @@ class Trainer:
       return 0, None
     self.finished_before = snap.meta["finished"]
     r, own = snap.round, snap.own
-    self.outer_state = self.outer_step.join(snap.shared, own.get("outer"))
-    self.replicas = jax.device_put(own["replicas"], self.train_step.state_sharding)
-    self.data.set_state(checkpoint_lib.decode_json(own["data"]))
+    if own is None:  # elastic: this host was down when the checkpoint was written
+      self._rejoin_from_anchor(snap)
+      own = {}
+    else:
+      self.outer_state = self.outer_step.join(snap.shared, own.get("outer"))
+      self.replicas = jax.device_put(own["replicas"], self.train_step.state_sharding)
+      self.data.set_state(checkpoint_lib.decode_json(own["data"]))
     self.outer_step.skipped_total = snap.meta["skipped_total"]
     self.outer_step.skipped_in_a_row = snap.meta["skipped_in_a_row"]
     self._done_before = r * self.h
@@ -271,6 +289,22 @@ class Trainer:
       record["anchor_hash"] = self._check_same_outer_state(r)
     self.outer_step.resume_inflight(own["inflight"], record, r)
     return r, record
+
+  def _rejoin_from_anchor(self, snap: checkpoint_lib.Snapshot) -> None:
+    """A host back after elastic mode trained without it: its replicas start from the
+    anchor with fresh AdamW moments (the step count, which drives the lr schedule, set
+    to the run's), and its data iterators where host 0's are (every replica has read
+    the same number of batches of its own shard)."""
+    self.outer_state = self.outer_step.join(snap.shared, None)
+    replicas = self._init_replicas(self.outer_step.place(self.outer_state.anchor))
+    step = snap.round * self.h
+    opt_state = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.numpy.full_like(x, step)
+        if getattr(path[-1], "name", None) == "count" else x, replicas.opt_state)
+    self.replicas = replicas.replace(opt_state=opt_state)
+    self.data.set_state(snap.meta["data_state"])
+    print(f"host {self.host}: rejoining at round {snap.round + 1}: replicas from the anchor "
+          f"with fresh optimizer moments (step {step})", flush=True)
 
   def preempted(self, r: int) -> bool:
     """Whether any host got a preemption notice (SIGTERM); every host answers the same
@@ -303,6 +337,8 @@ class Trainer:
     self.bar = metrics_lib.ProgressBar(self.total_steps, enabled=self.is_host0)
     round_times: list[float] = []
     every, preempted_at = self.config.checkpoint.every, None
+    if self.elastic and self.is_host0:
+      elastic.mark_running()
 
     t_round = time.perf_counter()
     for r in range(done + 1, self.num_rounds + 1):
@@ -319,6 +355,8 @@ class Trainer:
                     elapsed=float(np.sum(round_times)),
                     eta=float(typical * (self.num_rounds - r)))
       pending = record
+      if record.get("rejoin") and r < self.num_rounds:
+        self._restart_for_rejoin(r, pending)
       preempted = self.preempted(r)
       if r < self.num_rounds and (preempted or (every and r % every == 0)):
         pending = self._save(r, pending)
@@ -348,6 +386,18 @@ class Trainer:
                        {"inner_step": self.train_step.traces, "eval_step": self.eval_step.traces},
                        preempted_at)
 
+  def _restart_for_rejoin(self, r: int, record: dict) -> None:
+    """Elastic mode, a host has returned: checkpoint this round boundary, let the
+    returning host go, and stop every host so that the launcher restarts them all."""
+    self._save(r, record)
+    self.checkpointer.wait()
+    self.writer.close()
+    if self.is_host0:
+      print(f"round {r}: a host returned; checkpoint {r} written; every host restarts "
+            f"and resumes from it", flush=True)
+      elastic.signal_restart()
+    raise RestartForRejoin(f"restart after round {r} for a returning host")
+
   def _save(self, r: int, record: dict) -> dict | None:
     """Starts a checkpoint of round r. Returns the round's record if it is still waiting
     for its sum (async modes: logged when it arrives, and again after a resume), else
@@ -360,12 +410,13 @@ class Trainer:
 
   def _log(self, record: dict) -> None:
     """Completes a round's record (its values have arrived by now) and logs it."""
-    record["train_loss"] = float(record.pop("loss_sum")) / (self.num_replicas * self.h)
+    live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
+    record["train_loss"] = float(record.pop("loss_sum")) / (live * self.h)
     if "eval_loss" in record:
       record["eval_loss"] = float(record["eval_loss"])
     record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
     if "stats" in record:  # [hosts, R, 3] -> per replica, in replica order
-      stats = record.pop("stats").result().reshape(self.num_replicas, 3)
+      stats = record.pop("stats").result().reshape(-1, 3)  # live replicas (elastic)
       record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
                     param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
     self.bar.clear()

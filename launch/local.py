@@ -25,6 +25,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_RESTART = 75  # diloco_jax.elastic.EXIT_RESTART: every host asks to be started again
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,22 +47,28 @@ class Hosts:
   """The running host processes and the threads copying their output."""
 
   def __init__(self, num_hosts: int, train_args: list[str], port: int):
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-           "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
-    self.procs = []
+    self._env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+                 "PYTHONUNBUFFERED": "1"}
+    self._env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO, self._env.get("PYTHONPATH")) if p)
+    self.num_hosts, self.train_args, self.port = num_hosts, train_args, port
+    self.procs: list[subprocess.Popen] = []
     self._lock = threading.Lock()
     self._threads = []
     for host in range(num_hosts):
-      cmd = [sys.executable, "-m", "diloco_jax.train", *train_args,
-             f"--coordinator_address=127.0.0.1:{port}", f"--num_hosts={num_hosts}",
-             f"--host_id={host}"]
-      proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env=env, start_new_session=True, preexec_fn=_die_with_parent)
-      self.procs.append(proc)
-      t = threading.Thread(target=self._copy, args=(host, proc), daemon=True)
-      t.start()
-      self._threads.append(t)
+      self.procs.append(self._start(host))
+
+  def _start(self, host: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "diloco_jax.train", *self.train_args,
+           f"--coordinator_address=127.0.0.1:{self.port}", f"--num_hosts={self.num_hosts}",
+           f"--host_id={host}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=self._env, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    t = threading.Thread(target=self._copy, args=(host, proc), daemon=True)
+    t.start()
+    self._threads.append(t)
+    return proc
 
   def _copy(self, host: int, proc: subprocess.Popen) -> None:
     for line in iter(proc.stdout.readline, b""):
@@ -87,15 +94,36 @@ class Hosts:
       except (ProcessLookupError, PermissionError):
         pass
 
-  def wait(self) -> int:
-    """0 when every host exits 0; else the first failure's code, the rest killed."""
+  def wait(self, rejoin_after: float | None = None) -> int:
+    """0 when every host exits 0; EXIT_RESTART when every host asks for a restart; else
+    the first failure's code, the rest killed. With `rejoin_after` (elastic mode), a dead
+    host other than 0 does not stop the others: it is started again that many seconds
+    later, and returns to the job."""
+    restart_at: dict[int, float] = {}
     while True:
       codes = [p.poll() for p in self.procs]
-      failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
+      if all(c == EXIT_RESTART for c in codes):
+        self._drain()
+        return EXIT_RESTART
+      failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0, EXIT_RESTART)]
+      now = time.monotonic()
+      due = [h for h, t in restart_at.items() if now >= t]
+      for host in due:
+        print(f"[launcher] starting host {host} again", flush=True)
+        self.procs[host] = self._start(host)
+        del restart_at[host]
+      if due:
+        continue  # the codes above are the dead processes'
+      failed = [(h, c) for h, c in failed if h not in restart_at]
+      if failed and rejoin_after is not None and failed[0][0] != 0:
+        host, code = failed[0]
+        print(f"[launcher] host {host} {_reason(code)}; elastic: the other hosts go on; "
+              f"starting it again in {rejoin_after:.0f}s", flush=True)
+        restart_at[host] = now + rejoin_after
+        continue
       if failed:
         host, code = failed[0]
-        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"[launcher] host {host} {reason}; stopping the other hosts", flush=True)
+        print(f"[launcher] host {host} {_reason(code)}; stopping the other hosts", flush=True)
         self.kill_all()
         self._drain()
         return code if code > 0 else 128 - code
@@ -105,8 +133,13 @@ class Hosts:
       time.sleep(0.1)
 
   def _drain(self) -> None:
+    """Lets the output threads copy what is left."""
     for t in self._threads:
       t.join(timeout=5)
+
+
+def _reason(code: int) -> str:
+  return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 def main(argv: list[str]) -> int:
@@ -120,6 +153,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
   parser.add_argument("--max_restarts", type=int, default=0,
                       help="after a host fails, start all hosts again up to this many times")
+  parser.add_argument("--rejoin_after", type=float, default=None,
+                      help="elastic mode (--config.elastic=True): start a dead host other "
+                           "than 0 again after this many seconds, without stopping the others")
   args = parser.parse_args(own)
   if args.hosts < 1:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
@@ -134,20 +170,26 @@ def main(argv: list[str]) -> int:
       current[-1].signal_all(signal.SIGTERM)
 
   signal.signal(signal.SIGTERM, on_sigterm)
-  for attempt in range(args.max_restarts + 1):
-    if attempt:
-      print(f"[launcher] restart {attempt}/{args.max_restarts}: starting all {args.hosts} "
-            f"hosts again; they resume from the newest checkpoint", flush=True)
+  attempt = 0
+  while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
     current.append(Hosts(args.hosts, train_args, args.port or free_port()))
     try:
-      code = current[-1].wait()
+      code = current[-1].wait(args.rejoin_after)
     except KeyboardInterrupt:
       current[-1].kill_all()
       return 130
     if code == 0 or terminated.is_set():
       return code
-  return code
+    if code == EXIT_RESTART:  # elastic: a host returned; all resume from a checkpoint
+      print(f"[launcher] every host asked for a restart: starting all {args.hosts} hosts "
+            f"again; they resume from the newest checkpoint", flush=True)
+      continue
+    if attempt == args.max_restarts:
+      return code
+    attempt += 1
+    print(f"[launcher] restart {attempt}/{args.max_restarts}: starting all {args.hosts} "
+          f"hosts again; they resume from the newest checkpoint", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""Experimental elasticity (config.elastic, sync mode): the job outlives a dead host.
+
+What JAX 0.10 on CPU allows (measured; see README, "Preemption and resume"):
+- With `jax_enable_recoverability`, the survivors of a dead non-coordinator host keep
+  running; the coordination service drops the dead host after the heartbeat timeout, and
+  a new mesh over the survivors' devices carries their sums.
+- A restarted host reconnects to the coordination service but cannot join the survivors'
+  collectives (gloo keys its connections by device list, with no generation). So a
+  returning host only announces itself; at the next round boundary the survivors write a
+  checkpoint and every host exits with EXIT_RESTART; the launcher starts the whole world
+  again, which resumes from that checkpoint with the returning host's replicas restarted
+  from the anchor.
+
+`ElasticCollective` is the cross-host sum for this mode: the live hosts meet at a
+coordination-service barrier before each collective, and after a failure agree on the
+new set of live hosts and do it again. (`multihost_utils.live_devices` would count a
+returning host as live and wait for it.) The job still dies with host 0 (the coordinator).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from diloco_jax import collective as collective_lib
+
+EXIT_RESTART = 75  # every host exits with this to ask the launcher for a restart
+_RUNNING = "diloco/elastic/running"
+_REJOIN = "diloco/elastic/rejoin/"
+_RESTART = "diloco/elastic/restart"
+
+
+def _client():
+  from jax._src import distributed  # the coordination service client: no public handle
+  return distributed.global_state.client
+
+
+def enable(collective_timeout_s: int) -> None:
+  """Before jax.distributed starts: survivors outlive a dead host, and a sum waiting on a
+  dead peer times out instead of hanging."""
+  jax.config.update("jax_enable_recoverability", True)
+  flag = f"--xla_cpu_collective_timeout_seconds={collective_timeout_s}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  # Orbax's barriers (coordination service) otherwise wait 300 s for a dead host; it has
+  # no option for this, hence its module constant.
+  from orbax.checkpoint._src.multihost import multihost as orbax_multihost
+  orbax_multihost._DEFAULT_BARRIER_TIMEOUT = collective_timeout_s
+
+
+def mark_running() -> None:
+  """Host 0, once training starts: a host that connects later is a returning one."""
+  _client().key_value_set(_RUNNING, "1")
+
+
+def is_returning() -> bool:
+  try:
+    return _client().key_value_try_get(_RUNNING) == "1"
+  except Exception:  # noqa: BLE001 -- not found
+    return False
+
+
+def return_and_wait(timeout_s: int = 24 * 3600) -> None:
+  """A returning host: asks to join and waits for the survivors' restart signal."""
+  host = jax.process_index()
+  print(f"host {host}: the job is running without this host; asking to rejoin. The "
+        f"hosts will checkpoint at the next round boundary and restart together.",
+        flush=True)
+  _client().key_value_set(f"{_REJOIN}{host}", "1")
+  # The survivors ask the coordination service who is alive before every collective, a
+  # call that waits for every alive host, this one included: keep answering it.
+  threading.Thread(target=_answer_liveness_checks, daemon=True).start()
+  _client().blocking_key_value_get(_RESTART, timeout_s * 1000)
+
+
+def _answer_liveness_checks() -> None:
+  hosts = list(range(jax.process_count()))
+  while True:
+    try:
+      _client().get_live_nodes(hosts)
+    except Exception:  # noqa: BLE001 -- the job is restarting
+      time.sleep(0.1)
+
+
+def rejoin_requested() -> list[int]:
+  """Host 0: returning hosts waiting to join."""
+  return sorted(int(k.rsplit("/", 1)[1]) for k, _ in _client().key_value_dir_get(_REJOIN))
+
+
+def signal_restart() -> None:
+  _client().key_value_set(_RESTART, "1")
+
+
+def finish() -> None:
+  """The end of an elastic run. Under recoverability JAX's shutdown no longer waits for
+  everyone, and a host that leaves first can abort the others: the live hosts meet at a
+  barrier, then exit (host 0, which runs the coordination service, last)."""
+  client, host = _client(), jax.process_index()
+  live = sorted(client.get_live_nodes(list(range(jax.process_count()))))
+  client.wait_at_barrier("diloco/elastic/end", 600_000, live)
+  if host == 0:
+    deadline = time.monotonic() + 10
+    while len(client.get_live_nodes(live)) > 1 and time.monotonic() < deadline:
+      time.sleep(0.05)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)
+
+
+class ElasticCollective:
+  """`HostCollective`'s interface over the hosts still alive. `num_hosts` stays the
+  world's size (replica flags keep their places); `live` lists the hosts summed over."""
+
+  def __init__(self, timeout_s: int):
+    self.num_hosts, self.host_index = jax.process_count(), jax.process_index()
+    self.timeout_s = timeout_s
+    self._first_cpu = list(collective_lib.host_mesh().devices.flat)
+    self.device = self._first_cpu[self.host_index]
+    self.bytes_sent = 0
+    self._programs: dict[tuple[int, ...], Any] = {}
+    # Each host's incarnation at the start: a host that comes back has another one, and
+    # does not count as live (it waits for the coordinated restart instead).
+    self._incarnations = _client().get_live_nodes(list(range(self.num_hosts)))
+    self._generation = 0  # regroupings so far
+    self._ops = 0  # collectives in this generation: names their barriers alike everywhere
+    self._use(list(range(self.num_hosts)))
+
+  def _use(self, live: list[int]) -> None:
+    self.live = live
+    if tuple(live) not in self._programs:
+      mesh = Mesh(np.array([self._first_cpu[h] for h in live]), (collective_lib.HOSTS_AXIS,))
+      replicated = NamedSharding(mesh, P())
+      self._programs[tuple(live)] = (
+          NamedSharding(mesh, P(collective_lib.HOSTS_AXIS)),
+          jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=replicated),
+          jax.jit(lambda x: x, out_shardings=replicated))
+    self._rows, self._sum, self._gather = self._programs[tuple(live)]
+
+  def _global(self, row: np.ndarray) -> jax.Array:
+    local = jax.device_put(row[None], self.device)
+    return jax.make_array_from_single_device_arrays((len(self.live), *row.shape), self._rows,
+                                                    [local])
+
+  def _live_now(self) -> list[int]:
+    """The hosts of the current group that the coordination service still sees, in the
+    incarnation they started with (it drops a dead one after the heartbeat timeout)."""
+    nodes = _client().get_live_nodes(list(range(self.num_hosts)))
+    return [h for h in self.live if nodes.get(h) == self._incarnations.get(h)]
+
+  def _run(self, op):
+    """op() on the live hosts. First every live host meets at a barrier (coordination
+    service), so that gloo's timeout covers the transfer alone; after a failure the
+    survivors agree on who is left and do it again without the dead.
+
+    The price of not wrapping each sum in a transaction: a host that dies exactly as a sum
+    completes could leave one survivor a round ahead of another (debug_checks would see
+    the outer states differ)."""
+    deadline = time.monotonic() + 20 * self.timeout_s
+    while True:
+      try:
+        live = self._live_now()
+        if live != self.live:
+          self._regroup(live)
+        self._ops += 1
+        _client().wait_at_barrier(f"diloco/elastic/g{self._generation}/op{self._ops}",
+                                  self.timeout_s * 1000, self.live)
+        return op()
+      except Exception as e:  # noqa: BLE001 -- a peer is gone or late: look again
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"elastic: the hosts {self.live} could not complete a "
+                             f"collective within {20 * self.timeout_s}s") from e
+        sys.stderr.write(f"host {self.host_index}: collective failed ({type(e).__name__}: "
+                         f"{str(e)[:160]}); checking which hosts are live\n")
+        time.sleep(1.0)
+
+  def _regroup(self, live: list[int]) -> None:
+    """Moves to `live` once every host in it sees the same set (else the barrier, whose
+    name holds the set, times out and the caller looks again)."""
+    if 0 not in live:
+      raise RuntimeError("elastic: host 0 (the coordinator) is gone")
+    key = "-".join(map(str, live))
+    _client().wait_at_barrier(f"diloco/elastic/g{self._generation}/regroup{key}",
+                              self.timeout_s * 1000, live)
+    lost = sorted(set(self.live) - set(live))
+    if self.host_index == 0:
+      print(f"WARNING: host(s) {lost} stopped; continuing with hosts {live}",
+            file=sys.stderr, flush=True)
+    self._generation += 1
+    self._ops = 0
+    self._use(live)
+
+  def sum(self, tree: Any) -> Any:
+    def op():
+      flat, layout = collective_lib._pack(tree)
+      out = {dt: np.asarray(self._sum(self._global(buf)).addressable_data(0))
+             for dt, buf in flat.items()}
+      n = len(self.live)
+      self.bytes_sent += sum(2 * (n - 1) * b.nbytes // n for b in flat.values())
+      return collective_lib._unpack(out, layout)
+    return self._run(op)
+
+  def mean(self, tree: Any) -> Any:
+    return jax.tree.map(lambda s: s / np.asarray(len(self.live), s.dtype), self.sum(tree))
+
+  def allgather(self, x: np.ndarray) -> np.ndarray:
+    """[live hosts, *x.shape], in host order."""
+    x = np.asarray(x)
+
+    def op():
+      self.bytes_sent += (len(self.live) - 1) * x.nbytes
+      return np.asarray(self._gather(self._global(x)).addressable_data(0))
+    return self._run(op)
