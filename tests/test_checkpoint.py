@@ -248,3 +248,24 @@ def test_repeated_nan_stops_the_job_naming_the_replica(tmp_path):
     assert code != 0
     assert "BadPseudoGradientError: round 4: pseudo-gradients with NaN or Inf entries in " \
            "3 rounds in a row" in text and "host 1 replica 0" in text, text[-3000:]
+
+
+def test_slurm_script_restarts_failed_steps(tmp_path):
+  """launch/slurm.sbatch with a fake srun that fails once: the hosts are started again."""
+  calls = tmp_path / "calls"
+  fake = tmp_path / "bin" / "srun"
+  fake.parent.mkdir()
+  fake.write_text(f'#!/bin/bash\necho "srun $*" >> {calls}\n'
+                  f'[ "$(wc -l < {calls})" -ge 2 ]\n')
+  fake.chmod(0o755)
+  env = {**multihost.ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}",
+         "WORKDIR": str(tmp_path / "run"), "SLURM_SUBMIT_DIR": multihost.REPO,
+         "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+  proc = subprocess.run(["bash", "launch/slurm.sbatch", "--config.num_rounds=3"],
+                        cwd=multihost.REPO, env=env, text=True, capture_output=True,
+                        timeout=60)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "restart 1/3" in proc.stdout
+  lines = calls.read_text().splitlines()
+  assert len(lines) == 2 and "--kill-on-bad-exit=1" in lines[0]
+  assert f"--workdir={tmp_path / 'run'}" in lines[0] and "--config.num_rounds=3" in lines[0]

@@ -76,6 +76,10 @@ CASES = [
     ("num_rounds", 2.5, "must be a finite int"),
     ("num_rounds", True, "must be a finite int"),
     ("data.path", 3, "must be a finite str"),
+    ("outer.max_skipped_rounds", 0, ">= 1"),
+    ("checkpoint.every", -1, ">= 0"),
+    ("checkpoint.keep", 0, ">= 1"),
+    ("elastic_timeout", 0, ">= 1"),
 ]
 
 
@@ -146,3 +150,12 @@ def test_unknown_and_missing_fields():
     config_lib.validate(config)
   assert "config.outer.lr_: unknown field; did you mean config.outer.lr?" in str(e.value)
   assert "config.inner.eps: missing" in str(e.value)
+
+
+def test_elastic_needs_sync_mode():
+  config = config_lib.get_default_config()
+  config.elastic = True
+  config_lib.validate(config)
+  config.mode = "eager"
+  with pytest.raises(config_lib.ConfigError, match=r"config\.elastic.*'sync' only"):
+    config_lib.validate(config)
