@@ -34,11 +34,13 @@ import uuid
 from typing import Any, Callable
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diloco_jax import collective as collective_lib
+from diloco_jax import config as config_lib
 
 CHECKPOINTS = "checkpoints"
 UNREADABLE = "checkpoints_unreadable"
@@ -92,6 +94,30 @@ def check_writable(workdir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise CheckpointError(f"--workdir={workdir} is not a writable directory: {e}") from e
+
+
+def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: int,
+                     where: str) -> None:
+  """Refuses a checkpoint written by another world, or with a config whose math differs."""
+  saved = (meta["num_hosts"], meta["replicas_per_host"])
+  if saved != (num_hosts, replicas_per_host):
+    raise CheckpointError(
+        f"{where} was written by {saved[0]} host(s) x {saved[1]} replica(s); this run has "
+        f"{num_hosts} x {replicas_per_host}. A run resumes only in the world that wrote it "
+        f"(each replica's inner state, data iterator and in-flight pseudo-gradient belong "
+        f"to one host and replica): restart with {saved[0]} host(s) and "
+        f"--config.replicas_per_host={saved[1]}, or use a new --workdir")
+  before = config_lib.flatten(ml_collections.ConfigDict(meta["config"]))
+  now = config_lib.flatten(config)
+  changed = sorted(k for k in before.keys() | now.keys()
+                   if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
+  if changed:
+    lines = "\n".join(f"  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}"
+                      for k in changed)
+    raise CheckpointError(
+        f"the config differs from {where} in fields that change the math:\n{lines}\n"
+        f"Run with the checkpoint's values to resume, or use a new --workdir. Fields a "
+        f"resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:

@@ -102,3 +102,11 @@ def init_eager_state(outer_optimizer: optax.GradientTransformation, anchor: Para
   return EagerState(params=params, opt_state=jax.vmap(outer_optimizer.init)(params),
                     prev_deltas=broadcast_to_replicas(zeros, num_replicas), prev_mean=zeros,
                     step=jnp.zeros((), jnp.int32))
+
+
+def with_step_count(opt_state: optax.OptState, step: int) -> optax.OptState:
+  """`opt_state` with every step counter (optax's `count` fields, which drive schedules)
+  set to `step`."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full_like(x, step) if getattr(path[-1], "name", None) == "count"
+      else x, opt_state)

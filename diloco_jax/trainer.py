@@ -219,28 +219,9 @@ class Trainer:
     return checkpoint_lib.Snapshot(r, shared, own, meta)
 
   def _check_checkpoint(self, meta: dict) -> None:
-    """Refuses a checkpoint that does not belong to this run's world and math."""
-    where = f"checkpoint {meta['round']} in {self.checkpointer.directory}"
-    saved = (meta["num_hosts"], meta["replicas_per_host"])
-    if saved != (self.num_hosts, self.replicas_per_host):
-      raise checkpoint_lib.CheckpointError(
-          f"{where} was written by {saved[0]} host(s) x {saved[1]} replica(s); this run has "
-          f"{self.num_hosts} x {self.replicas_per_host}. A run resumes only in the world "
-          f"that wrote it (each replica's inner state, data iterator and in-flight "
-          f"pseudo-gradient belong to one host and replica): restart with "
-          f"{saved[0]} host(s) and --config.replicas_per_host={saved[1]}, or use a new "
-          f"--workdir")
-    before = config_lib.flatten(ml_collections.ConfigDict(meta["config"]))
-    now = config_lib.flatten(self.config)
-    changed = sorted(k for k in before.keys() | now.keys()
-                     if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
-    if changed:
-      lines = "\n".join(f"  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}"
-                        for k in changed)
-      raise checkpoint_lib.CheckpointError(
-          f"the config differs from {where} in fields that change the math:\n{lines}\n"
-          f"Run with the checkpoint's values to resume, or use a new --workdir. Fields a "
-          f"resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
+    checkpoint_lib.check_compatible(
+        meta, self.config, num_hosts=self.num_hosts, replicas_per_host=self.replicas_per_host,
+        where=f"checkpoint {meta['round']} in {self.checkpointer.directory}")
 
   def resume(self) -> tuple[int, dict | None]:
     """Restores the newest readable checkpoint. Returns the last round it holds (0: none)
@@ -298,10 +279,8 @@ class Trainer:
     self.outer_state = self.outer_step.join(snap.shared, None)
     replicas = self._init_replicas(self.outer_step.place(self.outer_state.anchor))
     step = snap.round * self.h
-    opt_state = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.numpy.full_like(x, step)
-        if getattr(path[-1], "name", None) == "count" else x, replicas.opt_state)
-    self.replicas = replicas.replace(opt_state=opt_state)
+    self.replicas = replicas.replace(opt_state=state_lib.with_step_count(replicas.opt_state,
+                                                                         step))
     self.data.set_state(snap.meta["data_state"])
     print(f"host {self.host}: rejoining at round {snap.round + 1}: replicas from the anchor "
           f"with fresh optimizer moments (step {step})", flush=True)
