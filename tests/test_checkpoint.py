@@ -269,3 +269,23 @@ def test_slurm_script_restarts_failed_steps(tmp_path):
   lines = calls.read_text().splitlines()
   assert len(lines) == 2 and "--kill-on-bad-exit=1" in lines[0]
   assert f"--workdir={tmp_path / 'run'}" in lines[0] and "--config.num_rounds=3" in lines[0]
+
+
+def test_sigterm_on_one_host_run(tmp_path):
+  """One host, no jax.distributed: SIGTERM is caught by the trainer itself."""
+  cmd = [sys.executable, "-m", "diloco_jax.train", "--config=configs/tiny.py",
+         f"--workdir={tmp_path}", "--config.num_rounds=200", "--config.inner_steps=2",
+         "--config.inner.warmup_steps=2"]
+  proc = multihost.start(cmd)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("round   3/200"):
+      break
+  else:
+    raise AssertionError("".join(lines))
+  proc.send_signal(signal.SIGTERM)
+  text = "".join(lines) + proc.communicate(timeout=120)[0]
+  assert proc.returncode == 0, text[-3000:]
+  stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
+  assert stopped < 200 and os.path.isdir(tmp_path / checkpoint.CHECKPOINTS / str(stopped))
