@@ -15,9 +15,10 @@ import optax
 from diloco_jax import diloco
 from diloco_jax import inner
 from diloco_jax import state as state_lib
+from diloco_jax import streaming
 
 Params = Any
-MODES = ("sync", "delayed", "eager")
+MODES = ("sync", "delayed", "eager", "streaming")
 
 
 class SimulateResult(NamedTuple):
@@ -33,7 +34,8 @@ class SimulateResult(NamedTuple):
 def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, batches: Any,
              *, inner_optimizer: optax.GradientTransformation,
              outer_optimizer: optax.GradientTransformation,
-             mode: str = "sync") -> SimulateResult:
+             mode: str = "sync", fragment_ids: Params | None = None,
+             overlap_steps: int = 0, merge_alpha: float = 0.0) -> SimulateResult:
   """Trains K replicas of `loss_fn` from `init_params` with DiLoCo for T rounds of H steps.
 
   Args:
@@ -45,7 +47,11 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     inner_optimizer, outer_optimizer: any optax transformations.
     mode: 'sync', 'delayed' or 'eager' (ALGORITHMS.md §1, §2, §3). In the async modes the
       mean of the last round, still in flight when the rounds end, is applied at the end
-      (drained), so `params` contains every round.
+      (drained), so `params` contains every round. 'streaming': ALGORITHMS.md §4 with
+      the phase convention of `streaming.py`.
+    fragment_ids, overlap_steps, merge_alpha: streaming only. A pytree like
+      `init_params` giving each leaf's fragment in 0..P−1 (None: one fragment), τ, and α.
+      `outer_state` is then the list of the fragments' OuterStates.
   """
   if mode not in MODES:
     raise ValueError(f"simulate: mode={mode!r} is not one of {MODES}")
@@ -98,8 +104,76 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     replicas = replicas.replace(params=eager.params)
     return (eager, replicas), losses
 
+  def streaming_run(init_params, batches):
+    leaves, treedef = jax.tree.flatten(init_params)
+    ids = (jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves))
+    num_p = max(ids) + 1
+    kk = h // num_p
+    streaming.events(t, h, num_p, overlap_steps)  # validates P | H and τ < H/P
+    tau = overlap_steps
+    outer = streaming.outer_states(outer_optimizer, init_params, ids, num_p)
+
+    def receive(outer, replicas, p, mean_p):
+      outer = list(outer)
+      outer[p] = diloco.outer_update(outer_optimizer, outer[p], mean_p)
+      parts = streaming.split(replicas.params, ids, num_p)
+      parts[p] = streaming.merge(parts[p], outer[p].anchor, merge_alpha, k)
+      return outer, replicas.replace(params=streaming.join(parts, ids, treedef))
+
+    def gated_receive(outer, replicas, p, mean_p, has):
+      return jax.lax.cond(has, lambda o, r: receive(o, r, p, mean_p),
+                          lambda o, r: (list(o), r), outer, replicas)
+
+    def steps(replicas, batches_KxH, start, stop):
+      if stop == start:
+        return replicas, None
+      return inner_phase(replicas, jax.tree.map(lambda x: x[:, start:stop], batches_KxH))
+
+    def round_(carry, batches_KxH):
+      outer, replicas, prev_mean, prev_has, r = carry
+      losses = []
+      prev_p = 0  # fragment 0 sent at the end of the previous round (if any)
+      for q in range(1, num_p + 1):
+        start = (q - 1) * kk
+        if tau:
+          replicas, l1 = steps(replicas, batches_KxH, start, start + tau)
+          outer, replicas = gated_receive(outer, replicas, prev_p, prev_mean[prev_p],
+                                          prev_has)
+          replicas, l2 = steps(replicas, batches_KxH, start + tau, start + kk)
+          losses += [l1, l2]
+        else:
+          replicas, l = steps(replicas, batches_KxH, start, start + kk)
+          losses.append(l)
+        p = q % num_p
+        sends = r >= 2 if q < num_p else True  # fragment p ≥ 1 first sends in round 2
+        mean_p = streaming.send(outer[p], streaming.split(replicas.params, ids, num_p)[p])
+        if tau == 0:
+          if q < num_p:
+            outer, replicas = gated_receive(outer, replicas, p, mean_p, sends)
+          else:
+            outer, replicas = receive(outer, replicas, p, mean_p)
+          prev_has = jnp.asarray(False)
+        else:
+          prev_mean = [mean_p if i == p else m for i, m in enumerate(prev_mean)]
+          prev_has = jnp.asarray(sends)
+        prev_p = p
+      losses = jnp.concatenate([x for x in losses if x is not None], axis=1)
+      return (outer, replicas, prev_mean, prev_has, r + 1), losses
+
+    replicas = state_lib.init_replica_state(inner_optimizer, init_params, k)
+    zeros = [jax.tree.map(jnp.zeros_like, part) for part in streaming.split(init_params, ids,
+                                                                            num_p)]
+    carry = (outer, replicas, zeros, jnp.asarray(False), jnp.asarray(1))
+    (outer, replicas, prev_mean, prev_has, _), losses = jax.lax.scan(round_, carry, batches)
+    if tau:  # the mean of fragment 0, sent after the last step, arrives
+      outer, replicas = gated_receive(outer, replicas, 0, prev_mean[0], prev_has)
+    anchor = streaming.join([o.anchor for o in outer], ids, treedef)
+    return SimulateResult(anchor, losses, outer, replicas)
+
   @jax.jit
   def run(init_params, batches):
+    if mode == "streaming":
+      return streaming_run(init_params, batches)
     replicas = state_lib.init_replica_state(inner_optimizer, init_params, k)
     if mode == "sync":
       outer_state = state_lib.init_outer_state(outer_optimizer, init_params)

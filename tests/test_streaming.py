@@ -1,0 +1,87 @@
+"""Streaming DiLoCo in `simulate` (ALGORITHMS.md §4; phase convention in streaming.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import diloco_jax
+from diloco_jax import model as model_lib
+from diloco_jax import streaming
+
+
+def test_one_fragment_no_overlap_no_mixing_is_sync_bit_for_bit():
+  """P = 1, τ = 0, α = 0: fragment 0 sends after every H steps and its mean is applied at
+  once, replacing the replicas' params: sync DiLoCo, bit for bit."""
+  rng = np.random.default_rng(0)
+  w = {"w1": jnp.asarray(rng.standard_normal((4, 8)), jnp.float32),
+       "w2": jnp.asarray(rng.standard_normal((8,)), jnp.float32)}
+  loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"] ** 2)
+  batches = jnp.asarray(rng.standard_normal((3, 2, 5, 6, 4)), jnp.float32)  # T K H B D
+  kw = dict(inner_optimizer=optax.adamw(1e-2), outer_optimizer=optax.sgd(0.7, 0.9,
+                                                                         nesterov=True))
+  sync = diloco_jax.simulate(loss, w, batches, mode="sync", **kw)
+  stream = diloco_jax.simulate(loss, w, batches, mode="streaming", **kw)
+  for a, b in zip(jax.tree.leaves(stream.params), jax.tree.leaves(sync.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(stream.losses, sync.losses)
+
+
+# Two scalars a (fragment 0) and b (fragment 1), one replica, loss a + b: every inner SGD
+# step (lr 0.1) lowers both by 0.1. Outer SGD, lr 0.5, no momentum: g_p ← g_p − 0.5 Δ̄_p
+# (g: the global copy θᵍ). H = 4, P = 2 (K = 2), T = 2 rounds = 8 steps: fragment 0 sends
+# after steps 4 and 8, fragment 1 after step 6 (H + K; the next, 10, is past the end).
+#
+# τ=0, α=0:  t1-4: a = b = -.4. t4: Δa = .4, ga = -.2, a = -.2.
+#            t5-6: a = -.4, b = -.6. t6: Δb = .6, gb = -.3, b = -.3.
+#            t7-8: a = -.6, b = -.5. t8: Δa = -.2 + .6 = .4, ga = -.4, a = -.4.
+#            θᵍ = (-.4, -.3), replica = (-.4, -.5) (b not synced after t6)
+# τ=1, α=0:  t4: Δa = .4 sent. t5: a = b = -.5; receive: ga = -.2, a = -.2.
+#            t6: a = -.3, b = -.6; Δb = .6 sent. t7: a = -.4, b = -.7; gb = -.3, b = -.3.
+#            t8: a = -.5, b = -.4; Δa = -.2 + .5 = .3 arrives at the end: ga = -.35.
+#            θᵍ = (-.35, -.3), replica = (-.35, -.4)
+# τ=0, α=.5: t4: ga = -.2, a = (-.4 - .2)/2 = -.3. t6: a = -.5, b = -.6; gb = -.3,
+#            b = (-.6 - .3)/2 = -.45. t8: a = -.7, b = -.65; Δa = .5, ga = -.45,
+#            a = (-.7 - .45)/2 = -.575.  θᵍ = (-.45, -.3), replica = (-.575, -.65)
+# τ=1, α=.5: t5: a = b = -.5; ga = -.2, a = -.35. t6: a = -.45, b = -.6; Δb = .6 sent.
+#            t7: a = -.55, b = -.7; gb = -.3, b = -.5. t8: a = -.65, b = -.6;
+#            Δa = .45 arrives at the end: ga = -.425, a = (-.65 - .425)/2 = -.5375.
+#            θᵍ = (-.425, -.3), replica = (-.5375, -.6)
+HAND = {(0, 0.0): ((-.4, -.3), (-.4, -.5)), (1, 0.0): ((-.35, -.3), (-.35, -.4)),
+        (0, 0.5): ((-.45, -.3), (-.575, -.65)), (1, 0.5): ((-.425, -.3), (-.5375, -.6))}
+
+
+@pytest.mark.parametrize("tau,alpha", sorted(HAND))
+def test_two_fragments_by_hand(tau, alpha):
+  params = {"a": jnp.zeros((), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  result = diloco_jax.simulate(
+      lambda p, x: x * (p["a"] + p["b"]), params, jnp.ones((2, 1, 4), jnp.float32),
+      inner_optimizer=optax.sgd(0.1), outer_optimizer=optax.sgd(0.5), mode="streaming",
+      fragment_ids={"a": 0, "b": 1}, overlap_steps=tau, merge_alpha=alpha)
+  global_ab, local_ab = HAND[(tau, alpha)]
+  np.testing.assert_allclose([result.params["a"], result.params["b"]], global_ab, atol=1e-6)
+  np.testing.assert_allclose([result.replicas.params["a"][0], result.replicas.params["b"][0]],
+                             local_ab, atol=1e-6)
+
+
+def test_schedule_and_bad_settings():
+  ev = streaming.events(num_rounds=2, h=4, num_fragments=2, tau=1)
+  assert ev == {4: [("send", 0)], 5: [("receive", 0)], 6: [("send", 1)],
+                7: [("receive", 1)], 8: [("send", 0), ("receive", 0)]}
+  with pytest.raises(ValueError, match="divisible"):
+    streaming.events(2, 5, 2, 0)
+  with pytest.raises(ValueError, match="overlap"):
+    streaming.events(2, 4, 2, 2)
+
+
+def test_model_fragments():
+  cfg = model_lib.GPTConfig(vocab_size=16, num_layers=4, d_model=8, num_heads=2, mlp_dim=16,
+                            seq_len=8)
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  strided = streaming.model_fragment_ids(params, 2)
+  assert {strided[f"block_{i}"]["mlp_in"]["kernel"] for i in (0, 2)} == {0}
+  assert {strided[f"block_{i}"]["mlp_in"]["kernel"] for i in (1, 3)} == {1}
+  assert strided["embed"]["embedding"] == strided["head"]["kernel"] == 0
+  sequential = streaming.model_fragment_ids(params, 2, "sequential")
+  assert [sequential[f"block_{i}"]["ln_mlp"]["scale"] for i in range(4)] == [0, 0, 1, 1]
