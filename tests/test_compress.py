@@ -91,3 +91,12 @@ def test_too_few_replicas_for_the_trim_is_an_error():
   aggregate.check("trimmed_mean", 5, 0.2)
   with pytest.raises(ValueError, match="median over K = 2"):
     aggregate.check("median", 2, 0.2)
+
+
+def test_one_host_encoded_sum_is_the_round_trip_twice():
+  from diloco_jax import collective
+  x = sample(1000)
+  rt = lambda v: compress.decode(compress.encode(v, "int8"))
+  padded = np.pad(x, (0, 24))  # whole 256-entry blocks
+  np.testing.assert_array_equal(collective.LocalCollective().sum_encoded(x, "int8"),
+                                rt(rt(padded))[:1000])
