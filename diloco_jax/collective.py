@@ -98,7 +98,7 @@ class LocalCollective:
 
   def sum_encoded(self, x: np.ndarray, fmt: str, **options) -> np.ndarray:
     """The same protocol with one host: the vector's round trip through `fmt`, twice."""
-    out, _ = sum_encoded(x, fmt, num_hosts=1, all_to_all=lambda v: v, allgather=lambda v: v,
+    out, _ = sum_encoded(x, fmt, num_hosts=1, all_to_all=lambda v: v, allgather=self.allgather,
                          **options)
     return out
 
