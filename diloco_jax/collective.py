@@ -45,35 +45,46 @@ def _unpack(flat: dict[np.dtype, np.ndarray], layout) -> PyTree:
   return jax.tree.unflatten(treedef, leaves)
 
 
-def sum_encoded(x: np.ndarray, fmt: str, *, num_hosts: int, all_to_all, allgather,
-                **options) -> tuple[np.ndarray, int]:
-  """Σ over hosts of a flat float32 vector that crosses the network encoded (compress.py).
+def reduce_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, all_to_all,
+                   allgather, **options) -> tuple[np.ndarray, int]:
+  """`reduce` over the rows of every host's [R, N] float32 array, which cross the network
+  encoded (compress.py); returns the [N] result, the same bytes on every host, and the
+  bytes this host sent.
 
-  Each host cuts its vector into one chunk per host and sends chunk i, encoded, to host i
-  (all-to-all); host i decodes the chunks it received and sums them in float32, in host
-  order, encodes that reduced chunk, and every host gathers all reduced chunks
-  (all-gather) and decodes them. Every host ends with the same bytes. Returns the sum and
-  the bytes this host sent: (n−1)/n of its encoded vector plus (n−1) reduced chunks —
-  what a ring all-reduce sends, at the encoded size.
+  Each host cuts its rows into one chunk per host and sends chunk i, encoded, to host i
+  (all-to-all); host i decodes what it received, reduces those n·R rows chunk-wise in
+  float32 (`reduce`: [n·R, chunk] -> [chunk], rows in host-major order), encodes the
+  result, and every host gathers all reduced chunks (all-gather). With R = 1 and a sum,
+  this is a ring all-reduce's traffic at the encoded size: (n−1)/n of the encoded vector
+  plus (n−1) reduced chunks.
   """
   n = num_hosts
-  chunk = -(-x.size // n)
+  x_R = np.asarray(x_R, np.float32)
+  r, size = x_R.shape
+  chunk = -(-size // n)
   chunk = -(-chunk // compress.BLOCK) * compress.BLOCK
-  rows = np.pad(np.asarray(x, np.float32).ravel(), (0, n * chunk - x.size)).reshape(n, chunk)
-  encoded = [compress.encode(row, fmt, **options) for row in rows]
-  parts = {k: np.stack([e.parts[k] for e in encoded]) for k in encoded[0].parts}
-  received = {k: all_to_all(v) for k, v in parts.items()}  # [n, ...]: my chunk from each
-  reduced = np.zeros(chunk, np.float32)
-  for h in range(n):
-    reduced += compress.decode(compress.Encoded(fmt, chunk, {k: v[h] for k, v in
-                                                             received.items()}))
-  mine = compress.encode(reduced, fmt, **options)
+  rows = np.pad(x_R, ((0, 0), (0, n * chunk - size))).reshape(r, n, chunk)
+  encoded = [[compress.encode(rows[m, i], fmt, **options) for i in range(n)] for m in range(r)]
+  parts = {k: np.stack([np.stack([e[i].parts[k] for e in encoded]) for i in range(n)])
+           for k in encoded[0][0].parts}  # [n (destination), R, ...]
+  received = {k: all_to_all(v) for k, v in parts.items()}  # [n (source), R, ...]
+  decoded = np.stack([compress.decode(compress.Encoded(fmt, chunk, {k: v[h, m] for k, v in
+                                                                    received.items()}))
+                      for h in range(n) for m in range(r)])
+  mine = compress.encode(np.asarray(reduce(decoded), np.float32), fmt, **options)
   gathered = {k: allgather(v) for k, v in mine.parts.items()}  # [n, ...]
   out = np.concatenate([compress.decode(compress.Encoded(fmt, chunk, {k: v[i] for k, v in
                                                                       gathered.items()}))
                         for i in range(n)])
   sent = sum(int(v.nbytes) for v in parts.values()) * (n - 1) // n + (n - 1) * mine.nbytes
-  return out[:x.size], sent
+  return out[:size], sent
+
+
+def _sum_rows(rows: np.ndarray) -> np.ndarray:
+  total = np.zeros(rows.shape[1], np.float32)
+  for row in rows:  # in host order: the same rounding wherever it runs
+    total += row
+  return total
 
 
 def payload_bytes(tree: PyTree) -> int:
@@ -96,10 +107,12 @@ class LocalCollective:
   def allgather(self, x: np.ndarray) -> np.ndarray:
     return np.asarray(x)[None]
 
-  def sum_encoded(self, x: np.ndarray, fmt: str, **options) -> np.ndarray:
-    """The same protocol with one host: the vector's round trip through `fmt`, twice."""
-    out, _ = sum_encoded(x, fmt, num_hosts=1, all_to_all=lambda v: v, allgather=self.allgather,
-                         **options)
+  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=_sum_rows,
+                     **options) -> np.ndarray:
+    """The same protocol with one host (each row's round trip through `fmt`, reduced,
+    and the result's round trip)."""
+    out, _ = reduce_encoded(x_R, fmt, reduce, num_hosts=1, all_to_all=lambda v: v,
+                            allgather=self.allgather, **options)
     return out
 
 
@@ -165,10 +178,13 @@ class HostCollective:
                                                  [local])
     return np.asarray(self._all_to_all(g).addressable_data(0)).reshape(x.shape)
 
-  def sum_encoded(self, x: np.ndarray, fmt: str, **options) -> np.ndarray:
-    """Σ over hosts of a flat float32 vector, sent encoded (module function `sum_encoded`)."""
-    out, sent = sum_encoded(x, fmt, num_hosts=self.num_hosts, all_to_all=self.all_to_all,
-                            allgather=self._allgather_quiet, **options)
+  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=_sum_rows,
+                     **options) -> np.ndarray:
+    """`reduce` over every host's rows [R, N], sent encoded (module `reduce_encoded`); by
+    default their sum."""
+    out, sent = reduce_encoded(x_R, fmt, reduce, num_hosts=self.num_hosts,
+                               all_to_all=self.all_to_all, allgather=self._allgather_quiet,
+                               **options)
     self.bytes_sent += sent
     return out
 

@@ -130,7 +130,7 @@ COLLECTIVE_HOST = textwrap.dedent("""
     chunk = 512  # ceil(1000 / 3) = 334, rounded up to whole 256-entry blocks
     for fmt, ratio in (("int8", 0.27), ("4bit", 0.15)):
       before = c.bytes_sent
-      got = c.sum_encoded(xs[host], fmt)
+      got = c.reduce_encoded(xs[host][None], fmt)
       padded = [np.pad(x, (0, 3 * chunk - 1000)).reshape(3, chunk) for x in xs]
       rt = lambda v: compress.decode(compress.encode(v, fmt))
       reduced = [rt(v) for v in [sum(rt(p[i]) for p in padded) for i in range(3)]]
@@ -140,6 +140,19 @@ COLLECTIVE_HOST = textwrap.dedent("""
       sent = c.bytes_sent - before
       assert sent <= ratio * (2 * 2 * 4 * 3 * chunk // 3), (fmt, sent)  # vs a float32 ring
       np.save(sys.argv[3] + f"/{fmt}{host}.npy", got)
+    # Robust aggregation in the same layout: 2 replicas per host, host 2's second replica
+    # sends Δ x 1e6; each host trims its chunk's 6 values per coordinate.
+    import jax.numpy as jnp
+    from diloco_jax import aggregate
+    honest = lambda h, m: 1.0 + 0.01 * np.random.default_rng(20 + 2 * h + m).normal(
+        size=1000).astype(np.float32)
+    mine = np.stack([honest(host, m) * (1e6 if (host, m) == (2, 1) else 1) for m in (0, 1)])
+    trimmed = lambda rows: np.asarray(aggregate.aggregate(jnp.asarray(rows), "trimmed_mean",
+                                                          trim=0.2))
+    got = c.reduce_encoded(mine, "int8", trimmed)
+    good = np.mean([honest(h, m) for h in range(3) for m in (0, 1)][:5], axis=0)
+    assert np.abs(got - good).max() < 0.05, np.abs(got - good).max()
+    np.save(sys.argv[3] + f"/trimmed{host}.npy", got)
     print("ok")
 """)
 
@@ -150,7 +163,7 @@ def test_host_collective_three_hosts(tmp_path):
                             str(tmp_path)]) for h in range(3)]
   for code, text in multihost.finish(procs, timeout=120):
     assert code == 0 and "ok" in text, text[-3000:]
-  for name in ("sum", "int8", "4bit"):
+  for name in ("sum", "int8", "4bit", "trimmed"):
     sums = [np.load(tmp_path / f"{name}{h}.npy") for h in range(3)]
     for s in sums[1:]:  # every host received the same bytes
       assert s.tobytes() == sums[0].tobytes()
