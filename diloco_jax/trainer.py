@@ -136,8 +136,6 @@ class Trainer:
         collective=self.collective,
         elastic_timeout=config.elastic_timeout if self.elastic else None)
     self._sigterm = threading.Event()  # one host: SIGTERM asks for a checkpoint and exit
-    if self.num_hosts == 1 and threading.current_thread() is threading.main_thread():
-      signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
 
   def run_round(self, r: int) -> dict[str, Any]:
     """Round r: H inner steps of every local replica, then the outer step. Returns the
@@ -285,6 +283,10 @@ class Trainer:
     print(f"host {self.host}: rejoining at round {snap.round + 1}: replicas from the anchor "
           f"with fresh optimizer moments (step {step})", flush=True)
 
+  def request_preemption(self) -> None:
+    """One host (a SIGTERM handler): stop after this round with a checkpoint."""
+    self._sigterm.set()
+
   def preempted(self, r: int) -> bool:
     """Whether any host got a preemption notice (SIGTERM); every host answers the same
     for the same round (JAX's preemption sync point, through the coordination service)."""
@@ -420,4 +422,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   """Trains per `config`, writing metrics, TensorBoard events and a loss plot to `workdir`
   (host 0). On several hosts, `distributed.initialize` must have run first."""
   with dispatch.Dispatcher() as dispatcher:
-    return Trainer(config, workdir, dispatcher).run()
+    trainer = Trainer(config, workdir, dispatcher)
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+      return trainer.run()  # several hosts: JAX's preemption notifier handles SIGTERM
+    previous = signal.signal(signal.SIGTERM, lambda *_: trainer.request_preemption())
+    try:
+      return trainer.run()
+    finally:
+      signal.signal(signal.SIGTERM, previous)
