@@ -126,7 +126,7 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
     before = [net.tx_bytes(i) for i in range(net.num_hosts)]
     procs = [subprocess.Popen(
         ["ip", "netns", "exec", net.namespaces[i], sys.executable, "-m", "diloco_jax.train",
-         *args, f"--config.mode={mode}", f"--workdir={workdir}/h{i}",
+         *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
          f"--coordinator_address={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
          f"--host_id={i}", "--initialization_timeout=120"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -135,8 +135,9 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
   for i, (p, out) in enumerate(zip(procs, outputs)):
     if p.returncode != 0:
       raise RuntimeError(f"{mode}: host {i} failed:\n{out[-3000:]}")
-  per_host = [read_metrics(f"{workdir}/h{i}") for i in range(net.num_hosts)
-              if os.path.exists(f"{workdir}/h{i}/metrics.jsonl")]
+  # One-host jobs each log their own run; a multi-host job logs on host 0 only.
+  per_host = ([read_metrics(f"{workdir}/h{i}") for i in range(net.num_hosts)]
+              if mode == "none" else [read_metrics(workdir)])
   records = per_host[0]
   wall = max(sum(r["round_time"] for r in recs[1:]) for recs in per_host)
   tokens = records[-1]["tokens"] - records[0]["tokens"]
@@ -160,6 +161,7 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
+  from diloco_jax import metrics
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -168,14 +170,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     if row["curve"]:
       xs, ys = zip(*row["curve"])
       ax.plot(xs, ys, "o-", markersize=3, label=f"{row['mode']} ({row['wall_s']:.0f} s)")
-  ax.set_xlabel("wall-clock time (s, round 1 excluded)")
-  ax.set_ylabel("eval loss (nats/token)")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  metrics.save_figure(fig, ax, path, xlabel="wall-clock time (s, round 1 excluded)",
+                      ylabel="eval loss (nats/token)", title=title)
 
 
 def main():

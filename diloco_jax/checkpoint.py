@@ -239,8 +239,7 @@ class Checkpointer:
 
   def steps(self) -> list[int]:
     """Complete checkpoints, newest first; the same list on every host or an error."""
-    steps = sorted(self.dispatcher.run(lambda: (self.manager.reload(),
-                                                self.manager.all_steps())[1]), reverse=True)
+    steps = sorted(self.dispatcher.run(self._listed_steps), reverse=True)
     newest = np.array([steps[0] if steps else -1, len(steps)], np.int64)
     seen = self.dispatcher.run(self.collective.allgather, newest,
                                what="agreeing on the checkpoints")
@@ -249,6 +248,10 @@ class Checkpointer:
           f"hosts see different checkpoints in {self.directory} (newest, count per host: "
           f"{seen.tolist()}): the workdir must be one directory shared by every host")
     return steps
+
+  def _listed_steps(self) -> list[int]:
+    self.manager.reload()  # what is on disk now, not what this manager saw
+    return list(self.manager.all_steps())
 
   def restore(self, like: Callable[[dict], Snapshot],
               check_meta: Callable[[dict], None]) -> Snapshot | None:

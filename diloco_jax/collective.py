@@ -140,63 +140,63 @@ class HostCollective:
   def __init__(self):
     self.num_hosts = jax.process_count()
     self.host_index = jax.process_index()
-    self.mesh = host_mesh()
-    self.device = self.mesh.devices[self.host_index]
-    self._rows = NamedSharding(self.mesh, P(HOSTS_AXIS))  # [hosts, N]: one row per host
-    replicated = NamedSharding(self.mesh, P())  # the result: a full copy on every host
+    mesh = host_mesh()
+    self.device = mesh.devices[self.host_index]
+    self.bytes_sent = 0
+    self._use(mesh)
+
+  def _use(self, mesh: Mesh) -> None:
+    """Collectives over `mesh`'s hosts (all of them; elastic mode: the live ones)."""
+    self.mesh = mesh
+    self._rows = NamedSharding(mesh, P(HOSTS_AXIS))  # [hosts, N]: one row per host
+    replicated = NamedSharding(mesh, P())  # the result: a full copy on every host
     self._sum = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=replicated)
     self._gather = jax.jit(lambda x: x, out_shardings=replicated)
     self._all_to_all = jax.jit(jax.shard_map(
         lambda x: jax.lax.all_to_all(x, HOSTS_AXIS, split_axis=1, concat_axis=0),
-        mesh=self.mesh, in_specs=P(HOSTS_AXIS), out_specs=P(HOSTS_AXIS)))
-    self.bytes_sent = 0
+        mesh=mesh, in_specs=P(HOSTS_AXIS), out_specs=P(HOSTS_AXIS)))
 
   def _global(self, row: np.ndarray) -> jax.Array:
-    local = jax.device_put(row[None], self.device)
-    return jax.make_array_from_single_device_arrays((self.num_hosts, *row.shape), self._rows,
-                                                    [local])
+    local = jax.device_put(np.asarray(row)[None], self.device)
+    return jax.make_array_from_single_device_arrays((self.mesh.size, *np.shape(row)),
+                                                    self._rows, [local])
 
   def sum(self, tree: PyTree) -> PyTree:
     """Σ over hosts of each leaf; every host gets the same bytes."""
     flat, layout = _pack(tree)
-    out = {}
+    n, out = self.mesh.size, {}
     for dt, buf in flat.items():
       total = self._sum(self._global(buf))
       out[dt] = np.asarray(total.addressable_data(0))
-      self.bytes_sent += 2 * (self.num_hosts - 1) * buf.nbytes // self.num_hosts
+      self.bytes_sent += 2 * (n - 1) * buf.nbytes // n
     return _unpack(out, layout)
 
   def mean(self, tree: PyTree) -> PyTree:
     """Σ over hosts divided by the number of hosts (the trainer divides by K itself)."""
-    return jax.tree.map(lambda s: s / np.asarray(self.num_hosts, s.dtype), self.sum(tree))
+    return jax.tree.map(lambda s: s / np.asarray(self.mesh.size, s.dtype), self.sum(tree))
 
   def all_to_all(self, x: np.ndarray) -> np.ndarray:
     """x: [hosts, ...], row i for host i. Returns [hosts, ...]: row j from host j."""
     x = np.asarray(x)
-    local = jax.device_put(x[None], self.device)
-    g = jax.make_array_from_single_device_arrays((self.num_hosts, *x.shape), self._rows,
-                                                 [local])
-    return np.asarray(self._all_to_all(g).addressable_data(0)).reshape(x.shape)
+    return np.asarray(self._all_to_all(self._global(x)).addressable_data(0)).reshape(x.shape)
 
   def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=_sum_rows,
                      **options) -> np.ndarray:
     """`reduce` over every host's rows [R, N], sent encoded (module `reduce_encoded`); by
     default their sum."""
-    out, sent = reduce_encoded(x_R, fmt, reduce, num_hosts=self.num_hosts,
-                               all_to_all=self.all_to_all, allgather=self._allgather_quiet,
+    out, sent = reduce_encoded(x_R, fmt, reduce, num_hosts=self.mesh.size,
+                               all_to_all=self.all_to_all, allgather=self._gather_rows,
                                **options)
     self.bytes_sent += sent
     return out
 
-  def _allgather_quiet(self, x: np.ndarray) -> np.ndarray:
-    return np.asarray(self._gather(self._global(np.asarray(x))).addressable_data(0))
+  def _gather_rows(self, x: np.ndarray) -> np.ndarray:
+    return np.asarray(self._gather(self._global(x)).addressable_data(0))
 
   def allgather(self, x: np.ndarray) -> np.ndarray:
     """[hosts, *x.shape]: every host's `x`, in host order."""
-    x = np.asarray(x)
-    out = np.asarray(self._gather(self._global(x)).addressable_data(0))
-    self.bytes_sent += (self.num_hosts - 1) * x.nbytes
-    return out
+    self.bytes_sent += (self.mesh.size - 1) * np.asarray(x).nbytes
+    return self._gather_rows(x)
 
 
 def make_collective() -> LocalCollective | HostCollective:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 FORMATS = ("none", "bf16", "int8", "4bit", "topk")
@@ -56,7 +56,7 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK,
   if fmt == "none":
     return Encoded(fmt, x.size, {"values": x.copy()})
   if fmt == "bf16":
-    return Encoded(fmt, x.size, {"values": x.astype(ml_dtypes.bfloat16)})
+    return Encoded(fmt, x.size, {"values": x.astype(jnp.bfloat16)})
   if fmt in _QMAX:
     qmax = _QMAX[fmt]
     b = _blocks(x, block)

@@ -26,9 +26,8 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from diloco_jax import collective as collective_lib
 
@@ -114,39 +113,20 @@ def finish() -> None:
   os._exit(0)
 
 
-class ElasticCollective:
-  """`HostCollective`'s interface over the hosts still alive. `num_hosts` stays the
-  world's size (replica flags keep their places); `live` lists the hosts summed over."""
+class ElasticCollective(collective_lib.HostCollective):
+  """`HostCollective` over the hosts still alive. `num_hosts` stays the world's size
+  (replica flags keep their places); `live` lists the hosts summed over."""
 
   def __init__(self, timeout_s: int):
-    self.num_hosts, self.host_index = jax.process_count(), jax.process_index()
+    super().__init__()
     self.timeout_s = timeout_s
-    self._first_cpu = list(collective_lib.host_mesh().devices.flat)
-    self.device = self._first_cpu[self.host_index]
-    self.bytes_sent = 0
-    self._programs: dict[tuple[int, ...], Any] = {}
+    self._first_cpu = list(self.mesh.devices.flat)
+    self.live = list(range(self.num_hosts))
     # Each host's incarnation at the start: a host that comes back has another one, and
     # does not count as live (it waits for the coordinated restart instead).
-    self._incarnations = _client().get_live_nodes(list(range(self.num_hosts)))
+    self._incarnations = _client().get_live_nodes(self.live)
     self._generation = 0  # regroupings so far
     self._ops = 0  # collectives in this generation: names their barriers alike everywhere
-    self._use(list(range(self.num_hosts)))
-
-  def _use(self, live: list[int]) -> None:
-    self.live = live
-    if tuple(live) not in self._programs:
-      mesh = Mesh(np.array([self._first_cpu[h] for h in live]), (collective_lib.HOSTS_AXIS,))
-      replicated = NamedSharding(mesh, P())
-      self._programs[tuple(live)] = (
-          NamedSharding(mesh, P(collective_lib.HOSTS_AXIS)),
-          jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=replicated),
-          jax.jit(lambda x: x, out_shardings=replicated))
-    self._rows, self._sum, self._gather = self._programs[tuple(live)]
-
-  def _global(self, row: np.ndarray) -> jax.Array:
-    local = jax.device_put(row[None], self.device)
-    return jax.make_array_from_single_device_arrays((len(self.live), *row.shape), self._rows,
-                                                    [local])
 
   def _live_now(self) -> list[int]:
     """The hosts of the current group that the coordination service still sees, in the
@@ -194,26 +174,12 @@ class ElasticCollective:
             file=sys.stderr, flush=True)
     self._generation += 1
     self._ops = 0
-    self._use(live)
+    self.live = live
+    self._use(Mesh(np.array([self._first_cpu[h] for h in live]), (collective_lib.HOSTS_AXIS,)))
 
   def sum(self, tree: Any) -> Any:
-    def op():
-      flat, layout = collective_lib._pack(tree)
-      out = {dt: np.asarray(self._sum(self._global(buf)).addressable_data(0))
-             for dt, buf in flat.items()}
-      n = len(self.live)
-      self.bytes_sent += sum(2 * (n - 1) * b.nbytes // n for b in flat.values())
-      return collective_lib._unpack(out, layout)
-    return self._run(op)
-
-  def mean(self, tree: Any) -> Any:
-    return jax.tree.map(lambda s: s / np.asarray(len(self.live), s.dtype), self.sum(tree))
+    return self._run(lambda: super(ElasticCollective, self).sum(tree))
 
   def allgather(self, x: np.ndarray) -> np.ndarray:
     """[live hosts, *x.shape], in host order."""
-    x = np.asarray(x)
-
-    def op():
-      self.bytes_sent += (len(self.live) - 1) * x.nbytes
-      return np.asarray(self._gather(self._global(x)).addressable_data(0))
-    return self._run(op)
+    return self._run(lambda: super(ElasticCollective, self).allgather(x))

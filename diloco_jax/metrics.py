@@ -140,8 +140,15 @@ def plot_losses(records: list[Mapping[str, Any]], path: str, *, floor: float | N
     ax.axhline(floor, color="k", linestyle="--", label=f"floor (true model) {floor:.3f}")
   if unigram is not None:
     ax.axhline(unigram, color="gray", linestyle=":", label=f"best unigram {unigram:.3f}")
-  ax.set_xlabel("tokens seen (all replicas)")
-  ax.set_ylabel("loss (nats/token)")
+  save_figure(fig, ax, path, xlabel="tokens seen (all replicas)",
+              ylabel="loss (nats/token)", title=title)
+
+
+def save_figure(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str) -> None:
+  """Labels, grid and legend, then writes the figure to `path` and closes it."""
+  import matplotlib.pyplot as plt
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend()

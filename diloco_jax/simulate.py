@@ -108,8 +108,7 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     leaves, treedef = jax.tree.flatten(init_params)
     ids = (jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves))
     num_p = max(ids) + 1
-    kk = h // num_p
-    streaming.events(t, h, num_p, overlap_steps)  # validates P | H and τ < H/P
+    kk = streaming.check_schedule(h, num_p, overlap_steps)
     tau = overlap_steps
     outer = streaming.outer_states(outer_optimizer, init_params, ids, num_p)
 

@@ -71,13 +71,19 @@ def merge(local_K: list[jax.Array], new_global: list[jax.Array], alpha: float,
                       fresh)
 
 
-def events(num_rounds: int, h: int, num_fragments: int, tau: int) -> dict[int, list]:
-  """{global step t: [("send" | "receive", fragment), ...]} after inner step t, in order."""
+def check_schedule(h: int, num_fragments: int, tau: int) -> int:
+  """K = H/P, after checking that P divides H and that τ < K."""
   if h % num_fragments:
     raise ValueError(f"inner_steps H = {h} must be divisible by the {num_fragments} fragments")
   k = h // num_fragments
   if not 0 <= tau < k:
     raise ValueError(f"overlap τ = {tau} must be in [0, H/P = {k})")
+  return k
+
+
+def events(num_rounds: int, h: int, num_fragments: int, tau: int) -> dict[int, list]:
+  """{global step t: [("send" | "receive", fragment), ...]} after inner step t, in order."""
+  k = check_schedule(h, num_fragments, tau)
   total, out = num_rounds * h, {}
   for p in range(num_fragments):
     for send in range(h + p * k, total + 1, h):

@@ -227,8 +227,7 @@ class Trainer:
     def like(meta):
       snap = self.snapshot(0)
       if meta["inflight"]:
-        snap.own["inflight"] = self.outer_step.inflight_like(
-            jax.device_get(self.replicas.params))
+        snap.own["inflight"] = self.outer_step.inflight_like(self.replicas.params)
       return snap
 
     snap = self.checkpointer.restore(like, self._check_checkpoint)

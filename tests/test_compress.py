@@ -1,7 +1,6 @@
 """Encodings of pseudo-gradients (compress.py) and robust aggregation (aggregate.py)."""
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -31,7 +30,7 @@ def test_exactly_representable_values_survive():
     k[::compress.BLOCK] = qmax  # every block's largest entry sets its scale to c
     x = (k * c).astype(np.float32)
     np.testing.assert_array_equal(compress.decode(compress.encode(x, fmt)), x)
-  x = rng.standard_normal(1000).astype(ml_dtypes.bfloat16).astype(np.float32)
+  x = rng.standard_normal(1000).astype(jnp.bfloat16).astype(np.float32)
   np.testing.assert_array_equal(compress.decode(compress.encode(x, "bf16")), x)
   zeros = np.zeros(300, np.float32)
   for fmt in compress.FORMATS:
