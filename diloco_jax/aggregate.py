@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
@@ -37,14 +37,24 @@ def check(aggregation: str, num_replicas: int, trim: float) -> None:
     raise ValueError(f"median over K = {num_replicas} replicas is the mean; it needs K >= 3")
 
 
-def aggregate(deltas_K: jax.Array, aggregation: str, trim: float = 0.2) -> jax.Array:
-  """[K, ...] -> [...]: the replicas' values combined coordinate-wise."""
+def tolerated(aggregation: str, num_replicas: int, trim: float) -> int:
+  """How many replicas may send garbage (NaN, ±Inf, any size) without moving the result
+  past the honest values' range: 0 for the mean."""
+  if aggregation == "trimmed_mean":
+    return trimmed_count(num_replicas, trim)
+  return (num_replicas - 1) // 2 if aggregation == "median" else 0
+
+
+def aggregate(deltas_K, aggregation: str, trim: float = 0.2):
+  """[K, ...] -> [...]: the replicas' values combined coordinate-wise. numpy in, numpy
+  out (the cross-host path, on the host); jax arrays in, jax out."""
+  xp = np if isinstance(deltas_K, np.ndarray) else jnp
   k = deltas_K.shape[0]
   if aggregation == "mean":
-    return jnp.mean(deltas_K, axis=0)
+    return xp.mean(deltas_K, axis=0)
   check(aggregation, k, trim)
-  ordered = jnp.sort(deltas_K, axis=0)
+  ordered = xp.sort(deltas_K, axis=0)
   if aggregation == "trimmed_mean":
     t = trimmed_count(k, trim)
-    return jnp.mean(ordered[t:k - t], axis=0)
+    return xp.mean(ordered[t:k - t], axis=0)
   return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2

@@ -46,10 +46,11 @@ def _unpack(flat: dict[np.dtype, np.ndarray], layout) -> PyTree:
 
 
 def reduce_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, all_to_all,
-                   allgather, **options) -> tuple[np.ndarray, int]:
+                   allgather, **options) -> tuple[np.ndarray, int, np.ndarray]:
   """`reduce` over the rows of every host's [R, N] float32 array, which cross the network
-  encoded (compress.py); returns the [N] result, the same bytes on every host, and the
-  bytes this host sent.
+  encoded (compress.py); returns the [N] result, the same bytes on every host, the bytes
+  this host sent, and its rows as the other hosts decoded them ([R, N]: what error
+  feedback subtracts).
 
   Each host cuts its rows into one chunk per host and sends chunk i, encoded, to host i
   (all-to-all); host i decodes what it received, reduces those n·R rows chunk-wise in
@@ -77,10 +78,11 @@ def reduce_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, all_to_
                                                                       gathered.items()}))
                         for i in range(n)])
   sent = sum(int(v.nbytes) for v in parts.values()) * (n - 1) // n + (n - 1) * mine.nbytes
-  return out[:size], sent
+  carried = np.stack([np.concatenate([compress.decode(e) for e in row]) for row in encoded])
+  return out[:size], sent, carried[:, :size]
 
 
-def _sum_rows(rows: np.ndarray) -> np.ndarray:
+def sum_rows(rows: np.ndarray) -> np.ndarray:
   total = np.zeros(rows.shape[1], np.float32)
   for row in rows:  # in host order: the same rounding wherever it runs
     total += row
@@ -107,13 +109,13 @@ class LocalCollective:
   def allgather(self, x: np.ndarray) -> np.ndarray:
     return np.asarray(x)[None]
 
-  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=_sum_rows,
-                     **options) -> np.ndarray:
+  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=sum_rows,
+                     **options) -> tuple[np.ndarray, np.ndarray]:
     """The same protocol with one host (each row's round trip through `fmt`, reduced,
-    and the result's round trip)."""
-    out, _ = reduce_encoded(x_R, fmt, reduce, num_hosts=1, all_to_all=lambda v: v,
-                            allgather=self.allgather, **options)
-    return out
+    and the result's round trip). Returns the result and the rows as carried."""
+    out, _, carried = reduce_encoded(x_R, fmt, reduce, num_hosts=1, all_to_all=lambda v: v,
+                                     allgather=self.allgather, **options)
+    return out, carried
 
 
 def host_mesh() -> Mesh:
@@ -180,15 +182,15 @@ class HostCollective:
     x = np.asarray(x)
     return np.asarray(self._all_to_all(self._global(x)).addressable_data(0)).reshape(x.shape)
 
-  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=_sum_rows,
-                     **options) -> np.ndarray:
+  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=sum_rows,
+                     **options) -> tuple[np.ndarray, np.ndarray]:
     """`reduce` over every host's rows [R, N], sent encoded (module `reduce_encoded`); by
-    default their sum."""
-    out, sent = reduce_encoded(x_R, fmt, reduce, num_hosts=self.mesh.size,
+    default their sum. Returns the result and this host's rows as carried."""
+    out, sent, carried = reduce_encoded(x_R, fmt, reduce, num_hosts=self.mesh.size,
                                all_to_all=self.all_to_all, allgather=self._gather_rows,
                                **options)
     self.bytes_sent += sent
-    return out
+    return out, carried
 
   def _gather_rows(self, x: np.ndarray) -> np.ndarray:
     return np.asarray(self._gather(self._global(x)).addressable_data(0))

@@ -15,7 +15,11 @@ from typing import Any
 
 import ml_collections
 
-MODES = ("sync", "delayed", "eager", "ddp")
+from diloco_jax import aggregate
+from diloco_jax import compress
+from diloco_jax import streaming
+
+MODES = ("sync", "delayed", "eager", "streaming", "ddp")
 DATA_SOURCES = ("synthetic", "text", "tokens")
 SHARDINGS = ("iid", "non_iid")
 TOKEN_DTYPES = ("uint16", "int32")
@@ -26,7 +30,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   """Every config field with its default. Config files start from this."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds parameter init; data seeds live in `data`.
-  c.mode = "sync"  # One of MODES: 'sync', 'delayed', 'eager' DiLoCo, or 'ddp' (baseline).
+  c.mode = "sync"  # One of MODES: 'sync', 'delayed', 'eager', 'streaming' DiLoCo, or 'ddp'.
   c.num_rounds = 20  # Rounds T: each is H inner steps plus one outer step.
   c.inner_steps = 50  # H: inner steps per round (in 'ddp', steps between log lines).
   c.replicas_per_host = 4  # DiLoCo replicas on this host; K = hosts * replicas_per_host.
@@ -72,6 +76,17 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.momentum = 0.9  # Outer momentum (DiLoCo paper: 0.9); 0 is plain SGD.
   c.outer.nesterov = True  # Nesterov momentum (as in the paper).
   c.outer.max_skipped_rounds = 3  # Rounds in a row with a NaN/Inf Δ before the job stops.
+  # Streaming DiLoCo (mode 'streaming'; ALGORITHMS.md §4):
+  c.outer.fragments = 1  # P: fragments of the params, each synced every H steps, staggered.
+  c.outer.fragment_layout = "strided"  # Block l in fragment l mod P, or 'sequential'.
+  c.outer.overlap_steps = 0  # τ: inner steps between sending a fragment's Δ and applying it.
+  c.outer.merge_alpha = 0.0  # α: replicas keep α of their own fragment, take 1 − α of θᵍ.
+  # On the wire (every DiLoCo mode but 'eager' for robust aggregation):
+  c.outer.compression = "none"  # Δ across hosts: 'none', 'bf16', 'int8', '4bit' or 'topk'.
+  c.outer.topk_fraction = 0.01  # 'topk': fraction of Δ's entries sent (largest magnitude).
+  c.outer.error_feedback = True  # Lossy formats: carry what was not sent into the next sync.
+  c.outer.aggregation = "mean"  # Over the K replicas: 'mean', 'trimmed_mean' or 'median'.
+  c.outer.trim = 0.2  # 'trimmed_mean': fraction of the K values dropped at each end.
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
@@ -107,7 +122,8 @@ def _is_number(x) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1) -> None:
+def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
+             num_hosts: int = 1) -> None:
   """Raises one ConfigError listing every invalid field, before anything compiles."""
   errors: list[str] = []
   values = flatten(config)
@@ -197,8 +213,55 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1) -
   check("config.checkpoint.every", c.checkpoint.every >= 0,
         "must be >= 0 (0: checkpoints only at preemption and at the end)")
   check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
+  _check_streaming(c, check)
+  _check_wire(c, check, num_replicas=num_hosts * c.replicas_per_host)
   check("config.elastic_timeout", c.elastic_timeout >= 1, "must be >= 1")
   check("config.elastic", not c.elastic or c.mode == "sync",
         f"elastic mode is available for config.mode = 'sync' only (not {c.mode!r})")
   if errors:
     raise ConfigError("\n".join(errors))
+
+
+def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
+  o = c.outer
+  if c.mode != "streaming":
+    for key, default in (("fragments", 1), ("overlap_steps", 0), ("merge_alpha", 0.0)):
+      check(f"config.outer.{key}", o[key] == default,
+            f"applies to config.mode = 'streaming' only (mode is {c.mode!r}); leave it "
+            f"at {default}")
+    return
+  check("config.outer.fragment_layout", o.fragment_layout in streaming.LAYOUTS,
+        f"must be one of {streaming.LAYOUTS}")
+  check("config.outer.fragments", 1 <= o.fragments <= c.model.num_layers,
+        f"must be in [1, config.model.num_layers = {c.model.num_layers}] (fragments are "
+        "made of whole transformer blocks)")
+  check("config.outer.merge_alpha", 0 <= o.merge_alpha < 1, "must be in [0, 1)")
+  if o.fragments >= 1 and c.inner_steps >= 1:
+    check("config.inner_steps", c.inner_steps % o.fragments == 0,
+          f"must be divisible by config.outer.fragments = {o.fragments} (fragment p syncs "
+          "H/P steps after fragment p − 1)")
+    check("config.outer.overlap_steps", 0 <= o.overlap_steps < c.inner_steps // o.fragments,
+          f"must be in [0, inner_steps / fragments = {c.inner_steps // o.fragments}): one "
+          "fragment in flight at a time")
+
+
+def _check_wire(c: ml_collections.ConfigDict, check, num_replicas: int) -> None:
+  o = c.outer
+  check("config.outer.compression", o.compression in compress.FORMATS,
+        f"must be one of {compress.FORMATS}")
+  check("config.outer.topk_fraction", 0 < o.topk_fraction <= 1, "must be in (0, 1]")
+  check("config.outer.trim", 0 <= o.trim < 0.5, "must be in [0, 0.5)")
+  if o.aggregation not in aggregate.AGGREGATIONS:
+    check("config.outer.aggregation", False, f"must be one of {aggregate.AGGREGATIONS}")
+  elif 0 <= o.trim < 0.5:
+    try:
+      aggregate.check(o.aggregation, num_replicas, o.trim)
+    except ValueError as e:
+      check("config.outer.aggregation", False, f"{e} (K = hosts x replicas_per_host)")
+  wire = o.compression != "none" or o.aggregation != "mean"
+  if wire and (c.mode == "ddp" or c.elastic):
+    check("config.outer.compression" if o.compression != "none" else "config.outer.aggregation",
+          False, "applies to the DiLoCo modes without elastic (ddp and elastic send "
+          "plain sums)")
+  check("config.outer.aggregation", o.aggregation == "mean" or c.mode != "eager",
+        "eager mode needs the mean (each replica subtracts its own Δ/K from it)")

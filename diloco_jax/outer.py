@@ -22,14 +22,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from diloco_jax import config as config_lib
 from diloco_jax import diloco
+from diloco_jax import optim
 from diloco_jax import state as state_lib
+from diloco_jax import streaming
+from diloco_jax import wire as wire_lib
 
 Params = Any
+_PLAIN = config_lib.get_default_config().outer  # no compression, the mean
+
+
+def _entries(tree: Params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
 def _delta_stats(deltas_R: Params, mean: Params) -> jax.Array:
@@ -53,9 +63,10 @@ class _Pending:
   round it belongs to."""
 
   def __init__(self, future: concurrent.futures.Future, record: dict, deltas_R: Params,
-               loss_sum, finite_R: np.ndarray, times: dict):
+               loss_sum, finite_R: np.ndarray, times: dict, key: int, residual_in):
     self.future, self.record, self.times = future, record, times
     self.deltas_R, self.loss_sum, self.finite_R = deltas_R, loss_sum, finite_R
+    self.key, self.residual_in = key, residual_in  # fragment; error feedback going in
 
 
 class OuterStep:
@@ -63,12 +74,13 @@ class OuterStep:
 
   def __init__(self, outer_optimizer: optax.GradientTransformation, *, mesh: Mesh,
                collective, dispatcher, replicas_per_host: int, steps_done=lambda: 0,
-               max_skipped_rounds: int = 3):
+               max_skipped_rounds: int = 3, wire: wire_lib.Wire | None = None):
     self.collective, self.dispatcher = collective, dispatcher
     self.replicas_per_host = replicas_per_host
     self.max_skipped_rounds = max_skipped_rounds
     self.skipped_total = self.skipped_in_a_row = 0  # rounds with a NaN/Inf Δ
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
+    self.wire = wire or wire_lib.Wire(_PLAIN, self.num_replicas)
     self.host_device = (getattr(collective, "device", None)
                         or jax.local_devices(backend="cpu")[0])
     self.host = SingleDeviceSharding(self.host_device)
@@ -95,7 +107,17 @@ class OuterStep:
   def init(self, anchor: Params):
     # Committed to the host CPU device, as every later outer state is, so the outer-step
     # programs compile once rather than again in round 2.
+    self.wire.init_residuals({0: _entries(anchor)}, self.replicas_per_host)
     return jax.device_put(state_lib.init_outer_state(self.optimizer, anchor), self.host)
+
+  def model(self, outer_state) -> Params:
+    """The params to evaluate, on the local devices."""
+    return self.place(outer_state.anchor)
+
+  def on_step(self, outer_state, replicas, step: int, round_: int):
+    """After inner step `step` (1-based, over the run), before the round's end: what the
+    mode does mid-round (streaming: the fragments' syncs)."""
+    return outer_state, replicas
 
   def place(self, tree: Params) -> Params:
     """A copy on the local devices. Never an alias: on a CPU host, the host device is
@@ -123,13 +145,18 @@ class OuterStep:
     return finite_R, replicas
 
   def submit(self, deltas_R: Params, loss_sum, finite_R: np.ndarray, record: dict,
-             round_: int) -> _Pending:
+             round_: int, key: int = 0) -> _Pending:
     """Queues Σ over hosts of (Σ_local Δ_m, the round's loss sum, which replicas' Δ were
-    not finite) on the dispatch thread."""
+    not finite) on the dispatch thread; Δ goes through `self.wire` unless it is plain
+    (then Σ Δ, else Σ Δ or Δ̄ as `wire.aggregates` says). `key`: the fragment."""
     host, R = self.collective.host_index, self.replicas_per_host
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * R:(host + 1) * R] = ~np.asarray(finite_R, bool)
-    payload = {"delta": self._sum_R(deltas_R), "loss": loss_sum, "bad": bad_K}
+    summed = self._sum_R(deltas_R)
+    payload = {"loss": loss_sum, "bad": bad_K}
+    rows = None if self.wire.plain else self.wire.rows(deltas_R, summed)
+    if rows is None:
+      payload["delta"] = summed
     if self.extra is not None:
       payload["extra"] = {k: np.float32(v) for k, v in self.extra().items()}
     times: dict = {}
@@ -137,6 +164,8 @@ class OuterStep:
     def job():
       t, done, sent = time.perf_counter(), self._steps_done(), self.collective.bytes_sent
       total = self.collective.sum(payload)
+      if rows is not None:
+        total["delta"] = self.wire.reduce(self.collective, rows, key)
       jax.block_until_ready(total)
       times.update(collective_time=time.perf_counter() - t,
                    bytes_sent=self.collective.bytes_sent - sent,
@@ -145,7 +174,8 @@ class OuterStep:
 
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
-    return _Pending(future, record, deltas_R, loss_sum, finite_R, times)
+    return _Pending(future, record, deltas_R, loss_sum, finite_R, times, key,
+                    self.wire.residual.get(key))
 
   def inflight(self) -> dict | None:
     """What this host put into the sum still in flight (checkpointed in async modes: the
@@ -161,25 +191,31 @@ class OuterStep:
     self.pending = self.submit(deltas_R, inflight["loss"], np.asarray(inflight["finite"]),
                                record, round_)
 
-  def wait(self, pending: _Pending) -> tuple[Params, bool]:
+  def wait(self, pending: _Pending, stats: bool = True) -> tuple[Params, bool]:
     """The mean Δ̄ of `pending`'s round and whether to apply it (False when some replica's
-    Δ was not finite: the same answer on every host, which all see the same flags).
-    Completes that round's record."""
+    Δ was not finite, more than robust aggregation tolerates: the same answer on every
+    host, which all see the same flags). Completes that round's record (with the Δ
+    diagnostics unless `stats` is False)."""
     t = time.perf_counter()
     total = pending.future.result()
     wait = time.perf_counter() - t
     record = pending.record
     if "extra" in total:
       record.update({k: float(v) for k, v in total["extra"].items()})
-    mean = (self._mean_by(total["delta"], total["extra"]["replicas"])
-            if "replicas" in total.get("extra", {}) else self._mean(total["delta"]))
+    if self.wire.aggregates:
+      mean = jax.device_put(total["delta"], self.host)
+    elif "replicas" in total.get("extra", {}):
+      mean = self._mean_by(total["delta"], total["extra"]["replicas"])
+    else:
+      mean = self._mean(total["delta"])
     ok = self._count_bad(np.asarray(total["bad"]) > 0, record)
     collective = pending.times["collective_time"]
     record.update(pending.times, outer_wait=wait, loss_sum=float(np.asarray(total["loss"])),
                   overlap=float(np.clip(1 - wait / collective, 0, 1)) if collective else 0.0)
-    record["stats"] = self.dispatcher.submit(  # gathered on the dispatch thread, read late
-        self.collective.allgather, np.asarray(self._stats(pending.deltas_R, mean)),
-        round_=record["round"], what="gather of Δ diagnostics")
+    if stats:
+      record["stats"] = self.dispatcher.submit(  # gathered on the dispatch thread, read late
+          self.collective.allgather, np.asarray(self._stats(pending.deltas_R, mean)),
+          round_=record["round"], what="gather of Δ diagnostics")
     return mean, ok
 
   def _count_bad(self, bad_K: np.ndarray, record: dict) -> bool:
@@ -187,10 +223,17 @@ class OuterStep:
       self.skipped_in_a_row = 0
       record["skipped_rounds"] = self.skipped_total
       return True
-    self.skipped_total += 1
-    self.skipped_in_a_row += 1
     R = self.replicas_per_host
     where = ", ".join(f"host {g // R} replica {g % R}" for g in np.flatnonzero(bad_K))
+    if bad_K.sum() <= self.wire.tolerated:  # trimmed away by robust aggregation
+      self.skipped_in_a_row = 0
+      record.update(skipped_rounds=self.skipped_total, bad_replicas=where)
+      if self.collective.host_index == 0:
+        print(f"WARNING: round {record['round']}: NaN or Inf in the pseudo-gradient of "
+              f"{where}; left out by {self.wire.aggregation}", flush=True)
+      return True
+    self.skipped_total += 1
+    self.skipped_in_a_row += 1
     record.update(skipped=1, skipped_rounds=self.skipped_total, bad_replicas=where)
     if self.skipped_in_a_row >= self.max_skipped_rounds:
       raise BadPseudoGradientError(
@@ -212,10 +255,29 @@ class OuterStep:
   sends_late = False  # True where a round's sum is still in flight after the round.
 
   def split(self, outer_state) -> tuple[Any, Any]:
-    return outer_state, None
+    wire = self._wire_state()
+    return outer_state, (None if wire is None else {"wire": wire})
 
   def join(self, shared, own):
+    self._set_wire_state(own)
     return jax.device_put(shared, self.host)
+
+  def _wire_state(self) -> dict | None:
+    """This host's error-feedback residuals as the next sends will use them (for a send
+    still in flight, what went into it: it is issued again on resume)."""
+    if not self.wire.feedback:
+      return None
+    state = dict(self.wire.residual)
+    for p in self._in_flight():
+      state[p.key] = p.residual_in
+    return {str(key): residual for key, residual in state.items()}
+
+  def _set_wire_state(self, own) -> None:
+    if own is not None and "wire" in own:
+      self.wire.residual = {int(key): np.asarray(v) for key, v in own["wire"].items()}
+
+  def _in_flight(self) -> list[_Pending]:
+    return [] if self.pending is None else [self.pending]
 
   def inflight_like(self, params_R: Params) -> dict:
     """The structure of `inflight()`, for restoring it."""
@@ -308,6 +370,7 @@ class EagerOuterStep(OuterStep):
     self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
   def init(self, anchor: Params):
+    self.wire.init_residuals({0: _entries(anchor)}, self.replicas_per_host)
     return jax.device_put(state_lib.init_eager_state(self.optimizer, anchor,
                                                      self.replicas_per_host), self.host)
 
@@ -356,11 +419,144 @@ class EagerOuterStep(OuterStep):
     return (eager.prev_mean, eager.step)
 
   def split(self, eager):
+    wire = self._wire_state()
     return ({"prev_mean": eager.prev_mean, "step": eager.step},
             {"params": eager.params, "opt_state": eager.opt_state,
-             "prev_deltas": eager.prev_deltas})
+             "prev_deltas": eager.prev_deltas, **({} if wire is None else {"wire": wire})})
 
   def join(self, shared, own):
+    self._set_wire_state(own)
     return jax.device_put(state_lib.EagerState(
         params=own["params"], opt_state=own["opt_state"], prev_deltas=own["prev_deltas"],
         prev_mean=shared["prev_mean"], step=shared["step"]), self.host)
+
+
+class StreamingOuterStep(OuterStep):
+  """ALGORITHMS.md §4, with streaming.py's phase convention: fragment p's Δ against its
+  own θᵍ_p is sent after inner steps n·H + p·H/P (one dispatch job per fragment); τ steps
+  later its mean moves θᵍ_p with the fragment's own outer optimizer and every replica
+  merges it in. The outer state is the list of the P fragments' OuterStates.
+
+  Fragment 0's job carries the round's loss and completes the round's record (bytes and
+  collective time summed over the fragments synced since the previous one; `bytes_peak`,
+  the most one sync sent: the peak in flight). At a round's end only fragment 0 can be in
+  flight (τ < H/P), so checkpoints and resumes treat it as `delayed` treats its sum.
+  """
+
+  def __init__(self, *args, num_fragments: int, layout: str, overlap_steps: int,
+               merge_alpha: float, num_rounds: int, inner_steps: int, **kw):
+    self._pending: dict[int, _Pending] = {}
+    super().__init__(*args, **kw)
+    self.num_fragments, self.layout, self.alpha = num_fragments, layout, merge_alpha
+    self.h = inner_steps
+    self.events = streaming.events(num_rounds, inner_steps, num_fragments, overlap_steps)
+    self.sends_late = overlap_steps > 0
+    self._merge = jax.jit(functools.partial(streaming.merge, alpha=merge_alpha,
+                                            num_replicas=self.replicas_per_host),
+                          out_shardings=self.on_mesh)
+    self._synced: list[dict] = []  # syncs of fragments ≥ 1 since fragment 0's last one
+
+  @property
+  def pending(self) -> _Pending | None:  # the in-flight sum of fragment 0
+    return self._pending.get(0)
+
+  @pending.setter
+  def pending(self, value: _Pending | None) -> None:
+    if value is None:
+      self._pending.pop(0, None)
+    else:
+      self._pending[0] = value
+
+  def _in_flight(self) -> list[_Pending]:
+    return list(self._pending.values())
+
+  def init(self, anchor: Params):
+    self.ids = jax.tree.leaves(streaming.model_fragment_ids(anchor, self.num_fragments,
+                                                            self.layout))
+    self.treedef = jax.tree.structure(anchor)
+    parts = streaming.split(anchor, self.ids, self.num_fragments)
+    self.wire.init_residuals({p: _entries(part) for p, part in enumerate(parts)},
+                             self.replicas_per_host)
+    return jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
+                                                 self.num_fragments), self.host)
+
+  def model(self, outer_states) -> Params:
+    """θᵍ: every fragment's global copy."""
+    return self.place(streaming.join([s.anchor for s in outer_states], self.ids,
+                                     self.treedef))
+
+  def on_step(self, outer_states, replicas, step: int, round_: int):
+    return self._handle(step, list(outer_states), replicas, None, {"round": round_}, round_)
+
+  def __call__(self, outer_states, replicas, loss_sum, round_: int):
+    record = {"round": round_}
+    outer_states, replicas = self._handle(round_ * self.h, list(outer_states), replicas,
+                                          loss_sum, record, round_)
+    return outer_states, replicas, self.model(outer_states), record
+
+  def _handle(self, step: int, outer_states: list, replicas, loss_sum, record: dict,
+              round_: int):
+    for kind, p in self.events.get(step, ()):
+      if kind == "send":
+        own = record if p == 0 else {"round": round_}
+        local = self.to_host(self._fragment(replicas.params, p), own)
+        deltas_R = self.pseudo_gradients(outer_states[p].anchor, local)
+        finite_R, replicas = self.check_finite(deltas_R, replicas)
+        loss = loss_sum if p == 0 else np.zeros((), np.float32)
+        self._pending[p] = self.submit(deltas_R, loss, finite_R, own, round_, key=p)
+        continue
+      pending = self._pending.pop(p)
+      mean, ok = self.wait(pending, stats=p == 0)
+      t = time.perf_counter()
+      if ok:
+        outer_states[p] = jax.block_until_ready(self._update(outer_states[p], mean))
+      replicas = self._merge_in(replicas, p, outer_states[p].anchor)
+      pending.record["outer_update"] = time.perf_counter() - t
+      self._account(pending.record, p)
+    return outer_states, replicas
+
+  def _fragment(self, params: Params, p: int) -> list:
+    return streaming.split(params, self.ids, self.num_fragments)[p]
+
+  def _merge_in(self, replicas, p: int, anchor_p: list):
+    """θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p on the local devices (α = 0: the sync broadcast)."""
+    placed = self.place(anchor_p)
+    new = (self._broadcast(placed) if self.alpha == 0 else
+           self._merge(self._fragment(replicas.params, p), placed))
+    parts = streaming.split(replicas.params, self.ids, self.num_fragments)
+    parts[p] = jax.block_until_ready(new)
+    return replicas.replace(params=streaming.join(parts, self.ids, self.treedef))
+
+  def _account(self, record: dict, p: int) -> None:
+    """Fragment 0's record gets the traffic of every sync since its previous one."""
+    if p != 0:
+      self._synced.append(record)
+      return
+    synced, self._synced = [record, *self._synced], []
+    sent = [r.get("bytes_sent", 0) for r in synced]
+    record.update(bytes_sent=sum(sent), bytes_peak=max(sent), fragments_synced=len(synced),
+                  collective_time=sum(r.get("collective_time", 0.0) for r in synced))
+
+  def drain(self, outer_states, replicas):
+    return outer_states, replicas, self.model(outer_states)  # the last syncs were applied
+
+  def inflight_like(self, params_R: Params) -> dict:
+    like = super().inflight_like(params_R)
+    return {**like, "deltas": self._fragment(params_R, 0)}
+
+
+OUTER_STEPS = {"sync": SyncOuterStep, "delayed": DelayedOuterStep, "eager": EagerOuterStep,
+               "streaming": StreamingOuterStep}
+
+
+def make(config: ml_collections.ConfigDict, **kw) -> OuterStep:
+  """The outer step of `config.mode` (ddp: a sync one, which it uses only for its state)."""
+  o = config.outer
+  wire = wire_lib.Wire(o, kw["replicas_per_host"] * kw["collective"].num_hosts)
+  cls = OUTER_STEPS.get(config.mode, SyncOuterStep)
+  if cls is StreamingOuterStep:
+    kw.update(num_fragments=o.fragments, layout=o.fragment_layout,
+              overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha,
+              num_rounds=config.num_rounds, inner_steps=config.inner_steps)
+  return cls(optim.outer_optimizer(o), max_skipped_rounds=o.max_skipped_rounds, wire=wire,
+             **kw)

@@ -51,8 +51,6 @@ class TrainResult(NamedTuple):
   preempted_at: int | None = None
 
 
-OUTER_STEPS = {"sync": outer_lib.SyncOuterStep, "delayed": outer_lib.DelayedOuterStep,
-               "eager": outer_lib.EagerOuterStep}
 # The parts of the outer step on the main thread's path (seconds; see README).
 OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
 
@@ -71,7 +69,8 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                dispatcher: dispatch.Dispatcher):
-    config_lib.validate(config, num_local_devices=jax.local_device_count())
+    config_lib.validate(config, num_local_devices=jax.local_device_count(),
+                        num_hosts=jax.process_count())
     checkpoint_lib.check_writable(workdir)
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
@@ -97,10 +96,9 @@ class Trainer:
     self.ddp = config.mode == "ddp"
 
     self._done_before, self._round_losses = 0, []  # inner steps finished, for `overlap_steps`
-    self.outer_step = OUTER_STEPS.get(config.mode, outer_lib.SyncOuterStep)(
-        optim.outer_optimizer(config.outer), mesh=self.mesh, collective=self.collective,
-        dispatcher=dispatcher, replicas_per_host=self.replicas_per_host,
-        steps_done=self._steps_done, max_skipped_rounds=config.outer.max_skipped_rounds)
+    self.outer_step = outer_lib.make(
+        config, mesh=self.mesh, collective=self.collective, dispatcher=dispatcher,
+        replicas_per_host=self.replicas_per_host, steps_done=self._steps_done)
     if self.elastic:  # the mean divides by the live replicas; host 0 relays returning hosts
       self.outer_step.extra = lambda: {
           "replicas": self.replicas_per_host,
@@ -145,6 +143,9 @@ class Trainer:
     for i in range(self.h):
       self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
       losses.append(loss_R)
+      if i + 1 < self.h and not self.ddp:  # streaming syncs fragments mid-round
+        self.outer_state, self.replicas = self.outer_step.on_step(
+            self.outer_state, self.replicas, (r - 1) * self.h + i + 1, r)
       if self.bar is not None:
         self.bar.update((r - 1) * self.h + i + 1, f"round {r}/{self.num_rounds}")
     loss_sum = jax.numpy.sum(jax.numpy.stack(losses))  # dispatched, not waited for
@@ -248,7 +249,7 @@ class Trainer:
     if self.ddp or self.config.mode == "eager":
       self.eval_params = jax.tree.map(lambda x: x[0], self.replicas.params)
     else:
-      self.eval_params = self.outer_step.place(self.outer_state.anchor)
+      self.eval_params = self.outer_step.model(self.outer_state)
     if self.is_host0:
       print(f"resumed from checkpoint {r} ({self.checkpointer.directory}/{r}): outer "
             f"state, {self.num_replicas} replicas' inner state and data iterators"

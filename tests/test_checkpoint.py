@@ -26,22 +26,43 @@ def losses(result):
   return [(r["round"], r["train_loss"], r.get("eval_loss")) for r in result.records]
 
 
+def checkpoint_has(workdir, name: str) -> bool:
+  """Whether the hosts' item of the newest checkpoint holds a tree called `name`."""
+  newest = max((workdir / checkpoint.CHECKPOINTS).iterdir(), key=lambda p: int(p.name))
+  return f"'{name}'" in (newest / "hosts" / "_METADATA").read_text()
+
+
 def preempt_at(monkeypatch, round_):
   monkeypatch.setattr(trainer.Trainer, "preempted", lambda self, r: r == round_)
 
 
-@pytest.mark.parametrize("mode", ["sync", "delayed", "eager"])
-def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode):
+STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps": 1,
+             "outer.merge_alpha": 0.5}
+
+
+@pytest.mark.parametrize("mode,overrides", [
+    ("sync", {}), ("delayed", {}), ("eager", {}),
+    ("sync", {"outer.compression": "topk", "outer.topk_fraction": 0.1}),
+    ("delayed", {"outer.compression": "4bit", "outer.aggregation": "trimmed_mean",
+                 "outer.trim": 0.34, "replicas_per_host": 3}),
+    ("streaming", {**STREAMING, "outer.compression": "int8"})],
+    ids=["sync", "delayed", "eager", "sync-topk", "delayed-4bit-trimmed",
+         "streaming-int8"])
+def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode, overrides):
   """Stop after round 2 of 4 (checkpoint, clean return), run again: the same final params,
   and the same metrics for every round, as a run never stopped. In async modes the sum in
-  flight at the checkpoint is part of it."""
-  config = multihost.small_config(mode=mode, num_rounds=4, **{"checkpoint.every": 0})
+  flight at the checkpoint is part of it; with compression, the error-feedback residuals
+  (streaming: fragment 0 is in flight, the other fragment's residual is settled)."""
+  config = multihost.small_config(mode=mode, num_rounds=4, **{"checkpoint.every": 0},
+                                  **overrides)
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
   with monkeypatch.context() as m:
     preempt_at(m, 2)
     first = trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert first.preempted_at == 2
   assert [r["round"] for r in first.records] == ([1, 2] if mode == "sync" else [1])
+  if overrides.get("outer.compression", "none") != "none":  # error feedback is on
+    assert checkpoint_has(tmp_path / "run", "wire")
   resumed = trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert resumed.preempted_at is None
   for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):

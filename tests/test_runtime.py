@@ -130,11 +130,12 @@ COLLECTIVE_HOST = textwrap.dedent("""
     chunk = 512  # ceil(1000 / 3) = 334, rounded up to whole 256-entry blocks
     for fmt, ratio in (("int8", 0.27), ("4bit", 0.15)):
       before = c.bytes_sent
-      got = c.reduce_encoded(xs[host][None], fmt)
+      got, carried = c.reduce_encoded(xs[host][None], fmt)
       padded = [np.pad(x, (0, 3 * chunk - 1000)).reshape(3, chunk) for x in xs]
       rt = lambda v: compress.decode(compress.encode(v, fmt))
       reduced = [rt(v) for v in [sum(rt(p[i]) for p in padded) for i in range(3)]]
       np.testing.assert_array_equal(got, np.concatenate(reduced)[:1000])
+      np.testing.assert_array_equal(carried[0], rt(padded[host].ravel())[:1000])
       exact = xs[0] + xs[1] + xs[2]
       assert np.abs(got - exact).max() < 4 * np.abs(exact).max() / (2 * {"int8": 127, "4bit": 7}[fmt])
       sent = c.bytes_sent - before
@@ -149,7 +150,7 @@ COLLECTIVE_HOST = textwrap.dedent("""
     mine = np.stack([honest(host, m) * (1e6 if (host, m) == (2, 1) else 1) for m in (0, 1)])
     trimmed = lambda rows: np.asarray(aggregate.aggregate(jnp.asarray(rows), "trimmed_mean",
                                                           trim=0.2))
-    got = c.reduce_encoded(mine, "int8", trimmed)
+    got, _ = c.reduce_encoded(mine, "int8", trimmed)
     good = np.mean([honest(h, m) for h in range(3) for m in (0, 1)][:5], axis=0)
     assert np.abs(got - good).max() < 0.05, np.abs(got - good).max()
     np.save(sys.argv[3] + f"/trimmed{host}.npy", got)
