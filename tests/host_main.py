@@ -3,9 +3,10 @@
   python tests/host_main.py OUT_DIR HOST_ID NUM_HOSTS PORT CONFIG_JSON
 
 CONFIG_JSON holds overrides of `tests.multihost.small_config()`, and optionally
-"_inject_nan": {"host": h, "replica": m, "rounds": [...]}: NaN in that replica's
-pseudo-gradient in those rounds. Writes OUT_DIR/host{HOST_ID}.npz with the final anchor's
-leaves and the per-round records; the hosts share the workdir OUT_DIR/work.
+"_poison": {"host": h, "replica": m, "value": "nan" or a scale, "calls": [...]}: that
+replica's pseudo-gradient NaN or scaled (`multihost.poisoned`). Writes
+OUT_DIR/host{HOST_ID}.npz with the final anchor's leaves and the per-round records; the
+hosts share the workdir OUT_DIR/work.
 """
 
 import json
@@ -13,26 +14,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def inject_nan(replica: int, rounds: set[int]) -> None:
-  """Makes replica `replica`'s Δ NaN in `rounds` (one pseudo-gradient call per round)."""
-  from diloco_jax import outer
-  original = outer.OuterStep.pseudo_gradients
-  calls = [0]
-
-  def pseudo_gradients(self, start, local_R):
-    calls[0] += 1
-    deltas = original(self, start, local_R)
-    if calls[0] not in rounds:
-      return deltas
-    import jax
-    import jax.numpy as jnp
-    first, *rest = jax.tree.leaves(deltas)
-    first = first.at[replica].set(jnp.nan)
-    return jax.tree.unflatten(jax.tree.structure(deltas), [first, *rest])
-
-  outer.OuterStep.pseudo_gradients = pseudo_gradients
 
 
 def main(out_dir, host_id, num_hosts, port, overrides):
@@ -45,9 +26,11 @@ def main(out_dir, host_id, num_hosts, port, overrides):
   from diloco_jax import trainer
   from tests import multihost
   overrides = json.loads(overrides)
-  nan = overrides.pop("_inject_nan", None)
-  if nan is not None and nan["host"] == int(host_id):
-    inject_nan(nan["replica"], set(nan["rounds"]))
+  bad = overrides.pop("_poison", None)
+  if bad is not None and bad["host"] == int(host_id):
+    from diloco_jax import outer
+    outer.OuterStep.pseudo_gradients = multihost.poisoned(
+        outer.OuterStep.pseudo_gradients, bad["replica"], bad["value"], bad.get("calls"))
   config = multihost.small_config(**overrides)
   # One workdir for all hosts, as on a shared filesystem (checkpoints need it).
   result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"))

@@ -19,6 +19,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import data as data_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optim
+from diloco_jax import streaming
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
@@ -39,6 +40,23 @@ def small_config(**overrides):
       node = node[p]
     node[leaf] = value
   return c
+
+
+def poisoned(pseudo_gradients, replica: int, value, calls=None):
+  """`OuterStep.pseudo_gradients` with replica `replica`'s Δ made NaN (value "nan") or
+  multiplied by `value`, at the given 1-based calls (one per round; streaming: one per
+  fragment sync) or at every call (None)."""
+  count = [0]
+
+  def wrapped(self, start, local_R):
+    count[0] += 1
+    deltas = pseudo_gradients(self, start, local_R)
+    if calls is not None and count[0] not in calls:
+      return deltas
+    bad = (lambda d: jnp.full_like(d, jnp.nan)) if value == "nan" else (lambda d: d * value)
+    return jax.tree.map(lambda d: d.at[replica].set(bad(d[replica])), deltas)
+
+  return wrapped
 
 
 def free_port() -> int:
@@ -100,10 +118,16 @@ def simulate_trainer(config):
   batches, spec = trainer_batches(config)
   cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
   total = config.num_rounds * config.inner_steps
+  params = model_lib.init_params(cfg, jax.random.key(config.seed))
+  o, streaming_kw = config.outer, {}
+  if config.mode == "streaming":
+    streaming_kw = dict(
+        fragment_ids=streaming.model_fragment_ids(params, o.fragments, o.fragment_layout),
+        overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha)
   return diloco_jax.simulate(
-      model_lib.make_loss_fn(cfg), model_lib.init_params(cfg, jax.random.key(config.seed)),
-      jnp.asarray(batches), inner_optimizer=optim.inner_optimizer(config.inner, total),
-      outer_optimizer=optim.outer_optimizer(config.outer), mode=config.mode)
+      model_lib.make_loss_fn(cfg), params, jnp.asarray(batches),
+      inner_optimizer=optim.inner_optimizer(config.inner, total),
+      outer_optimizer=optim.outer_optimizer(o), mode=config.mode, **streaming_kw)
 
 
 def children(pid: int) -> list[int]:

@@ -246,7 +246,7 @@ def test_nan_pseudo_gradient_skips_the_round_on_every_host(tmp_path):
   hash, taken on every host, stays that of round 1) and counts it."""
   results = multihost.run_hosts(tmp_path, 2, replicas_per_host=1, num_rounds=4,
                                 debug_checks=True,
-                                _inject_nan={"host": 1, "replica": 0, "rounds": [2]})
+                                _poison={"host": 1, "replica": 0, "value": "nan", "calls": [2]})
   for host in results:
     recs = host["records"]
     assert [r.get("skipped", 0) for r in recs] == [0, 1, 0, 0]
@@ -262,7 +262,8 @@ def test_repeated_nan_stops_the_job_naming_the_replica(tmp_path):
   port = multihost.free_port()
   overrides = json.dumps({"replicas_per_host": 1, "num_rounds": 6,
                           "outer.max_skipped_rounds": 3,
-                          "_inject_nan": {"host": 1, "replica": 0, "rounds": [2, 3, 4]}})
+                          "_poison": {"host": 1, "replica": 0, "value": "nan",
+                                      "calls": [2, 3, 4]}})
   procs = [multihost.start([sys.executable, "tests/host_main.py", str(tmp_path), str(h), "2",
                             str(port), overrides]) for h in range(2)]
   for code, text in multihost.finish(procs, timeout=240):

@@ -80,6 +80,14 @@ CASES = [
     ("checkpoint.every", -1, ">= 0"),
     ("checkpoint.keep", 0, ">= 1"),
     ("elastic_timeout", 0, ">= 1"),
+    ("outer.fragments", 2, "'streaming' only"),
+    ("outer.overlap_steps", 1, "'streaming' only"),
+    ("outer.merge_alpha", 0.5, "'streaming' only"),
+    ("outer.compression", "fp4", "one of"),
+    ("outer.topk_fraction", 0.0, "(0, 1]"),
+    ("outer.trim", 0.5, "[0, 0.5)"),
+    ("outer.aggregation", "mode", "one of"),
+    ("outer.aggregation", "trimmed_mean", "K >= 5"),  # K = 4 replicas on one host
 ]
 
 
@@ -158,4 +166,49 @@ def test_elastic_needs_sync_mode():
   config_lib.validate(config)
   config.mode = "eager"
   with pytest.raises(config_lib.ConfigError, match=r"config\.elastic.*'sync' only"):
+    config_lib.validate(config)
+
+
+@pytest.mark.parametrize("changes, field, message", [
+    ({"outer.fragments": 3}, "outer.fragments", "[1, config.model.num_layers = 2]"),
+    ({"outer.fragments": 2, "inner_steps": 5}, "inner_steps", "divisible by"),
+    ({"outer.fragments": 2, "outer.overlap_steps": 25}, "outer.overlap_steps",
+     "[0, inner_steps / fragments = 25)"),
+    ({"outer.merge_alpha": 1.0}, "outer.merge_alpha", "[0, 1)"),
+    ({"outer.fragment_layout": "random"}, "outer.fragment_layout", "one of"),
+])
+def test_streaming_rules(changes, field, message):
+  config = config_lib.get_default_config()
+  config.mode = "streaming"
+  config_lib.validate(config)
+  for key, value in changes.items():
+    set_field(config, key, value)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(config)
+  assert f"config.{field}" in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_robust_aggregation_needs_enough_replicas_across_hosts():
+  """K counts every host's replicas: 2 hosts x 4 = 8 replicas trim one from each end."""
+  config = config_lib.get_default_config()
+  config.outer.aggregation = "trimmed_mean"
+  with pytest.raises(config_lib.ConfigError, match="K = 4 replicas"):
+    config_lib.validate(config)
+  config_lib.validate(config, num_hosts=2)
+  config.outer.aggregation = "median"
+  config.replicas_per_host = 2
+  with pytest.raises(config_lib.ConfigError, match="K >= 3"):
+    config_lib.validate(config)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"mode": "eager", "outer.aggregation": "median"}, "outer.aggregation"),
+    ({"mode": "ddp", "outer.compression": "int8"}, "outer.compression"),
+    ({"elastic": True, "outer.compression": "int8"}, "outer.compression"),
+])
+def test_wire_settings_refused_where_they_would_do_nothing_or_be_wrong(changes, field):
+  config = config_lib.get_default_config()
+  for key, value in changes.items():
+    set_field(config, key, value)
+  with pytest.raises(config_lib.ConfigError, match=rf"config\.{field}"):
     config_lib.validate(config)

@@ -8,7 +8,10 @@ import pytest
 
 import diloco_jax
 from diloco_jax import model as model_lib
+from diloco_jax import outer
 from diloco_jax import streaming
+from diloco_jax import trainer
+from tests import multihost
 
 
 def test_one_fragment_no_overlap_no_mixing_is_sync_bit_for_bit():
@@ -85,3 +88,60 @@ def test_model_fragments():
   assert strided["embed"]["embedding"] == strided["head"]["kernel"] == 0
   sequential = streaming.model_fragment_ids(params, 2, "sequential")
   assert [sequential[f"block_{i}"]["ln_mlp"]["scale"] for i in range(4)] == [0, 0, 1, 1]
+
+
+# The trainer (tests/multihost.py's small model: 2 blocks, 2 replicas, 3 rounds of H = 4).
+STREAMING = {"mode": "streaming", "model.num_layers": 2}
+
+
+def test_trainer_one_fragment_is_sync_bit_for_bit(tmp_path):
+  """P = 1, τ = 0, α = 0 in the trainer runs sync's jitted programs on the same leaves:
+  the same params and losses, bit for bit."""
+  sync = trainer.train_and_evaluate(multihost.small_config(**{"model.num_layers": 2}),
+                                    str(tmp_path / "sync"))
+  stream = trainer.train_and_evaluate(multihost.small_config(**STREAMING),
+                                      str(tmp_path / "streaming"))
+  for a, b in zip(jax.tree.leaves(stream.params), jax.tree.leaves(sync.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert ([r["train_loss"] for r in stream.records] ==
+          [r["train_loss"] for r in sync.records])
+
+
+@pytest.mark.parametrize("tau, alpha, layout", [(0, 0.0, "strided"), (1, 0.5, "sequential")])
+def test_trainer_two_fragments_equal_simulate(tmp_path, tau, alpha, layout):
+  """P = 2 in the trainer (mid-round sends and merges on the devices) against `simulate`
+  on the same model and batches: the float32 tolerance of test_trainer_equals_simulate."""
+  config = multihost.small_config(**STREAMING, **{
+      "outer.fragments": 2, "outer.overlap_steps": tau, "outer.merge_alpha": alpha,
+      "outer.fragment_layout": layout})
+  result = trainer.train_and_evaluate(config, str(tmp_path))
+  expected = multihost.simulate_trainer(config)
+  for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(expected.params),
+                  strict=True):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+  assert [r["fragments_synced"] for r in result.records] == [1, 2, 2]  # fragment 1 from H+K
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "median"])
+def test_trainer_robust_aggregation_ignores_a_poisoned_replica(tmp_path, monkeypatch,
+                                                               aggregation):
+  """K = 5 replicas, int8 on the wire; replica 4 sends Δ x 1e6 at every round. With the
+  trimmed mean or the median the anchor ends within a small distance of the unpoisoned
+  run's (relative to how far training moved it); with the mean it is thrown ~1e6 away."""
+  config = multihost.small_config(replicas_per_host=5, **{
+      "outer.compression": "int8", "outer.aggregation": aggregation})
+  clean = trainer.train_and_evaluate(config, str(tmp_path / "clean"))
+  monkeypatch.setattr(outer.OuterStep, "pseudo_gradients", multihost.poisoned(
+      outer.OuterStep.pseudo_gradients, replica=4, value=1e6))
+  poisoned = trainer.train_and_evaluate(config, str(tmp_path / "poisoned"))
+  init = model_lib.init_params(model_lib.GPTConfig.from_config(config.model, 16),
+                               jax.random.key(config.seed))
+  norm = lambda tree: np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
+                                  for x in jax.tree.leaves(tree)))
+  diff = lambda a, b: jax.tree.map(lambda x, y: np.asarray(x) - np.asarray(y), a, b)
+  moved = norm(diff(clean.params, init))
+  off = norm(diff(poisoned.params, clean.params))
+  if aggregation == "mean":
+    assert off > 1e3 * moved, (off, moved)
+  else:
+    assert off < 0.5 * moved, (off, moved)
