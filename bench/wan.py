@@ -6,10 +6,12 @@ Builds one network namespace per host on a bridge, each host's link shaped to
 `--rate_mbit` in both directions with `tc tbf` (this kernel has no netem, so the WAN is
 modelled by bandwidth, not delay), and runs the trainer (configs/tiny.py's model and data,
 one replica per host, the same token budget) in each mode, plus a no-communication
-reference (the same hosts as independent one-host jobs). Reports per mode: wall time,
-compute utilization (reference wall time / mode wall time), tokens/s, bytes each host
-put on the wire (the veth's own counter) and the final eval loss. Writes
-bench/results/wan.json and wan.png (eval loss against wall-clock time).
+reference (the same hosts as independent one-host jobs). `--modes` also takes the
+compression and streaming runs of RUNS (sync-int8, sync-4bit, streaming-p2, ...).
+Reports per run: wall time, compute utilization (reference wall time / run wall time),
+tokens/s, bytes each host put on the wire (the veth's own counter), the most bytes one
+sync sent (streaming: one fragment; the peak in flight) and the final eval loss.
+Writes bench/results/wan.json and wan.png (eval loss against wall-clock time).
 
 Choice of rate: the tiny model's pseudo-gradient is 0.43 MB; a host's inner phase (H=25
 steps of 32 x 64 tokens) takes about half a second here, and at 8 Mbit/s a 2-host
@@ -43,8 +45,27 @@ COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
 # one-round-late modes are unstable at those on this task; the best of a small sweep of
 # eager on one host (K=2, 32 rounds: lr 0.3-0.9, momentum 0.5-0.95) was lr 0.7 with
 # momentum 0.5, and delayed did best at lr 0.4 (E25 and S25 use 0.4), momentum 0.9.
-OUTER_LR = {"sync": 0.7, "delayed": 0.4, "eager": 0.7, "ddp": 0.7, "none": 0.7}
-OUTER_MOMENTUM = {"sync": 0.9, "delayed": 0.9, "eager": 0.5, "ddp": 0.9, "none": 0.9}
+OUTER_LR = {"sync": 0.7, "delayed": 0.4, "eager": 0.7, "ddp": 0.7, "none": 0.7,
+            "streaming": 0.7}
+OUTER_MOMENTUM = {"sync": 0.9, "delayed": 0.9, "eager": 0.5, "ddp": 0.9, "none": 0.9,
+                  "streaming": 0.9}
+# Runs by name: a mode, config overrides and H (tiny's 25; the rounds are scaled so that
+# every run trains the same tokens). Streaming splits tiny's 2 blocks into P = 2 fragments
+# (fragment 0 also holds the embeddings, final norm and head: 53% of the params); P must
+# divide H, so streaming runs use H = 20, beside sync at H = 20 (`sync-h20`).
+RUNS = {mode: (mode, [], 25) for mode in OUTER_LR}
+RUNS.update({
+    f"sync-{fmt}": ("sync", [f"--config.outer.compression={fmt}"], 25)
+    for fmt in ("bf16", "int8", "4bit")})
+RUNS.update({
+    "sync-topk": ("sync", ["--config.outer.compression=topk",
+                           "--config.outer.topk_fraction=0.05"], 25),
+    "sync-h20": ("sync", [], 20),
+    "streaming-p2": ("streaming", ["--config.outer.fragments=2"], 20),
+    "streaming-p2-4bit-overlap": ("streaming", [
+        "--config.outer.fragments=2", "--config.outer.overlap_steps=5",
+        "--config.outer.merge_alpha=0.5", "--config.outer.compression=4bit"], 20),
+})
 
 
 def sh(*cmd: str, check: bool = True) -> str:
@@ -110,11 +131,13 @@ def read_metrics(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
-  """One mode on every host; figures from host 0's metrics and every host's veth."""
+def run_mode(net: Network, name: str, rounds: int, workdir: str) -> dict:
+  """One run of RUNS on every host; figures from host 0's metrics and every host's veth."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
-  args = [*COMMON, f"--config.num_rounds={rounds}", f"--config.outer.lr={OUTER_LR[mode]}",
-          f"--config.outer.momentum={OUTER_MOMENTUM[mode]}"]
+  mode, extra, h = RUNS[name]
+  args = [*COMMON, f"--config.num_rounds={rounds * 25 // h}", f"--config.inner_steps={h}",
+          f"--config.outer.lr={OUTER_LR[mode]}",
+          f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra]
   if mode == "none":  # the reference: every host its own one-host job, nothing crosses
     procs = [subprocess.Popen([sys.executable, "-m", "diloco_jax.train", *args,
                                "--config.mode=sync", f"--workdir={workdir}/h{i}"],
@@ -134,7 +157,7 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
   outputs = [p.communicate()[0] for p in procs]
   for i, (p, out) in enumerate(zip(procs, outputs)):
     if p.returncode != 0:
-      raise RuntimeError(f"{mode}: host {i} failed:\n{out[-3000:]}")
+      raise RuntimeError(f"{name}: host {i} failed:\n{out[-3000:]}")
   # One-host jobs each log their own run; a multi-host job logs on host 0 only.
   per_host = ([read_metrics(f"{workdir}/h{i}") for i in range(net.num_hosts)]
               if mode == "none" else [read_metrics(workdir)])
@@ -146,7 +169,7 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
   # The main thread's time in outer steps (waiting for the mean included): the time the
   # devices sat idle because of DiLoCo, whatever else slowed the host down.
   idle = sum(r.get("outer_time", 0.0) for r in records[1:])
-  row = {"mode": mode, "outer_lr": OUTER_LR[mode], "outer_momentum": OUTER_MOMENTUM[mode],
+  row = {"mode": name, "outer_lr": OUTER_LR[mode], "outer_momentum": OUTER_MOMENTUM[mode],
          "wall_s": wall, "idle_fraction": idle / wall,
          "tokens_per_sec": tokens / wall, "final_eval_loss": records[-1]["eval_loss"],
          "curve": [(sum(r["round_time"] for r in records[1:i + 1]), r["eval_loss"])
@@ -154,6 +177,9 @@ def run_mode(net: Network, mode: str, rounds: int, workdir: str) -> dict:
   if mode != "none":
     row["bytes_per_host"] = [net.tx_bytes(i) - b for i, b in enumerate(before)]
     row["bytes_per_host_counted"] = sum(r.get("bytes_sent", 0) for r in records)
+    # The most one sync put on the wire at once (streaming: one fragment).
+    row["peak_bytes_per_sync"] = max(r.get("bytes_peak", r.get("bytes_sent", 0))
+                                     for r in records)
     if mode != "ddp":
       timed = records[1:]
       row["comm_s_per_round"] = sum(r["collective_time"] for r in timed) / len(timed)
@@ -179,7 +205,8 @@ def main():
   parser.add_argument("--hosts", type=int, default=2)
   parser.add_argument("--rate_mbit", type=float, default=8.0)
   parser.add_argument("--rounds", type=int, default=32)
-  parser.add_argument("--modes", default="none,sync,delayed,eager,ddp")
+  parser.add_argument("--modes", default="none,sync,delayed,eager,ddp",
+                      help=f"runs, comma-separated, from {', '.join(RUNS)}")
   parser.add_argument("--subnet", type=int, default=77, help="10.77.<subnet>.0/24")
   parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "wan.json"))
   parser.add_argument("--workdir", default="", help="keep each mode's workdirs here")
@@ -191,9 +218,16 @@ def main():
   with Network(args.hosts, args.rate_mbit, args.subnet) as net, \
        tempfile.TemporaryDirectory() as scratch:
     tmp = args.workdir or scratch
+    unknown = set(args.modes.split(",")) - set(RUNS)
+    if unknown:
+      sys.exit(f"--modes: unknown {sorted(unknown)}; one of {', '.join(RUNS)}")
     for mode in args.modes.split(","):
       t = time.time()
-      rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, mode)))
+      try:
+        rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, mode)))
+      except RuntimeError as e:  # report it, keep the other runs' figures
+        print(f"{mode}: FAILED\n{e}", flush=True)
+        continue
       print(f"{mode}: done in {time.time() - t:.0f} s", flush=True)
   reference = next((r["wall_s"] for r in rows if r["mode"] == "none"), None)
   for r in rows:
@@ -205,13 +239,15 @@ def main():
                "rows": rows}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)
   print(f"\n{title}\n| mode | outer lr, μ | wall s | compute util. | outer-step idle | tokens/s "
-        f"| MB/host (wire) | comm s/round | final eval loss |\n|---|---|---|---|---|---|---|---|---|")
+        f"| MB/host (wire) | peak MB/sync | comm s/round | final eval loss |\n"
+        f"|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     mb = f"{max(r['bytes_per_host']) / 1e6:.1f}" if "bytes_per_host" in r else "0"
     comm = f"{r['comm_s_per_round']:.2f}" if r.get("comm_s_per_round") else "-"
+    peak = f"{r['peak_bytes_per_sync'] / 1e6:.3f}" if r.get("peak_bytes_per_sync") else "-"
     print(f"| {r['mode']} | {r['outer_lr']}, {r['outer_momentum']} | {r['wall_s']:.1f} | "
           f"{r['compute_utilization']:.2f} | {100 * r['idle_fraction']:.1f}% | "
-          f"{r['tokens_per_sec']:,.0f} | {mb} | {comm} | "
+          f"{r['tokens_per_sec']:,.0f} | {mb} | {peak} | {comm} | "
           f"{r['final_eval_loss']:.4f} |")
   print(f"wrote {args.out} and {args.out.replace('.json', '.png')}")
 

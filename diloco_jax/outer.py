@@ -7,9 +7,11 @@ The accelerators hold only what plain training holds. The anchor, the outer mome
       ──► outer optimizer on Σ / K ──► new start point ──h2d──► every local replica
 
 `sync` waits for the sum; `delayed` and `eager` submit it and start the next inner phase
-at once, applying it one round later (ALGORITHMS.md §2, §3). The math is `diloco`'s, so
-`simulate` and the trainer agree; this module adds placement, the cross-host sum (always
-on the dispatch thread), timings and diagnostics. A round's record is a dict that is
+at once, applying it one round later (ALGORITHMS.md §2, §3); `streaming_step` syncs
+fragments mid-round. What crosses hosts is `wire`'s (plain sum, or encoded and robustly
+aggregated). The math is `diloco`'s, so `simulate` and the trainer agree; this module
+adds placement, the cross-host sum (always on the dispatch thread), timings and
+diagnostics. A round's record is a dict that is
 completed when its sum arrives (the trainer logs it one round late).
 """
 
@@ -22,23 +24,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from diloco_jax import config as config_lib
 from diloco_jax import diloco
-from diloco_jax import optim
 from diloco_jax import state as state_lib
-from diloco_jax import streaming
 from diloco_jax import wire as wire_lib
 
 Params = Any
 _PLAIN = config_lib.get_default_config().outer  # no compression, the mean
 
 
-def _entries(tree: Params) -> int:
+def entries(tree: Params) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
@@ -58,7 +57,7 @@ class BadPseudoGradientError(RuntimeError):
   """Pseudo-gradients with NaN or Inf entries in `outer.max_skipped_rounds` rounds in a row."""
 
 
-class _Pending:
+class Pending:
   """A cross-host sum in flight, what went into it from this host, and the record of the
   round it belongs to."""
 
@@ -98,7 +97,7 @@ class OuterStep:
         out_shardings=self.on_mesh)
     self._update = jax.jit(functools.partial(diloco.outer_update, self.optimizer),
                            donate_argnums=0)
-    self.pending: _Pending | None = None
+    self.pending: Pending | None = None
     # Elastic mode: more per-host numbers summed with Δ ({"replicas": R, ...}); the mean
     # then divides by the summed replica count (the live replicas), not K.
     self.extra = None
@@ -107,7 +106,7 @@ class OuterStep:
   def init(self, anchor: Params):
     # Committed to the host CPU device, as every later outer state is, so the outer-step
     # programs compile once rather than again in round 2.
-    self.wire.init_residuals({0: _entries(anchor)}, self.replicas_per_host)
+    self.wire.init_residuals({0: entries(anchor)}, self.replicas_per_host)
     return jax.device_put(state_lib.init_outer_state(self.optimizer, anchor), self.host)
 
   def model(self, outer_state) -> Params:
@@ -145,7 +144,7 @@ class OuterStep:
     return finite_R, replicas
 
   def submit(self, deltas_R: Params, loss_sum, finite_R: np.ndarray, record: dict,
-             round_: int, key: int = 0) -> _Pending:
+             round_: int, key: int = 0) -> Pending:
     """Queues Σ over hosts of (Σ_local Δ_m, the round's loss sum, which replicas' Δ were
     not finite) on the dispatch thread; Δ goes through `self.wire` unless it is plain
     (then Σ Δ, else Σ Δ or Δ̄ as `wire.aggregates` says). `key`: the fragment."""
@@ -174,8 +173,8 @@ class OuterStep:
 
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
-    return _Pending(future, record, deltas_R, loss_sum, finite_R, times, key,
-                    self.wire.residual.get(key))
+    return Pending(future, record, deltas_R, loss_sum, finite_R, times, key,
+                   self.wire.residual.get(key))
 
   def inflight(self) -> dict | None:
     """What this host put into the sum still in flight (checkpointed in async modes: the
@@ -191,7 +190,7 @@ class OuterStep:
     self.pending = self.submit(deltas_R, inflight["loss"], np.asarray(inflight["finite"]),
                                record, round_)
 
-  def wait(self, pending: _Pending, stats: bool = True) -> tuple[Params, bool]:
+  def wait(self, pending: Pending, stats: bool = True) -> tuple[Params, bool]:
     """The mean Δ̄ of `pending`'s round and whether to apply it (False when some replica's
     Δ was not finite, more than robust aggregation tolerates: the same answer on every
     host, which all see the same flags). Completes that round's record (with the Δ
@@ -276,7 +275,7 @@ class OuterStep:
     if own is not None and "wire" in own:
       self.wire.residual = {int(key): np.asarray(v) for key, v in own["wire"].items()}
 
-  def _in_flight(self) -> list[_Pending]:
+  def _in_flight(self) -> list[Pending]:
     return [] if self.pending is None else [self.pending]
 
   def inflight_like(self, params_R: Params) -> dict:
@@ -370,7 +369,7 @@ class EagerOuterStep(OuterStep):
     self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
   def init(self, anchor: Params):
-    self.wire.init_residuals({0: _entries(anchor)}, self.replicas_per_host)
+    self.wire.init_residuals({0: entries(anchor)}, self.replicas_per_host)
     return jax.device_put(state_lib.init_eager_state(self.optimizer, anchor,
                                                      self.replicas_per_host), self.host)
 
@@ -430,133 +429,3 @@ class EagerOuterStep(OuterStep):
         params=own["params"], opt_state=own["opt_state"], prev_deltas=own["prev_deltas"],
         prev_mean=shared["prev_mean"], step=shared["step"]), self.host)
 
-
-class StreamingOuterStep(OuterStep):
-  """ALGORITHMS.md §4, with streaming.py's phase convention: fragment p's Δ against its
-  own θᵍ_p is sent after inner steps n·H + p·H/P (one dispatch job per fragment); τ steps
-  later its mean moves θᵍ_p with the fragment's own outer optimizer and every replica
-  merges it in. The outer state is the list of the P fragments' OuterStates.
-
-  Fragment 0's job carries the round's loss and completes the round's record (bytes and
-  collective time summed over the fragments synced since the previous one; `bytes_peak`,
-  the most one sync sent: the peak in flight). At a round's end only fragment 0 can be in
-  flight (τ < H/P), so checkpoints and resumes treat it as `delayed` treats its sum.
-  """
-
-  def __init__(self, *args, num_fragments: int, layout: str, overlap_steps: int,
-               merge_alpha: float, num_rounds: int, inner_steps: int, **kw):
-    self._pending: dict[int, _Pending] = {}
-    super().__init__(*args, **kw)
-    self.num_fragments, self.layout, self.alpha = num_fragments, layout, merge_alpha
-    self.h = inner_steps
-    self.events = streaming.events(num_rounds, inner_steps, num_fragments, overlap_steps)
-    self.sends_late = overlap_steps > 0
-    self._merge = jax.jit(functools.partial(streaming.merge, alpha=merge_alpha,
-                                            num_replicas=self.replicas_per_host),
-                          out_shardings=self.on_mesh)
-    self._synced: list[dict] = []  # syncs of fragments ≥ 1 since fragment 0's last one
-
-  @property
-  def pending(self) -> _Pending | None:  # the in-flight sum of fragment 0
-    return self._pending.get(0)
-
-  @pending.setter
-  def pending(self, value: _Pending | None) -> None:
-    if value is None:
-      self._pending.pop(0, None)
-    else:
-      self._pending[0] = value
-
-  def _in_flight(self) -> list[_Pending]:
-    return list(self._pending.values())
-
-  def init(self, anchor: Params):
-    self.ids = jax.tree.leaves(streaming.model_fragment_ids(anchor, self.num_fragments,
-                                                            self.layout))
-    self.treedef = jax.tree.structure(anchor)
-    parts = streaming.split(anchor, self.ids, self.num_fragments)
-    self.wire.init_residuals({p: _entries(part) for p, part in enumerate(parts)},
-                             self.replicas_per_host)
-    return jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
-                                                 self.num_fragments), self.host)
-
-  def model(self, outer_states) -> Params:
-    """θᵍ: every fragment's global copy."""
-    return self.place(streaming.join([s.anchor for s in outer_states], self.ids,
-                                     self.treedef))
-
-  def on_step(self, outer_states, replicas, step: int, round_: int):
-    return self._handle(step, list(outer_states), replicas, None, {"round": round_}, round_)
-
-  def __call__(self, outer_states, replicas, loss_sum, round_: int):
-    record = {"round": round_}
-    outer_states, replicas = self._handle(round_ * self.h, list(outer_states), replicas,
-                                          loss_sum, record, round_)
-    return outer_states, replicas, self.model(outer_states), record
-
-  def _handle(self, step: int, outer_states: list, replicas, loss_sum, record: dict,
-              round_: int):
-    for kind, p in self.events.get(step, ()):
-      if kind == "send":
-        own = record if p == 0 else {"round": round_}
-        local = self.to_host(self._fragment(replicas.params, p), own)
-        deltas_R = self.pseudo_gradients(outer_states[p].anchor, local)
-        finite_R, replicas = self.check_finite(deltas_R, replicas)
-        loss = loss_sum if p == 0 else np.zeros((), np.float32)
-        self._pending[p] = self.submit(deltas_R, loss, finite_R, own, round_, key=p)
-        continue
-      pending = self._pending.pop(p)
-      mean, ok = self.wait(pending, stats=p == 0)
-      t = time.perf_counter()
-      if ok:
-        outer_states[p] = jax.block_until_ready(self._update(outer_states[p], mean))
-      replicas = self._merge_in(replicas, p, outer_states[p].anchor)
-      pending.record["outer_update"] = time.perf_counter() - t
-      self._account(pending.record, p)
-    return outer_states, replicas
-
-  def _fragment(self, params: Params, p: int) -> list:
-    return streaming.split(params, self.ids, self.num_fragments)[p]
-
-  def _merge_in(self, replicas, p: int, anchor_p: list):
-    """θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p on the local devices (α = 0: the sync broadcast)."""
-    placed = self.place(anchor_p)
-    new = (self._broadcast(placed) if self.alpha == 0 else
-           self._merge(self._fragment(replicas.params, p), placed))
-    parts = streaming.split(replicas.params, self.ids, self.num_fragments)
-    parts[p] = jax.block_until_ready(new)
-    return replicas.replace(params=streaming.join(parts, self.ids, self.treedef))
-
-  def _account(self, record: dict, p: int) -> None:
-    """Fragment 0's record gets the traffic of every sync since its previous one."""
-    if p != 0:
-      self._synced.append(record)
-      return
-    synced, self._synced = [record, *self._synced], []
-    sent = [r.get("bytes_sent", 0) for r in synced]
-    record.update(bytes_sent=sum(sent), bytes_peak=max(sent), fragments_synced=len(synced),
-                  collective_time=sum(r.get("collective_time", 0.0) for r in synced))
-
-  def drain(self, outer_states, replicas):
-    return outer_states, replicas, self.model(outer_states)  # the last syncs were applied
-
-  def inflight_like(self, params_R: Params) -> dict:
-    like = super().inflight_like(params_R)
-    return {**like, "deltas": self._fragment(params_R, 0)}
-
-
-OUTER_STEPS = {"sync": SyncOuterStep, "delayed": DelayedOuterStep, "eager": EagerOuterStep,
-               "streaming": StreamingOuterStep}
-
-
-def make(config: ml_collections.ConfigDict, **kw) -> OuterStep:
-  """The outer step of `config.mode` (ddp: a sync one, which it uses only for its state)."""
-  o = config.outer
-  wire = wire_lib.Wire(o, kw["replicas_per_host"] * kw["collective"].num_hosts)
-  cls = OUTER_STEPS.get(config.mode, SyncOuterStep)
-  if cls is StreamingOuterStep:
-    kw.update(num_fragments=o.fragments, layout=o.fragment_layout,
-              overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha,
-              num_rounds=config.num_rounds, inner_steps=config.inner_steps)
-  return cls(optim.outer_optimizer(o), max_skipped_rounds=o.max_skipped_rounds, wire=wire,
-             **kw)

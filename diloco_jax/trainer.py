@@ -34,6 +34,8 @@ from diloco_jax import model as model_lib
 from diloco_jax import optim
 from diloco_jax import outer as outer_lib
 from diloco_jax import state as state_lib
+from diloco_jax import streaming_step
+from diloco_jax import wire as wire_lib
 
 
 class TrainResult(NamedTuple):
@@ -51,6 +53,8 @@ class TrainResult(NamedTuple):
   preempted_at: int | None = None
 
 
+OUTER_STEPS = {"sync": outer_lib.SyncOuterStep, "delayed": outer_lib.DelayedOuterStep,
+               "eager": outer_lib.EagerOuterStep, "streaming": streaming_step.StreamingOuterStep}
 # The parts of the outer step on the main thread's path (seconds; see README).
 OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
 
@@ -96,9 +100,16 @@ class Trainer:
     self.ddp = config.mode == "ddp"
 
     self._done_before, self._round_losses = 0, []  # inner steps finished, for `overlap_steps`
-    self.outer_step = outer_lib.make(
-        config, mesh=self.mesh, collective=self.collective, dispatcher=dispatcher,
-        replicas_per_host=self.replicas_per_host, steps_done=self._steps_done)
+    o, streaming_kw = config.outer, {}
+    if config.mode == "streaming":
+      streaming_kw = dict(num_fragments=o.fragments, layout=o.fragment_layout,
+                          overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha,
+                          num_rounds=self.num_rounds, inner_steps=self.h)
+    self.outer_step = OUTER_STEPS.get(config.mode, outer_lib.SyncOuterStep)(  # ddp: its state
+        optim.outer_optimizer(o), mesh=self.mesh, collective=self.collective,
+        dispatcher=dispatcher, replicas_per_host=self.replicas_per_host,
+        steps_done=self._steps_done, max_skipped_rounds=o.max_skipped_rounds,
+        wire=wire_lib.Wire(o, self.num_replicas), **streaming_kw)
     if self.elastic:  # the mean divides by the live replicas; host 0 relays returning hosts
       self.outer_step.extra = lambda: {
           "replicas": self.replicas_per_host,
