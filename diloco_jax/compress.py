@@ -56,7 +56,9 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK,
   if fmt == "none":
     return Encoded(fmt, x.size, {"values": x.copy()})
   if fmt == "bf16":
-    return Encoded(fmt, x.size, {"values": x.astype(jnp.bfloat16)})
+    # Sent as its bits: XLA's CPU collectives widen bfloat16 to float32 on the wire
+    # (bench/wan.py's veth counter showed float32's bytes), integers cross as they are.
+    return Encoded(fmt, x.size, {"bits": x.astype(jnp.bfloat16).view(np.uint16)})
   if fmt in _QMAX:
     qmax = _QMAX[fmt]
     b = _blocks(x, block)
@@ -81,8 +83,10 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK,
 def decode(enc: Encoded, *, block: int = BLOCK) -> np.ndarray:
   """The float32 vector `enc` stands for."""
   p = enc.parts
-  if enc.fmt in ("none", "bf16"):
+  if enc.fmt == "none":
     return p["values"].astype(np.float32)
+  if enc.fmt == "bf16":
+    return p["bits"].view(jnp.bfloat16).astype(np.float32)
   if enc.fmt in _QMAX:
     q = p["q"]
     if enc.fmt == "4bit":

@@ -93,11 +93,12 @@ class StreamingOuterStep(outer.OuterStep):
         self._pending[p] = self.submit(deltas_R, loss, finite_R, own, round_, key=p)
         continue
       pending = self._pending.pop(p)
-      mean, ok = self.wait(pending, stats=p == 0)
       t = time.perf_counter()
+      mean, ok = self.wait(pending, stats=p == 0)
       if ok:
         outer_states[p] = jax.block_until_ready(self._update(outer_states[p], mean))
       replicas = self._merge_in(replicas, p, outer_states[p].anchor)
+      # The main thread's time in this sync: the wait for the mean, the update, the merge.
       pending.record["outer_update"] = time.perf_counter() - t
       self._account(pending.record, p)
     return outer_states, replicas
@@ -121,8 +122,10 @@ class StreamingOuterStep(outer.OuterStep):
       return
     synced, self._synced = [record, *self._synced], []
     sent = [r.get("bytes_sent", 0) for r in synced]
+    total = lambda key: sum(r.get(key, 0.0) for r in synced)
     record.update(bytes_sent=sum(sent), bytes_peak=max(sent), fragments_synced=len(synced),
-                  collective_time=sum(r.get("collective_time", 0.0) for r in synced))
+                  collective_time=total("collective_time"), outer_d2h=total("outer_d2h"),
+                  outer_update=total("outer_update"))
 
   def drain(self, outer_states, replicas):
     return outer_states, replicas, self.model(outer_states)  # the last syncs were applied
