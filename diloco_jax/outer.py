@@ -151,11 +151,14 @@ class OuterStep:
     host, R = self.collective.host_index, self.replicas_per_host
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * R:(host + 1) * R] = ~np.asarray(finite_R, bool)
-    summed = self._sum_R(deltas_R)
     payload = {"loss": loss_sum, "bad": bad_K}
-    rows = None if self.wire.plain else self.wire.rows(deltas_R, summed)
-    if rows is None:
-      payload["delta"] = summed
+    rows = None  # robust aggregation sends every replica's Δ: no local sum to compute
+    if self.wire.aggregates:
+      rows = deltas_R
+    elif self.wire.plain:
+      payload["delta"] = self._sum_R(deltas_R)
+    else:
+      rows = jax.tree.map(lambda x: x[None], self._sum_R(deltas_R))
     if self.extra is not None:
       payload["extra"] = {k: np.float32(v) for k, v in self.extra().items()}
     times: dict = {}

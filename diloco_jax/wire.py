@@ -44,12 +44,6 @@ class Wire:
     self.tolerated = aggregate.tolerated(outer.aggregation, num_replicas, outer.trim)
     self.residual: dict[int, np.ndarray] = {}  # fragment -> [rows, N] float32
 
-  def rows(self, deltas_R: Params, summed: Params) -> Params:
-    """What this host sends, with a leading rows axis: every replica's Δ, or their sum."""
-    if self.aggregates:
-      return deltas_R
-    return jax.tree.map(lambda x: np.asarray(x)[None], summed)
-
   def init_residuals(self, entries: dict[int, int], replicas_per_host: int) -> None:
     """Zero residuals for fragments of these sizes (so checkpoints know their layout)."""
     if self.feedback:
