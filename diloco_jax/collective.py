@@ -5,7 +5,8 @@
 into one flat buffer per dtype, so a round costs one collective however many leaves the
 model has. `LocalCollective` is the single-host version: no network, same interface.
 
-Call these only from the dispatch thread (DESIGN.md, rule 1).
+Call these only from the dispatch thread (`dispatch.py`): every host must issue the same
+collectives in the same order, and two threads issuing collectives at once crash gloo.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.momentum = 0.9  # Outer momentum (DiLoCo paper: 0.9); 0 is plain SGD.
   c.outer.nesterov = True  # Nesterov momentum (as in the paper).
   c.outer.max_skipped_rounds = 3  # Rounds in a row with a NaN/Inf Δ before the job stops.
-  # Streaming DiLoCo (mode 'streaming'; ALGORITHMS.md §4):
+  # Streaming DiLoCo (mode 'streaming'; docs/algorithms.md §5):
   c.outer.fragments = 1  # P: fragments of the params, each synced every H steps, staggered.
   c.outer.fragment_layout = "strided"  # Block l in fragment l mod P, or 'sequential'.
   c.outer.overlap_steps = 0  # τ: inner steps between sending a fragment's Δ and applying it.

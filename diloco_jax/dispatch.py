@@ -1,9 +1,10 @@
 """The dispatch thread: the only thread that issues cross-host collectives.
 
 Every host must issue the same collectives in the same order, and two threads issuing
-collectives at once crash gloo (FACTS.md). So all cross-host work is a job on one
-background thread, run strictly in FIFO order; the main thread gets a future per job and
-keeps dispatching inner steps while the collective runs (the overlap of Async DiLoCo).
+collectives at once crash gloo (measured: both processes abort with a gloo size-mismatch
+error). So all cross-host work is a job on one background thread, run strictly in FIFO
+order; the main thread gets a future per job and keeps dispatching inner steps while the
+collective runs (the overlap of Async DiLoCo).
 
 After a job fails, the collective group is broken: every later job fails at once with the
 same error instead of issuing another collective that would hang.

@@ -168,7 +168,8 @@ class DDPStep:
 
 def _must_block(mesh: Mesh) -> bool:
   # XLA:CPU can hang when steps over several CPU devices of one process are queued
-  # without waiting (FACTS.md); waiting for each step there avoids it.
+  # without waiting (measured: 2 CPU devices in one process hung in 1/3 to 1/2 of runs);
+  # waiting for each step there avoids it (0 hangs in 6).
   return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
 
 

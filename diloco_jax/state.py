@@ -76,8 +76,8 @@ def fingerprint(tree: Any) -> str:
 
 @flax.struct.dataclass
 class EagerState:
-  """The outer state of eager mode (ALGORITHMS.md §3) for the replicas held here, each leaf
-  with a leading replica axis [R, ...] except `prev_mean` and `step`.
+  """The outer state of eager mode (docs/algorithms.md §4) for the replicas held here,
+  each leaf with a leading replica axis [R, ...] except `prev_mean` and `step`.
 
   Attributes:
     params: θ_m, each replica's own outer params: where its next inner phase starts.
