@@ -86,6 +86,14 @@ def decode_json(rows: np.ndarray) -> list[Any]:
   return [json.loads(bytes(row).rstrip(b"\0")) for row in np.asarray(rows)]
 
 
+def set_barrier_timeout(seconds: int) -> None:
+  """How long orbax's coordination-service barriers wait for a host (default 300 s).
+  Private: orbax has no option for it; a barrier timeout in `MultiprocessingOptions` would
+  replace this module constant."""
+  from orbax.checkpoint._src.multihost import multihost as orbax_multihost
+  orbax_multihost._DEFAULT_BARRIER_TIMEOUT = seconds
+
+
 def check_writable(workdir: str) -> None:
   """Fails at start, not at the first checkpoint, when `workdir` cannot be written."""
   try:

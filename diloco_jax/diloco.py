@@ -1,12 +1,32 @@
-"""The DiLoCo math as pure functions (ALGORITHMS.md §1–3). No I/O, no threads.
+"""The DiLoCo math as pure functions, and one `Rule` per mode (docs/algorithms.md §2–§4).
 
-`simulate`, the single-host trainer and the multi-host trainer all call these, so the same
-round gives the same numbers wherever it runs.
+No I/O, no threads. A rule is one mode's outer step over its state (a flax.struct pytree);
+`simulate` drives it with `lax.scan` over rounds, and the host driver (`outer.py`) drives
+the same rule with the mean coming from the other hosts. So each mode's schedule is
+written once, here, and gives the same numbers wherever it runs.
+
+The interface every rule has (optimizer and K fixed when the rule is made):
+  delay        rounds between sending a round's Δ and applying its mean: 0 waits for it
+               (sync), 1 applies it one round late (delayed, eager).
+  per_replica  whether the state holds one set of outer params per replica ([R, ...]: eager)
+               rather than one anchor; the final model is then the mean over all K.
+  init         (anchor, R) -> state, for the R replicas held here.
+  start        state -> where the replicas start their next inner phase, which is also
+               what Δ is measured against: the anchor, or [R, ...] per replica.
+  apply        (state, Δ_R, mean) -> state: one outer step, given this host's Δ_m and the
+               mean that arrived (this round's when delay = 0, the previous round's when
+               delay = 1; None when nothing arrived or it was skipped).
+  drain        (state, mean) -> state: the end of the run, when the mean still in flight
+               after the last inner phase arrives (None: there is none, or it was skipped).
+  final        state -> the trained params (per replica when per_replica).
+  model        state -> the params to evaluate during the run.
+  split, join  state <-> (what every host holds bit for bit, what is this host's own).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +37,14 @@ from diloco_jax import state as state_lib
 Params = Any
 
 
-def pseudo_gradients(anchor: Params, local_params_R: Params) -> Params:
-  """Δ_m = θ − θ_m for every replica m (leading replica axis), in the anchor's dtype."""
-  return jax.tree.map(lambda a, l: a[None] - l.astype(a.dtype), anchor, local_params_R)
+def pseudo_gradients(start: Params, local_params_R: Params) -> Params:
+  """Δ_m = start − θ_m for every replica m (leading replica axis), in `start`'s dtype.
+
+  `start` is the anchor (one set, broadcast over the replicas) or one start point per
+  replica ([R, ...], eager mode).
+  """
+  return jax.tree.map(lambda s, l: (s if s.ndim == l.ndim else s[None]) - l.astype(s.dtype),
+                      start, local_params_R)
 
 
 def replica_sum(deltas_R: Params) -> Params:
@@ -35,10 +60,9 @@ def divide(tree: Params, count: int | jax.Array) -> Params:
   return jax.tree.map(lambda x: x / jnp.asarray(count, x.dtype), tree)
 
 
-def mean_pseudo_gradient(anchor: Params, local_params_R: Params) -> Params:
-  """Δ̄ = (1/R) Σ_m (θ − θ_m) over the replicas given (one host's, or all of them)."""
-  num_replicas = jax.tree.leaves(local_params_R)[0].shape[0]
-  return divide(replica_sum(pseudo_gradients(anchor, local_params_R)), num_replicas)
+def replica_mean(tree_R: Params) -> Params:
+  """(1/R) Σ_m over the leading replica axis of every leaf."""
+  return divide(replica_sum(tree_R), jax.tree.leaves(tree_R)[0].shape[0])
 
 
 def outer_update(outer_optimizer: optax.GradientTransformation,
@@ -51,36 +75,17 @@ def outer_update(outer_optimizer: optax.GradientTransformation,
                               opt_state=opt_state, step=outer_state.step + 1)
 
 
-def sync_outer_step(outer_optimizer: optax.GradientTransformation,
-                    outer_state: state_lib.OuterState,
-                    local_params_R: Params) -> state_lib.OuterState:
-  """Sync DiLoCo on replicas that all live in one place (simulate, tests)."""
-  return outer_update(outer_optimizer, outer_state,
-                      mean_pseudo_gradient(outer_state.anchor, local_params_R))
-
-
-def maybe_outer_update(outer_optimizer: optax.GradientTransformation,
-                       outer_state: state_lib.OuterState, mean_delta: Params,
-                       apply: jax.Array | bool) -> state_lib.OuterState:
-  """`outer_update` when `apply`, else the state unchanged (traceable: delayed mode has
-  nothing to apply after its first round)."""
-  return jax.lax.cond(apply, lambda s: outer_update(outer_optimizer, s, mean_delta),
-                      lambda s: s, outer_state)
-
-
 def eager_gradients(deltas_R: Params, prev_mean: Params, prev_deltas_R: Params,
                     num_replicas: int) -> Params:
-  """ALGORITHMS.md §3 step 5, per replica m: Δ̃_m = Δ_m/K + (Δ̄_prev − Δ_m,prev/K).
+  """docs/algorithms.md §4, per replica m: Δ̃_m = Δ_m/K + (Δ̄_prev − Δ_m,prev/K).
 
   The replica's fresh Δ stands in (weight 1/K) for its own stale contribution to the
   delayed mean of round r−1. In this form K = 1 is sync DiLoCo bit for bit: Δ̄_prev and
   Δ_m,prev are then the same number, so the bracket is exactly 0.
   """
-  k = num_replicas
-
   def one(d_R, mean, prev_R):
-    kk = jnp.asarray(k, d_R.dtype)
-    return d_R / kk + (mean[None] - prev_R / kk)
+    k = jnp.asarray(num_replicas, d_R.dtype)
+    return d_R / k + (mean[None] - prev_R / k)
 
   return jax.tree.map(one, deltas_R, prev_mean, prev_deltas_R)
 
@@ -143,3 +148,113 @@ def zero_nonfinite(tree: Any) -> Any:
   return jax.tree.map(
       lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
       if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
+
+
+# The rules. Each is a frozen value holding the outer optimizer and K, with pure methods
+# that `jax.jit` and `lax.scan` accept; a `None` mean is static (a separate trace).
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+  """docs/algorithms.md §2: wait for the mean of this round's Δ, then apply it."""
+  optimizer: optax.GradientTransformation
+  num_replicas: int  # K, over all hosts
+  delay: ClassVar[int] = 0
+  per_replica: ClassVar[bool] = False
+
+  def init(self, anchor: Params, replicas_here: int) -> state_lib.OuterState:
+    del replicas_here  # every replica starts from the one anchor
+    return state_lib.init_outer_state(self.optimizer, anchor)
+
+  def start(self, state: state_lib.OuterState) -> Params:
+    return state.anchor
+
+  def apply(self, state: state_lib.OuterState, deltas_R: Params | None,
+            mean: Params | None) -> state_lib.OuterState:
+    del deltas_R  # only the mean moves the anchor
+    return state if mean is None else outer_update(self.optimizer, state, mean)
+
+  def drain(self, state: state_lib.OuterState, mean: Params | None) -> state_lib.OuterState:
+    return self.apply(state, None, mean)
+
+  def final(self, state: state_lib.OuterState) -> Params:
+    return state.anchor
+
+  def model(self, state: state_lib.OuterState) -> Params:
+    return state.anchor
+
+  def split(self, state: state_lib.OuterState) -> tuple[Any, Any]:
+    return state, None
+
+  def join(self, shared: Any, own: Any) -> state_lib.OuterState:
+    del own
+    return shared
+
+
+@dataclasses.dataclass(frozen=True)
+class Delayed(Sync):
+  """docs/algorithms.md §3: Δ is measured against this round's start s_r and sent; the
+  previous round's mean moves the anchor, s_{r+1} = OuterOpt(s_r, Δ̄^(r−1)); the last
+  mean is applied by `drain`."""
+  delay: ClassVar[int] = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Eager:
+  """docs/algorithms.md §4: each replica applies its fresh Δ_m/K plus the delayed mean of
+  the others, Δ̄^(r−1) − Δ_m^(r−1)/K, from its own θ_m with its own momentum.
+
+  A mean of None (round 1, or a round skipped for NaN) makes the delayed term exactly 0:
+  Δ̄ = 0 and Δ_m,prev = 0, so the replica applies Δ_m/K alone.
+  """
+  optimizer: optax.GradientTransformation
+  num_replicas: int
+  delay: ClassVar[int] = 1
+  per_replica: ClassVar[bool] = True
+
+  def init(self, anchor: Params, replicas_here: int) -> state_lib.EagerState:
+    return state_lib.init_eager_state(self.optimizer, anchor, replicas_here)
+
+  def start(self, state: state_lib.EagerState) -> Params:
+    return state.params
+
+  def _arrived(self, state: state_lib.EagerState, mean: Params | None):
+    if mean is not None:
+      return state, mean
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+    return state.replace(prev_deltas=zeros(state.prev_deltas)), zeros(state.prev_mean)
+
+  def apply(self, state: state_lib.EagerState, deltas_R: Params,
+            mean: Params | None) -> state_lib.EagerState:
+    state, mean = self._arrived(state, mean)
+    return eager_update(self.optimizer, state, deltas_R, mean, self.num_replicas)
+
+  def drain(self, state: state_lib.EagerState, mean: Params | None) -> state_lib.EagerState:
+    """Records the last mean; `final` then swaps each replica's proxy for it."""
+    state, mean = self._arrived(state, mean)
+    return state.replace(prev_mean=mean)
+
+  def final(self, state: state_lib.EagerState) -> Params:
+    return eager_drain(self.optimizer, state, state.prev_mean, self.num_replicas)
+
+  def model(self, state: state_lib.EagerState) -> Params:
+    # The replicas differ by their fresh terms: this host's first one is evaluated.
+    return jax.tree.map(lambda x: x[0], state.params)
+
+  def split(self, state: state_lib.EagerState) -> tuple[Any, Any]:
+    return ({"prev_mean": state.prev_mean, "step": state.step},
+            {"params": state.params, "opt_state": state.opt_state,
+             "prev_deltas": state.prev_deltas})
+
+  def join(self, shared: Any, own: Any) -> state_lib.EagerState:
+    return state_lib.EagerState(params=own["params"], opt_state=own["opt_state"],
+                                prev_deltas=own["prev_deltas"], prev_mean=shared["prev_mean"],
+                                step=shared["step"])
+
+
+RULES = {"sync": Sync, "delayed": Delayed, "eager": Eager}
+
+
+def make_rule(mode: str, outer_optimizer: optax.GradientTransformation, num_replicas: int):
+  """The rule of `mode` ('sync', 'delayed' or 'eager') for K = `num_replicas`."""
+  return RULES[mode](outer_optimizer, num_replicas)

@@ -60,8 +60,22 @@ class Cluster:
     return dataclasses.replace(self, **values)
 
 
+# The two private JAX APIs the project reaches, each behind one shim.
+
+
+def coordination_client():
+  """The coordination service's client of this process (key-value store, barriers, live
+  hosts). Private: JAX has no public handle on it; `jax.distributed` would need to expose
+  its client (or a key-value/barrier API) to replace this."""
+  from jax._src import distributed as jax_distributed
+  return jax_distributed.global_state.client
+
+
 def _cluster_detected() -> bool:
-  from jax._src import clusters  # JAX's own detectors: SLURM, Open MPI, k8s, TPU.
+  """Whether JAX's own cluster detectors (SLURM, Open MPI, Kubernetes, TPU) find one.
+  Private: `jax.distributed.initialize()` runs them but does not say whether any matched;
+  a public `jax.distributed.detect_cluster()` would replace this."""
+  from jax._src import clusters
   return any(not env.opt_in_only_method and env.is_env_present()
              for env in clusters.ClusterEnv._cluster_types)
 
@@ -139,8 +153,7 @@ def check_same_config(config: ml_collections.ConfigDict, timeout_s: int) -> None
   """Stops every host with a StartupError if any two hosts resolved different configs."""
   if jax.process_count() == 1:
     return
-  from jax._src import distributed as jax_distributed
-  client = jax_distributed.global_state.client
+  client = coordination_client()
   me, n = jax.process_index(), jax.process_count()
   client.key_value_set(f"diloco_jax/config/{me}", json.dumps(describe(config), default=str))
   try:

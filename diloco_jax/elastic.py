@@ -29,7 +29,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from diloco_jax import checkpoint
 from diloco_jax import collective as collective_lib
+from diloco_jax import distributed
 
 EXIT_RESTART = 75  # every host exits with this to ask the launcher for a restart
 _RUNNING = "diloco/elastic/running"
@@ -38,8 +40,7 @@ _RESTART = "diloco/elastic/restart"
 
 
 def _client():
-  from jax._src import distributed  # the coordination service client: no public handle
-  return distributed.global_state.client
+  return distributed.coordination_client()
 
 
 def enable(collective_timeout_s: int) -> None:
@@ -48,10 +49,8 @@ def enable(collective_timeout_s: int) -> None:
   jax.config.update("jax_enable_recoverability", True)
   flag = f"--xla_cpu_collective_timeout_seconds={collective_timeout_s}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-  # Orbax's barriers (coordination service) otherwise wait 300 s for a dead host; it has
-  # no option for this, hence its module constant.
-  from orbax.checkpoint._src.multihost import multihost as orbax_multihost
-  orbax_multihost._DEFAULT_BARRIER_TIMEOUT = collective_timeout_s
+  # Orbax's barriers (coordination service) otherwise wait 300 s for a dead host.
+  checkpoint.set_barrier_timeout(collective_timeout_s)
 
 
 def mark_running() -> None:

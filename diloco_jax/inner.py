@@ -4,12 +4,13 @@
 `ReplicaStep` maps it over this host's replicas and jits it over the host's local
 devices: the batch is sharded over a `data` mesh axis, params and optimizer state are
 replicated, so XLA averages gradients over `data` only and never talks to another host.
-`DDPStep` is the data-parallel baseline; `EvalStep` evaluates one set of params.
+`EvalStep` evaluates one set of params (`ddp.py` has the data-parallel baseline's step).
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import threading
 from typing import Any, Callable
 
 import jax
@@ -79,17 +80,58 @@ def map_replicas(step):
   return lambda *args: jax.lax.map(lambda a: step(*a), args)
 
 
-class ReplicaStep:
+class Step:
+  """What every jitted inner step over the local mesh shares: the shardings, a trace
+  counter (tests use it to catch retracing), and a count of finished steps.
+
+  `steps_finished()` tells how many steps the devices have finished, without waiting:
+  `exchange` reads it on the dispatch thread around each collective, to report how many
+  inner steps ran while the sum was in flight.
+  """
+
+  def __init__(self, mesh: Mesh):
+    self.traces = 0
+    self.state_sharding = NamedSharding(mesh, P())  # params, optimizer state: every device
+    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [R, B, L+1]: B split
+    self._block = _must_block(mesh)
+    self._lock = threading.Lock()
+    self._running: collections.deque = collections.deque()  # losses of unfinished steps
+    self._finished = 0
+
+  def place(self, state: state_lib.ReplicaState) -> state_lib.ReplicaState:
+    """Puts a state on the mesh as the step expects it (else the first call retraces)."""
+    return jax.device_put(state, self.state_sharding)
+
+  def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
+    out = self._run(state, jax.device_put(batch_RxBxL1, self.batch_sharding))
+    if self._block:
+      out = jax.block_until_ready(out)
+    with self._lock:
+      self._running.append(out[1])
+    self.steps_finished()  # drops what is done: the queue holds only unfinished steps
+    return out
+
+  def steps_finished(self) -> int:
+    with self._lock:
+      while self._running and self._running[0].is_ready():
+        self._running.popleft()
+        self._finished += 1
+      return self._finished
+
+  def _run(self, state, batch):
+    raise NotImplementedError
+
+
+class ReplicaStep(Step):
   """The jitted inner step of all this host's replicas: ReplicaState, batch -> state, loss_R.
 
   Compiled once for the whole run; the state is donated so no second copy of the params
-  or optimizer state is ever alive. `traces` counts how often it was traced (tests use it
-  to catch retracing).
+  or optimizer state is ever alive.
   """
 
   def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                mesh: Mesh, grad_accum_steps: int = 1):
-    self.traces = 0
+    super().__init__(mesh)
     replica_step = map_replicas(make_train_step(loss_fn, optimizer, grad_accum_steps))
 
     def traced(state: state_lib.ReplicaState, batch_RxBxL1):
@@ -97,73 +139,9 @@ class ReplicaStep:
       params, opt_state, loss_R = replica_step(state.params, state.opt_state, batch_RxBxL1)
       return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_R
 
-    self.state_sharding = NamedSharding(mesh, P())  # params, optimizer state: every device
-    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [R, B, L+1]: B split
-    self._step = jax.jit(traced, in_shardings=(self.state_sharding, self.batch_sharding),
-                         out_shardings=(self.state_sharding, self.state_sharding),
-                         donate_argnums=0)
-    self._block = _must_block(mesh)
-
-  def place(self, state: state_lib.ReplicaState) -> state_lib.ReplicaState:
-    """Puts a state on the mesh as the step expects it (else the first call retraces)."""
-    return jax.device_put(state, self.state_sharding)
-
-  def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
-    out = self._step(state, jax.device_put(batch_RxBxL1, self.batch_sharding))
-    return jax.block_until_ready(out) if self._block else out
-
-
-class DDPStep:
-  """The data-parallel baseline: one set of params (a replica axis of size 1), updated
-  every step with the mean gradient of all K replicas' batches, across hosts.
-
-  Two programs per step: this host's gradient sum over its replicas, then, after the
-  cross-host sum (`reduce`, None on one host), the optimizer update with sum / K. Both
-  layouts of the same K replicas (one host or many) run these same two programs.
-  """
-
-  def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-               mesh: Mesh, num_replicas: int, grad_accum_steps: int = 1,
-               reduce: Callable[[Params], Params] | None = None):
-    self.traces = 0
-    self._reduce = reduce
-    grad_fn = make_grad_fn(loss_fn, grad_accum_steps)
-
-    def grad_sum(params_1, batch_RxBxL1):
-      self.traces += 1
-      params = jax.tree.map(lambda x: x[0], params_1)
-      loss_R, grads_R = jax.lax.map(lambda b: grad_fn(params, b), batch_RxBxL1)
-      # Σ_r g_r left to right, as the cross-host sum adds hosts' sums.
-      total = jax.tree.map(lambda g: functools.reduce(jnp.add, list(g)), grads_R)
-      return total, loss_R
-
-    def apply(state: state_lib.ReplicaState, grad_total):
-      self.traces += 1
-      one = lambda t: jax.tree.map(lambda x: x[0], t)
-      grads = jax.tree.map(lambda g: g / jnp.asarray(num_replicas, g.dtype), grad_total)
-      params, opt_state = one(state.params), one(state.opt_state)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      return jax.tree.map(lambda x: x[None], state_lib.ReplicaState(params, opt_state))
-
-    self.state_sharding = NamedSharding(mesh, P())  # params, optimizer state: every device
-    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [R, B, L+1]: B split
-    self._grad_sum = jax.jit(grad_sum, in_shardings=(self.state_sharding, self.batch_sharding),
-                             out_shardings=self.state_sharding)
-    self._apply = jax.jit(apply, in_shardings=self.state_sharding,
-                          out_shardings=self.state_sharding, donate_argnums=0)
-    self._block = _must_block(mesh)
-
-  def place(self, state: state_lib.ReplicaState) -> state_lib.ReplicaState:
-    return jax.device_put(state, self.state_sharding)
-
-  def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
-    batch = jax.device_put(batch_RxBxL1, self.batch_sharding)
-    grad_sum, loss_R = self._grad_sum(state.params, batch)
-    if self._reduce is not None:
-      grad_sum = jax.device_put(self._reduce(grad_sum), self.state_sharding)
-    out = self._apply(state, grad_sum), loss_R
-    return jax.block_until_ready(out) if self._block else out
+    self._run = jax.jit(traced, in_shardings=(self.state_sharding, self.batch_sharding),
+                        out_shardings=(self.state_sharding, self.state_sharding),
+                        donate_argnums=0)
 
 
 def _must_block(mesh: Mesh) -> bool:

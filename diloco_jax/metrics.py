@@ -1,7 +1,11 @@
-"""What a run reports: the per-round line, a progress bar, metrics.jsonl, TensorBoard, a plot.
+"""What a run reports: run.json, the start-up lines, each round's record (metrics.jsonl,
+TensorBoard, the progress line and bar), the final report and the loss plot.
 
-Only host 0 writes files (`enabled=False` elsewhere). Values arrive here already on the
-host: the trainer reads device values one round late so logging never stalls the devices.
+Only host 0 writes files and prints rounds. A round's record is assembled here from the
+values the loop hands over (`RoundLog`): its own figures when the round ends, and the
+figures of its cross-host sums when they arrive (one round later in the async modes). It
+is written once complete, and one round late, so reading its device values (the eval
+loss) never stalls the devices.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ import json
 import os
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
+
+# The parts of the outer step on the main thread's path (seconds; see README).
+OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
 
 
 def format_duration(seconds: float) -> str:
@@ -155,3 +162,117 @@ def save_figure(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str) -> 
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
+
+
+class RoundLog:
+  """The open records of rounds not yet written, by round; `write_through(r)` writes, in
+  order, every record up to round r whose figures are all in (its loss-carrying sum,
+  fragment 0's, has arrived)."""
+
+  def __init__(self, writer: MetricsWriter, bar: ProgressBar, *, num_rounds: int,
+               inner_steps: int, num_replicas: int, printing: bool):
+    self.writer, self.bar, self.printing = writer, bar, printing
+    self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
+    self._open: dict[int, dict[str, Any]] = {}
+
+  def open(self, r: int, **figures) -> None:
+    self._open[r] = {"round": r, **figures}
+
+  def add(self, r: int, **figures) -> None:
+    self._open[r].update(figures)
+
+  def add_times(self, r: int, times: Mapping[str, float]) -> None:
+    record = self._open[r]
+    for key, seconds in times.items():
+      record[key] = record.get(key, 0.0) + seconds
+
+  def add_synced(self, synced: Iterable[Any]) -> None:
+    """The sums that arrived (`outer.Synced`), each into the record of the round that sent
+    it. A round with several (streaming's fragments) sums their bytes and times."""
+    for s in synced:
+      a, record = s.arrived, self._open.get(s.arrived.round)
+      if record is None:  # logged before a resume: this is the drain of a finished run
+        continue
+      syncs = record.setdefault("_syncs", [])
+      syncs.append(a)
+      if a.key == 0:
+        record["loss_sum"] = a.loss_sum
+        record["_diagnostics"] = a.diagnostics
+      record["skipped_rounds"] = s.skipped_rounds
+      if not s.applied:
+        record["skipped"] = record.get("skipped", 0) + 1
+      if s.bad_replicas:
+        record["bad_replicas"] = ", ".join(filter(None, (record.get("bad_replicas"),
+                                                         s.bad_replicas)))
+      if a.live_replicas is not None:
+        record.update(replicas=a.live_replicas, rejoin=a.rejoin)
+
+  def complete(self, r: int) -> bool:
+    return "loss_sum" in self._open.get(r, {})
+
+  def rejoin_requested(self, r: int) -> bool:
+    return bool(self._open.get(r, {}).get("rejoin"))
+
+  def write_through(self, r: int) -> None:
+    for q in sorted(self._open):
+      if q > r or not self.complete(q):
+        return
+      self._write(self._open.pop(q))
+
+  def _write(self, record: dict[str, Any]) -> None:
+    syncs = [a for a in record.pop("_syncs", []) if a.collective_time is not None]
+    diagnostics = record.pop("_diagnostics", None)
+    live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
+    record["train_loss"] = float(record.pop("loss_sum")) / (live * self.h)
+    if "eval_loss" in record:
+      record["eval_loss"] = float(record["eval_loss"])
+    record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
+    if syncs:
+      sent = [a.bytes_sent for a in syncs]
+      collective, waited = (sum(a.collective_time for a in syncs), sum(a.wait for a in syncs))
+      record.update(collective_time=collective, outer_wait=waited, bytes_sent=sum(sent),
+                    bytes_peak=max(sent), fragments_synced=len(syncs),
+                    overlap_steps=sum(a.overlap_steps for a in syncs),
+                    overlap=float(np.clip(1 - waited / collective, 0, 1)) if collective else 0.0)
+    if diagnostics is not None:  # [hosts, R, 3] -> per replica, in replica order
+      stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # live replicas (elastic)
+      record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
+                    param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
+    self.bar.clear()
+    if self.printing:
+      print(round_line(record, self.num_rounds, self.num_rounds * self.h), flush=True)
+    self.writer.write(record)
+
+
+def write_run_json(workdir: str, run: Mapping[str, Any]) -> str:
+  """workdir/run.json: what this run is (the resolved config, the world, the model size,
+  the software), written at start so a workdir always says how it was made."""
+  path = os.path.join(workdir, "run.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(run, f, indent=2, sort_keys=True, default=str)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,
+                  mode: str, num_params: int, num_rounds: int, inner_steps: int,
+                  tokens: int, floor: float | None, unigram: float) -> None:
+  print(f"host {host}/{num_hosts}: {len(devices)} local device(s) {devices}, "
+        f"{replicas_per_host} replica(s), mode {mode}", flush=True)
+  if host == 0:
+    floor_text = f"{floor:.4f}" if floor is not None else "unknown (not synthetic)"
+    print(f"model {num_params / 1e6:.2f}M params; {num_hosts * replicas_per_host} replicas "
+          f"({num_hosts} host(s) x {replicas_per_host}); {num_rounds} rounds x "
+          f"{inner_steps} inner steps; {tokens:,} tokens; loss floor {floor_text}, best "
+          f"unigram loss {unigram:.4f}", flush=True)
+
+
+def report(records: list[Mapping[str, Any]], workdir: str, *, final_eval: float,
+           floor: float | None, unigram: float, elapsed: float, num_rounds: int,
+           title: str) -> None:
+  """The final line (eval loss beside the floor and the unigram loss) and loss.png."""
+  floor_text = f"{floor:.4f}" if floor is not None else "unknown"
+  print(f"final eval loss {final_eval:.4f} | loss floor {floor_text} | best unigram loss "
+        f"{unigram:.4f} | {num_rounds} rounds in {format_duration(elapsed)}", flush=True)
+  plot_losses(records, os.path.join(workdir, "loss.png"), floor=floor, unigram=unigram,
+              title=title)

@@ -1,7 +1,9 @@
 """`simulate`: K DiLoCo replicas of any loss function in one process, for research and tests.
 
-It runs exactly the math of the trainer (`inner.make_train_step` for the inner steps,
-`diloco` for the outer step) under one `jax.jit`, with the replicas vmapped.
+It runs exactly the math of the trainer, under one `jax.jit` with the replicas vmapped:
+`inner.make_train_step` for the inner steps, a `diloco` rule for the outer step (the rule
+the host driver calls too), and for streaming the schedule of `streaming.events` (the
+table the host driver follows).
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from diloco_jax import state as state_lib
 from diloco_jax import streaming
 
 Params = Any
-MODES = ("sync", "delayed", "eager", "streaming")
+MODES = (*diloco.RULES, "streaming")
 
 
 class SimulateResult(NamedTuple):
-  """Attributes: params, the anchor after T outer steps (eager: the mean of the replicas'
-  params); losses, [T, K, H] inner losses; outer_state, the final OuterState (eager: the
-  final EagerState); replicas, the final ReplicaState [K, ...]."""
+  """Attributes: params, the trained params (the anchor after T outer steps; eager: the
+  mean of the replicas' drained params); losses, [T, K, H] inner losses; outer_state, the
+  rule's final state (OuterState; eager: EagerState, whose params are from before the
+  drain; streaming: the list of the fragments' OuterStates); replicas, the final
+  ReplicaState [K, ...]."""
   params: Params
   losses: jax.Array
   outer_state: Any
@@ -45,13 +49,11 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     batches: a pytree whose leaves have leading dims [T, K, H, ...]: outer step, replica,
       inner step.
     inner_optimizer, outer_optimizer: any optax transformations.
-    mode: 'sync', 'delayed' or 'eager' (ALGORITHMS.md §1, §2, §3). In the async modes the
+    mode: 'sync', 'delayed' or 'eager' (docs/algorithms.md §2–§4). In the async modes the
       mean of the last round, still in flight when the rounds end, is applied at the end
-      (drained), so `params` contains every round. 'streaming': ALGORITHMS.md §4 with
-      the phase convention of `streaming.py`.
+      (drained), so `params` contains every round. 'streaming': docs/algorithms.md §5.
     fragment_ids, overlap_steps, merge_alpha: streaming only. A pytree like
       `init_params` giving each leaf's fragment in 0..P−1 (None: one fragment), τ, and α.
-      `outer_state` is then the list of the fragments' OuterStates.
   """
   if mode not in MODES:
     raise ValueError(f"simulate: mode={mode!r} is not one of {MODES}")
@@ -64,10 +66,10 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
                      f"{[x.shape[:3] for x in leaves]}")
 
   train_step = jax.vmap(inner.make_train_step(loss_fn, inner_optimizer))
-  mean = lambda total: diloco.divide(total, k)
 
-  def inner_phase(replicas, batches_KxH):
-    batches_HxK = jax.tree.map(lambda x: x.swapaxes(0, 1), batches_KxH)
+  def inner_steps(replicas, batches_KxH, start=0, stop=None):
+    """Inner steps start..stop−1 of a round on every replica; losses [K, steps]."""
+    batches_HxK = jax.tree.map(lambda x: x[:, start:stop].swapaxes(0, 1), batches_KxH)
 
     def one_step(replicas, batch_K):
       params, opt_state, loss_K = train_step(replicas.params, replicas.opt_state, batch_K)
@@ -76,121 +78,103 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     replicas, losses_HxK = jax.lax.scan(one_step, replicas, batches_HxK)
     return replicas, losses_HxK.T
 
-  def sync_round(carry, batches_KxH):
-    outer_state, replicas = carry
-    replicas, losses = inner_phase(replicas, batches_KxH)
-    outer_state = diloco.sync_outer_step(outer_optimizer, outer_state, replicas.params)
-    replicas = replicas.replace(params=state_lib.broadcast_to_replicas(outer_state.anchor, k))
-    return (outer_state, replicas), losses
-
-  def delayed_round(carry, batches_KxH):
-    # §2: Δ against this round's start s_r; s_{r+1} = OuterOpt(s_r, Δ̄ of round r−1).
-    outer_state, replicas, in_flight, has_in_flight = carry
-    replicas, losses = inner_phase(replicas, batches_KxH)
-    total = diloco.replica_sum(diloco.pseudo_gradients(outer_state.anchor, replicas.params))
-    outer_state = diloco.maybe_outer_update(outer_optimizer, outer_state, mean(in_flight),
-                                            has_in_flight)
-    replicas = replicas.replace(params=state_lib.broadcast_to_replicas(outer_state.anchor, k))
-    return (outer_state, replicas, total, True), losses
-
-  def eager_round(carry, batches_KxH):
-    # §3: each replica applies Δ_m/K + (Δ̄_prev − Δ_m,prev/K) from its own θ_m.
-    eager, replicas = carry
-    replicas, losses = inner_phase(replicas, batches_KxH)
-    deltas_K = jax.tree.map(lambda s, p: s - p, eager.params, replicas.params)
-    eager = diloco.eager_update(outer_optimizer, eager, deltas_K, eager.prev_mean, k)
-    # The mean of this round's Δ, in flight during the next round, arrives as prev_mean.
-    eager = eager.replace(prev_mean=mean(diloco.replica_sum(deltas_K)))
-    replicas = replicas.replace(params=eager.params)
-    return (eager, replicas), losses
-
-  def streaming_run(init_params, batches):
-    leaves, treedef = jax.tree.flatten(init_params)
-    ids = (jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves))
-    num_p = max(ids) + 1
-    kk = streaming.check_schedule(h, num_p, overlap_steps)
-    tau = overlap_steps
-    outer = streaming.outer_states(outer_optimizer, init_params, ids, num_p)
-
-    def receive(outer, replicas, p, mean_p):
-      outer = list(outer)
-      outer[p] = diloco.outer_update(outer_optimizer, outer[p], mean_p)
-      parts = streaming.split(replicas.params, ids, num_p)
-      parts[p] = streaming.merge(parts[p], outer[p].anchor, merge_alpha, k)
-      return outer, replicas.replace(params=streaming.join(parts, ids, treedef))
-
-    def gated_receive(outer, replicas, p, mean_p, has):
-      return jax.lax.cond(has, lambda o, r: receive(o, r, p, mean_p),
-                          lambda o, r: (list(o), r), outer, replicas)
-
-    def steps(replicas, batches_KxH, start, stop):
-      if stop == start:
-        return replicas, None
-      return inner_phase(replicas, jax.tree.map(lambda x: x[:, start:stop], batches_KxH))
-
-    def round_(carry, batches_KxH):
-      outer, replicas, prev_mean, prev_has, r = carry
-      losses = []
-      prev_p = 0  # fragment 0 sent at the end of the previous round (if any)
-      for q in range(1, num_p + 1):
-        start = (q - 1) * kk
-        if tau:
-          replicas, l1 = steps(replicas, batches_KxH, start, start + tau)
-          outer, replicas = gated_receive(outer, replicas, prev_p, prev_mean[prev_p],
-                                          prev_has)
-          replicas, l2 = steps(replicas, batches_KxH, start + tau, start + kk)
-          losses += [l1, l2]
-        else:
-          replicas, l = steps(replicas, batches_KxH, start, start + kk)
-          losses.append(l)
-        p = q % num_p
-        sends = r >= 2 if q < num_p else True  # fragment p ≥ 1 first sends in round 2
-        mean_p = streaming.send(outer[p], streaming.split(replicas.params, ids, num_p)[p])
-        if tau == 0:
-          if q < num_p:
-            outer, replicas = gated_receive(outer, replicas, p, mean_p, sends)
-          else:
-            outer, replicas = receive(outer, replicas, p, mean_p)
-          prev_has = jnp.asarray(False)
-        else:
-          prev_mean = [mean_p if i == p else m for i, m in enumerate(prev_mean)]
-          prev_has = jnp.asarray(sends)
-        prev_p = p
-      losses = jnp.concatenate([x for x in losses if x is not None], axis=1)
-      return (outer, replicas, prev_mean, prev_has, r + 1), losses
-
-    replicas = state_lib.init_replica_state(inner_optimizer, init_params, k)
-    zeros = [jax.tree.map(jnp.zeros_like, part) for part in streaming.split(init_params, ids,
-                                                                            num_p)]
-    carry = (outer, replicas, zeros, jnp.asarray(False), jnp.asarray(1))
-    (outer, replicas, prev_mean, prev_has, _), losses = jax.lax.scan(round_, carry, batches)
-    if tau:  # the mean of fragment 0, sent after the last step, arrives
-      outer, replicas = gated_receive(outer, replicas, 0, prev_mean[0], prev_has)
-    anchor = streaming.join([o.anchor for o in outer], ids, treedef)
-    return SimulateResult(anchor, losses, outer, replicas)
-
   @jax.jit
   def run(init_params, batches):
-    if mode == "streaming":
-      return streaming_run(init_params, batches)
     replicas = state_lib.init_replica_state(inner_optimizer, init_params, k)
-    if mode == "sync":
-      outer_state = state_lib.init_outer_state(outer_optimizer, init_params)
-      (outer_state, replicas), losses = jax.lax.scan(sync_round, (outer_state, replicas),
-                                                     batches)
-      return SimulateResult(outer_state.anchor, losses, outer_state, replicas)
-    if mode == "delayed":
-      outer_state = state_lib.init_outer_state(outer_optimizer, init_params)
-      zeros = jax.tree.map(jnp.zeros_like, init_params)
-      (outer_state, replicas, in_flight, _), losses = jax.lax.scan(
-          delayed_round, (outer_state, replicas, zeros, False), batches)
-      outer_state = diloco.outer_update(outer_optimizer, outer_state, mean(in_flight))  # drain
-      return SimulateResult(outer_state.anchor, losses, outer_state, replicas)
-    eager = state_lib.init_eager_state(outer_optimizer, init_params, k)
-    (eager, replicas), losses = jax.lax.scan(eager_round, (eager, replicas), batches)
-    # Drain: the last round's mean arrives; each replica swaps its fresh proxy for it.
-    params_K = diloco.eager_drain(outer_optimizer, eager, eager.prev_mean, k)
-    return SimulateResult(jax.tree.map(lambda p: jnp.mean(p, axis=0), params_K), losses,
-                          eager, replicas)
+    if mode == "streaming":
+      return _streaming(inner_steps, outer_optimizer, init_params, replicas, batches,
+                        fragment_ids, overlap_steps, merge_alpha, t, k, h)
+    return _rounds(diloco.make_rule(mode, outer_optimizer, k), inner_steps, init_params,
+                   replicas, batches, k)
 
   return run(init_params, batches)
+
+
+def _scan_rounds(round_fn, carry, batches):
+  """Round 1 on its own (nothing is in flight before it), then `lax.scan` over the rest;
+  losses [T, K, H]."""
+  carry, first = round_fn(carry, jax.tree.map(lambda x: x[0], batches))
+  carry, rest = jax.lax.scan(round_fn, carry, jax.tree.map(lambda x: x[1:], batches))
+  return carry, jnp.concatenate([first[None], rest])
+
+
+def _rounds(rule, inner_steps, init_params, replicas, batches, k) -> SimulateResult:
+  """sync, delayed, eager: the rule's round, as the host driver runs it."""
+
+  def round_fn(carry, batches_KxH):
+    state, replicas, in_flight = carry
+    replicas, losses = inner_steps(replicas, batches_KxH)
+    deltas_K = diloco.pseudo_gradients(rule.start(state), replicas.params)
+    mean = diloco.replica_mean(deltas_K)  # what the all-reduce of this round brings
+    state = rule.apply(state, deltas_K, in_flight if rule.delay else mean)
+    start = rule.start(state)
+    if not rule.per_replica:
+      start = state_lib.broadcast_to_replicas(start, k)
+    return (state, replicas.replace(params=start), mean), losses
+
+  (state, replicas, in_flight), losses = _scan_rounds(
+      round_fn, (rule.init(init_params, k), replicas, None), batches)
+  if rule.delay:
+    state = rule.drain(state, in_flight)
+  params = rule.final(state)
+  if rule.per_replica:
+    params = diloco.replica_mean(params)
+  return SimulateResult(params, losses, state, replicas)
+
+
+def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fragment_ids,
+               tau, alpha, t, k, h) -> SimulateResult:
+  """Streaming DiLoCo, following `streaming.events` step by step within each round."""
+  leaves, treedef = jax.tree.flatten(init_params)
+  ids = jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves)
+  num_p = max(ids) + 1
+  events = streaming.events(t, h, num_p, tau)
+  fragment_rule = diloco.Sync(outer_optimizer, k)  # each fragment's outer step
+
+  def round_fn(round_events):
+    """One round's body for the given [(step within the round, kind, fragment), ...]."""
+
+    def body(carry, batches_KxH):
+      outer, replicas, in_flight = list(carry[0]), carry[1], dict(carry[2])
+      losses, done = [], 0
+      for step, kind, p in round_events:
+        if step > done:
+          replicas, l = inner_steps(replicas, batches_KxH, done, step)
+          losses.append(l)
+          done = step
+        parts = streaming.split(replicas.params, ids, num_p)
+        if kind == "send":  # Δ̄_p against the fragment's global copy θᵍ_p
+          in_flight[p] = diloco.replica_mean(
+              diloco.pseudo_gradients(fragment_rule.start(outer[p]), parts[p]))
+        else:
+          outer[p] = fragment_rule.apply(outer[p], None, in_flight.pop(p))
+          parts[p] = streaming.merge(parts[p], outer[p].anchor, alpha, k)
+          replicas = replicas.replace(params=streaming.join(parts, ids, treedef))
+      if done < h:
+        replicas, l = inner_steps(replicas, batches_KxH, done, h)
+        losses.append(l)
+      return (outer, replicas, in_flight), jnp.concatenate(losses, axis=1)
+
+    return body
+
+  def events_of(r):  # round r is global steps (r−1)H+1 .. rH
+    return [(s - (r - 1) * h, kind, p) for s in range((r - 1) * h + 1, r * h + 1)
+            for kind, p in events.get(s, ())]
+
+  carry = (streaming.outer_states(outer_optimizer, init_params, ids, num_p), replicas, {})
+  at = lambda r: jax.tree.map(lambda x: x[r - 1], batches)
+  carry, first = round_fn(events_of(1))(carry, at(1))
+  losses = [first[None]]
+  if t > 2:  # rounds 2..T−1 follow one pattern: scanned
+    steady = events_of(2)
+    assert all(events_of(r) == steady for r in range(3, t)), "streaming schedule not periodic"
+    carry, middle = jax.lax.scan(round_fn(steady), carry,
+                                 jax.tree.map(lambda x: x[1:t - 1], batches))
+    losses.append(middle)
+  if t > 1:  # the last round also receives what its last send started
+    carry, last = round_fn(events_of(t))(carry, at(t))
+    losses.append(last[None])
+  outer, replicas, in_flight = carry
+  assert not in_flight, "streaming.events receives every send by the last step"
+  anchor = streaming.join([o.anchor for o in outer], ids, treedef)
+  return SimulateResult(anchor, jnp.concatenate(losses), outer, replicas)

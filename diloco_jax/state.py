@@ -110,3 +110,20 @@ def with_step_count(opt_state: optax.OptState, step: int) -> optax.OptState:
   return jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.full_like(x, step) if getattr(path[-1], "name", None) == "count"
       else x, opt_state)
+
+
+@flax.struct.dataclass
+class SkipCounters:
+  """Rounds whose outer step was skipped for NaN/Inf pseudo-gradients (identical on every
+  host, which all see the same flags; checkpointed with the outer state).
+
+  Attributes:
+    total: skipped rounds so far in the run (int32 scalar).
+    in_a_row: skipped rounds since the last applied one (int32 scalar).
+  """
+  total: jax.Array
+  in_a_row: jax.Array
+
+  @classmethod
+  def of(cls, total: int, in_a_row: int) -> SkipCounters:
+    return cls(total=np.int32(total), in_a_row=np.int32(in_a_row))

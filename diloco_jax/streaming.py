@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (ALGORITHMS.md §4): the params in P fragments, synced at staggered times.
+"""Streaming DiLoCo (docs/algorithms.md §5): the params in P fragments, synced at staggered times.
 
 Phase convention (S25's): with K = H/P, fragment p sends its pseudo-gradient after global
 inner steps n·H + p·K for n = 1, 2, ..., so every fragment trains exactly H inner steps
@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import optax
 
-from diloco_jax import diloco
 from diloco_jax import state as state_lib
 
 Params = Any
@@ -99,7 +98,3 @@ def outer_states(outer_optimizer: optax.GradientTransformation, init_params: Par
   return [state_lib.init_outer_state(outer_optimizer, part)
           for part in split(init_params, ids, num_fragments)]
 
-
-def send(outer: state_lib.OuterState, local_K: list[jax.Array]) -> list[jax.Array]:
-  """Δ̄_p: the mean over replicas of θᵍ_p − θ_m,p."""
-  return diloco.mean_pseudo_gradient(outer.anchor, local_K)

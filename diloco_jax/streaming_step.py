@@ -1,6 +1,13 @@
-"""The trainer's side of Streaming DiLoCo (ALGORITHMS.md §4; the schedule and the math are
-`streaming`'s, so `simulate` and the trainer agree): an outer step that syncs P fragments
-mid-round, each fragment's mean one job on the dispatch thread.
+"""Streaming DiLoCo on a host (docs/algorithms.md §5): P fragments synced mid-round.
+
+The schedule is `streaming.events`, the table `simulate` follows too: after inner step t,
+fragment p's Δ against its own global copy θᵍ_p is sent (one job on the dispatch thread),
+and τ steps later its mean moves θᵍ_p with the sync rule and every replica merges it in,
+θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p. The pieces (placement, Δ, NaN check, exchange, skip
+policy, checkpoint layout) are `outer.HostSide`'s. The state is the list of the P
+fragments' OuterStates; fragment 0's send, at the end of each round, carries the round's
+loss. At a round boundary only fragment 0 can be in flight (τ < H/P), so it is checkpointed
+and issued again on resume like a delayed round's sum.
 """
 
 from __future__ import annotations
@@ -12,96 +19,80 @@ from typing import Any
 import jax
 import numpy as np
 
-from diloco_jax import outer
+from diloco_jax import diloco
+from diloco_jax import exchange as exchange_lib
+from diloco_jax import optim
+from diloco_jax import outer as outer_lib
+from diloco_jax import state as state_lib
 from diloco_jax import streaming
 
 Params = Any
 
 
-class StreamingOuterStep(outer.OuterStep):
-  """ALGORITHMS.md §4, with streaming.py's phase convention: fragment p's Δ against its
-  own θᵍ_p is sent after inner steps n·H + p·H/P (one dispatch job per fragment); τ steps
-  later its mean moves θᵍ_p with the fragment's own outer optimizer and every replica
-  merges it in. The outer state is the list of the P fragments' OuterStates.
+class StreamingOuterStep(outer_lib.HostSide):
+  """The streaming driver: the interface of `outer.OuterStep`, events instead of a rule."""
 
-  Fragment 0's job carries the round's loss and completes the round's record (bytes and
-  collective time summed over the fragments synced since the previous one; `bytes_peak`,
-  the most one sync sent: the peak in flight). At a round's end only fragment 0 can be in
-  flight (τ < H/P), so checkpoints and resumes treat it as `delayed` treats its sum.
-  """
-
-  def __init__(self, *args, num_fragments: int, layout: str, overlap_steps: int,
+  def __init__(self, optimizer, *, num_fragments: int, layout: str, overlap_steps: int,
                merge_alpha: float, num_rounds: int, inner_steps: int, **kw):
-    self._pending: dict[int, outer.Pending] = {}
-    super().__init__(*args, **kw)
+    super().__init__(**kw)
     self.num_fragments, self.layout, self.alpha = num_fragments, layout, merge_alpha
-    self.h = inner_steps
+    self.optimizer, self.h = optimizer, inner_steps
+    self.rule = diloco.Sync(optimizer, self.num_replicas)  # each fragment's outer step
     self.events = streaming.events(num_rounds, inner_steps, num_fragments, overlap_steps)
-    self.sends_late = overlap_steps > 0
+    self._apply = jax.jit(self.rule.apply, donate_argnums=0)
     self._merge = jax.jit(functools.partial(streaming.merge, alpha=merge_alpha,
                                             num_replicas=self.replicas_per_host),
                           out_shardings=self.on_mesh)
-    self._synced: list[dict] = []  # syncs of fragments ≥ 1 since fragment 0's last one
 
-  @property
-  def pending(self) -> outer.Pending | None:  # the in-flight sum of fragment 0
-    return self._pending.get(0)
+  @classmethod
+  def from_config(cls, config, **kw) -> StreamingOuterStep:
+    o = config.outer
+    return cls(optim.outer_optimizer(o), num_fragments=o.fragments, layout=o.fragment_layout,
+               overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha,
+               num_rounds=config.num_rounds, inner_steps=config.inner_steps,
+               max_skipped_rounds=o.max_skipped_rounds, **kw)
 
-  @pending.setter
-  def pending(self, value: outer.Pending | None) -> None:
-    if value is None:
-      self._pending.pop(0, None)
-    else:
-      self._pending[0] = value
-
-  def _in_flight(self) -> list[outer.Pending]:
-    return list(self._pending.values())
-
-  def init(self, anchor: Params):
+  def init(self, anchor: Params) -> outer_lib.Outer:
     self.ids = jax.tree.leaves(streaming.model_fragment_ids(anchor, self.num_fragments,
                                                             self.layout))
     self.treedef = jax.tree.structure(anchor)
     parts = streaming.split(anchor, self.ids, self.num_fragments)
-    self.wire.init_residuals({p: outer.entries(part) for p, part in enumerate(parts)},
-                             self.replicas_per_host)
-    return jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
-                                                 self.num_fragments), self.host)
+    residuals = self.exchange.init_residuals({p: exchange_lib.entries(part)
+                                              for p, part in enumerate(parts)})
+    states = jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
+                                                   self.num_fragments), self.host)
+    return outer_lib.Outer(states, state_lib.SkipCounters.of(0, 0), residuals)
 
-  def model(self, outer_states) -> Params:
-    """θᵍ: every fragment's global copy."""
-    return self.place(streaming.join([s.anchor for s in outer_states], self.ids,
-                                     self.treedef))
+  def after_step(self, outer, replicas, step: int, round_: int) -> outer_lib.Update:
+    return self._handle(outer, replicas, step, round_, None)
 
-  def on_step(self, outer_states, replicas, step: int, round_: int):
-    return self._handle(step, list(outer_states), replicas, None, {"round": round_}, round_)
+  def end_round(self, outer, replicas, loss_sum, round_: int) -> outer_lib.Update:
+    return self._handle(outer, replicas, round_ * self.h, round_, loss_sum)
 
-  def __call__(self, outer_states, replicas, loss_sum, round_: int):
-    record = {"round": round_}
-    outer_states, replicas = self._handle(round_ * self.h, list(outer_states), replicas,
-                                          loss_sum, record, round_)
-    return outer_states, replicas, self.model(outer_states), record
-
-  def _handle(self, step: int, outer_states: list, replicas, loss_sum, record: dict,
-              round_: int):
+  def _handle(self, outer, replicas, step: int, round_: int, loss_sum) -> outer_lib.Update:
+    times = {"outer_d2h": 0.0, "outer_update": 0.0}
+    synced = []
     for kind, p in self.events.get(step, ()):
       if kind == "send":
-        own = record if p == 0 else {"round": round_}
-        local = self.to_host(self._fragment(replicas.params, p), own)
-        deltas_R = self.pseudo_gradients(outer_states[p].anchor, local)
+        local, seconds = self.to_host(self._fragment(replicas.params, p))
+        times["outer_d2h"] += seconds
+        deltas_R = self.pseudo_gradients(outer.state[p].anchor, local)
         finite_R, replicas = self.check_finite(deltas_R, replicas)
         loss = loss_sum if p == 0 else np.zeros((), np.float32)
-        self._pending[p] = self.submit(deltas_R, loss, finite_R, own, round_, key=p)
+        outer = outer._replace(inflight=(*outer.inflight, self.exchange.submit(
+            deltas_R, loss, finite_R, round_=round_, key=p, residual=outer.residuals.get(p))))
         continue
-      pending = self._pending.pop(p)
-      t = time.perf_counter()
-      mean, ok = self.wait(pending, stats=p == 0)
-      if ok:
-        outer_states[p] = jax.block_until_ready(self._update(outer_states[p], mean))
-      replicas = self._merge_in(replicas, p, outer_states[p].anchor)
-      # The main thread's time in this sync: the wait for the mean, the update, the merge.
-      pending.record["outer_update"] = time.perf_counter() - t
-      self._account(pending.record, p)
-    return outer_states, replicas
+      t = time.perf_counter()  # the wait for the mean, the update and the merge
+      pending = next(x for x in outer.inflight if x.key == p)
+      outer, mean, arrived = self.receive(outer, pending, diagnostics=p == 0)
+      synced.append(arrived)
+      states = list(outer.state)
+      states[p] = jax.block_until_ready(self._apply(states[p], None, mean))
+      replicas = self._merge_in(replicas, p, states[p].anchor)
+      outer = outer._replace(state=states)
+      times["outer_update"] += time.perf_counter() - t
+    return outer_lib.Update(outer, replicas, times if self.events.get(step) else {},
+                            tuple(synced))
 
   def _fragment(self, params: Params, p: int) -> list:
     return streaming.split(params, self.ids, self.num_fragments)[p]
@@ -115,21 +106,31 @@ class StreamingOuterStep(outer.OuterStep):
     parts[p] = jax.block_until_ready(new)
     return replicas.replace(params=streaming.join(parts, self.ids, self.treedef))
 
-  def _account(self, record: dict, p: int) -> None:
-    """Fragment 0's record gets the traffic of every sync since its previous one."""
-    if p != 0:
-      self._synced.append(record)
-      return
-    synced, self._synced = [record, *self._synced], []
-    sent = [r.get("bytes_sent", 0) for r in synced]
-    total = lambda key: sum(r.get(key, 0.0) for r in synced)
-    record.update(bytes_sent=sum(sent), bytes_peak=max(sent), fragments_synced=len(synced),
-                  collective_time=total("collective_time"), outer_d2h=total("outer_d2h"),
-                  outer_update=total("outer_update"))
+  def drain(self, outer, replicas) -> outer_lib.Update:
+    """Nothing: the schedule receives every send by the last inner step."""
+    return outer_lib.Update(outer, replicas, {})
 
-  def drain(self, outer_states, replicas):
-    return outer_states, replicas, self.model(outer_states)  # the last syncs were applied
+  def final(self, outer, replicas) -> Params:
+    """θᵍ: every fragment's global copy, on the local devices."""
+    return self.place(streaming.join([s.anchor for s in outer.state], self.ids,
+                                     self.treedef))
 
-  def inflight_like(self, params_R: Params) -> dict:
-    like = super().inflight_like(params_R)
-    return {**like, "deltas": self._fragment(params_R, 0)}
+  model = final
+
+  def replicated(self, outer, replicas) -> Any:
+    return outer.state
+
+  def split(self, outer) -> tuple[dict, dict]:
+    return self.checkpoint(outer, outer.state, None)
+
+  def split_like(self, outer, replicas, inflight: bool) -> tuple[dict, dict]:
+    shared, own = self.split(outer._replace(inflight=()))
+    if inflight:  # only fragment 0 crosses a round boundary
+      own["inflight"] = self.exchange.inflight_like(self._fragment(replicas.params, 0))
+    return shared, own
+
+  def join(self, shared: dict, own: dict | None) -> outer_lib.Outer:
+    parts = [[np.asarray(x) for x in s.anchor] for s in shared["outer"]]
+    default = self.exchange.init_residuals({p: exchange_lib.entries(part)
+                                            for p, part in enumerate(parts)})
+    return self.restored(list(shared["outer"]), shared, own, default)

@@ -29,8 +29,8 @@ def main(out_dir, host_id, num_hosts, port, overrides):
   bad = overrides.pop("_poison", None)
   if bad is not None and bad["host"] == int(host_id):
     from diloco_jax import outer
-    outer.OuterStep.pseudo_gradients = multihost.poisoned(
-        outer.OuterStep.pseudo_gradients, bad["replica"], bad["value"], bad.get("calls"))
+    outer.HostSide.pseudo_gradients = multihost.poisoned(
+        outer.HostSide.pseudo_gradients, bad["replica"], bad["value"], bad.get("calls"))
   config = multihost.small_config(**overrides)
   # One workdir for all hosts, as on a shared filesystem (checkpoints need it).
   result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"))

@@ -43,7 +43,7 @@ def small_config(**overrides):
 
 
 def poisoned(pseudo_gradients, replica: int, value, calls=None):
-  """`OuterStep.pseudo_gradients` with replica `replica`'s Δ made NaN (value "nan") or
+  """`HostSide.pseudo_gradients` with replica `replica`'s Δ made NaN (value "nan") or
   multiplied by `value`, at the given 1-based calls (one per round; streaming: one per
   fragment sync) or at every call (None)."""
   count = [0]

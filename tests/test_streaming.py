@@ -131,8 +131,8 @@ def test_trainer_robust_aggregation_ignores_a_poisoned_replica(tmp_path, monkeyp
   config = multihost.small_config(replicas_per_host=5, **{
       "outer.compression": "int8", "outer.aggregation": aggregation})
   clean = trainer.train_and_evaluate(config, str(tmp_path / "clean"))
-  monkeypatch.setattr(outer.OuterStep, "pseudo_gradients", multihost.poisoned(
-      outer.OuterStep.pseudo_gradients, replica=4, value=1e6))
+  monkeypatch.setattr(outer.HostSide, "pseudo_gradients", multihost.poisoned(
+      outer.HostSide.pseudo_gradients, replica=4, value=1e6))
   poisoned = trainer.train_and_evaluate(config, str(tmp_path / "poisoned"))
   init = model_lib.init_params(model_lib.GPTConfig.from_config(config.model, 16),
                                jax.random.key(config.seed))
