@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import inner
 from diloco_jax import outer as outer_lib
+from diloco_jax import skips
 from diloco_jax import state as state_lib
 
 Params = Any
@@ -108,7 +109,7 @@ class DDPRound:
           what="cross-host sum of losses"))
     arrived = exchange_lib.Arrived(round_, 0, None, np.zeros(0, bool), loss_sum, None,
                                    None, 0, 0)
-    return outer_lib.Update(outer, replicas, {}, (outer_lib.Synced(arrived, True, 0, ""),))
+    return outer_lib.Update(outer, replicas, {}, (skips.Synced(arrived, True, 0, ""),))
 
   def drain(self, outer, replicas) -> outer_lib.Update:
     return outer_lib.Update(outer, replicas, {})

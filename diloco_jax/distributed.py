@@ -14,15 +14,18 @@ gRPC, not a collective, so this needs no dispatcher.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import threading
 from typing import Any
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 
 import diloco_jax
 from diloco_jax import config as config_lib
@@ -170,3 +173,37 @@ def check_same_config(config: ml_collections.ConfigDict, timeout_s: int) -> None
              for f, values in diff.items()]
     raise StartupError(f"host {me}: the hosts' configs differ in {len(diff)} field(s); "
                        "every host must run the same config and version:\n" + "\n".join(lines))
+
+
+class Preemption:
+  """Whether any host got a preemption notice (SIGTERM); the run then stops after the
+  round with a checkpoint. Several hosts: JAX's preemption notifier (on by default)
+  turns SIGTERM into a sync point that every host reaches at the same round, through the
+  coordination service. One host: a SIGTERM handler installed for the run."""
+
+  def __init__(self):
+    self._requested = threading.Event()
+
+  def request(self) -> None:
+    self._requested.set()
+
+  def reached(self, r: int) -> bool:
+    """Whether to stop after round r: the same answer on every host."""
+    if jax.process_count() == 1:
+      return self._requested.is_set()
+    try:
+      return multihost_utils.reached_preemption_sync_point(r)
+    except RuntimeError:  # the preemption service is off
+      return False
+
+  @contextlib.contextmanager
+  def on_sigterm(self):
+    """One host, on the main thread: SIGTERM requests a stop for as long as this lasts."""
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+      yield
+      return
+    previous = signal.signal(signal.SIGTERM, lambda *_: self.request())
+    try:
+      yield
+    finally:
+      signal.signal(signal.SIGTERM, previous)

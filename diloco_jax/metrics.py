@@ -16,7 +16,13 @@ import sys
 import time
 from typing import Any, Iterable, Mapping
 
+import flax
+import jax
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+import diloco_jax
 
 # The parts of the outer step on the main thread's path (seconds; see README).
 OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
@@ -187,7 +193,7 @@ class RoundLog:
       record[key] = record.get(key, 0.0) + seconds
 
   def add_synced(self, synced: Iterable[Any]) -> None:
-    """The sums that arrived (`outer.Synced`), each into the record of the round that sent
+    """The sums that arrived (`skips.Synced`), each into the record of the round that sent
     it. A round with several (streaming's fragments) sums their bytes and times."""
     for s in synced:
       a, record = s.arrived, self._open.get(s.arrived.round)
@@ -244,9 +250,20 @@ class RoundLog:
     self.writer.write(record)
 
 
-def write_run_json(workdir: str, run: Mapping[str, Any]) -> str:
+def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
+                   num_params: int, flops_per_token: float, tokens_per_step: int) -> str:
   """workdir/run.json: what this run is (the resolved config, the world, the model size,
   the software), written at start so a workdir always says how it was made."""
+  run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
+         "replicas_per_host": config.replicas_per_host,
+         "replicas": hosts * config.replicas_per_host,
+         "local_devices": [str(d) for d in devices], "num_params": num_params,
+         "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
+         "versions": {"diloco_jax": diloco_jax.__version__, "jax": jax.__version__,
+                      "jaxlib": jax.lib.__version__, "flax": flax.__version__,
+                      "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,
+                      "numpy": np.__version__},
+         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
   path = os.path.join(workdir, "run.json")
   with open(path + ".tmp", "w") as f:
     json.dump(run, f, indent=2, sort_keys=True, default=str)
@@ -265,6 +282,15 @@ def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per
           f"({num_hosts} host(s) x {replicas_per_host}); {num_rounds} rounds x "
           f"{inner_steps} inner steps; {tokens:,} tokens; loss floor {floor_text}, best "
           f"unigram loss {unigram:.4f}", flush=True)
+
+
+def print_resumed(r: int, directory: str, *, replicas: int, inflight: bool, finished: bool,
+                  num_rounds: int) -> None:
+  print(f"resumed from checkpoint {r} ({directory}/{r}): outer state, {replicas} replicas' "
+        f"inner state and data iterators"
+        + (", the pseudo-gradients in flight" if inflight else "")
+        + ("; the run had finished" if finished
+           else f"; continuing at round {r + 1} of {num_rounds}"), flush=True)
 
 
 def report(records: list[Mapping[str, Any]], workdir: str, *, final_eval: float,

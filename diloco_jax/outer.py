@@ -1,4 +1,4 @@
-"""The outer step on a host: one driver over a mode's `diloco` rule, and the NaN-skip policy.
+"""The outer step on a host: one driver over a mode's `diloco` rule.
 
 The accelerators hold only what plain training holds. The outer state and Δ live on this
 host's CPU device, and the cross-host mean runs on the dispatch thread (`exchange.py`):
@@ -26,13 +26,10 @@ from diloco_jax import diloco
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import inner
 from diloco_jax import optim
+from diloco_jax import skips
 from diloco_jax import state as state_lib
 
 Params = Any
-
-
-class BadPseudoGradientError(RuntimeError):
-  """Pseudo-gradients with NaN or Inf entries in `outer.max_skipped_rounds` rounds in a row."""
 
 
 class Outer(NamedTuple):
@@ -51,48 +48,13 @@ class Outer(NamedTuple):
   inflight: tuple[exchange_lib.Pending, ...] = ()
 
 
-class Synced(NamedTuple):
-  """A sum that arrived and what the NaN policy made of it (for the round's record)."""
-  arrived: exchange_lib.Arrived
-  applied: bool  # False: skipped on every host
-  skipped_rounds: int  # skipped so far in the run
-  bad_replicas: str  # "host h replica m, ..." ('' when every Δ was finite)
-
-
 class Update(NamedTuple):
   """What one call of a driver returns. `times`: the main thread's seconds in it, by part
   (outer_d2h, outer_mean, outer_update, outer_h2d); `synced`: the sums that arrived."""
   outer: Outer
   replicas: state_lib.ReplicaState
   times: dict[str, float]
-  synced: tuple[Synced, ...] = ()
-
-
-def skip_policy(skips: state_lib.SkipCounters, arrived: exchange_lib.Arrived, *,
-                replicas_per_host: int, tolerated: int, max_skipped_rounds: int,
-                aggregation: str, host: int) -> tuple[state_lib.SkipCounters, Synced]:
-  """Whether to apply `arrived`'s mean: not when more replicas had NaN/Inf in their Δ than
-  robust aggregation leaves out. Every host sees the same flags, so every host decides
-  the same. Raises after `max_skipped_rounds` skipped rounds in a row."""
-  bad_K, total = arrived.bad_K, int(skips.total)
-  where = ", ".join(f"host {g // replicas_per_host} replica {g % replicas_per_host}"
-                    for g in np.flatnonzero(bad_K))
-  if bad_K.sum() <= tolerated:  # none, or trimmed away by robust aggregation
-    if where and host == 0:
-      print(f"WARNING: round {arrived.round}: NaN or Inf in the pseudo-gradient of {where}; "
-            f"left out by {aggregation}", flush=True)
-    return state_lib.SkipCounters.of(total, 0), Synced(arrived, True, total, where)
-  in_a_row = int(skips.in_a_row) + 1
-  if in_a_row >= max_skipped_rounds:
-    raise BadPseudoGradientError(
-        f"round {arrived.round}: pseudo-gradients with NaN or Inf entries in {in_a_row} "
-        f"rounds in a row (outer.max_skipped_rounds={max_skipped_rounds}); this round "
-        f"from {where}")
-  if host == 0:
-    print(f"WARNING: round {arrived.round}: NaN or Inf in the pseudo-gradient of {where}; "
-          f"outer step skipped on every host ({in_a_row} in a row)", flush=True)
-  return state_lib.SkipCounters.of(total + 1, in_a_row), Synced(arrived, False, total + 1,
-                                                                where)
+  synced: tuple[skips.Synced, ...] = ()
 
 
 class HostSide:
@@ -103,6 +65,7 @@ class HostSide:
                max_skipped_rounds: int):
     self.exchange, self.max_skipped_rounds = exchange, max_skipped_rounds
     self.replicas_per_host = exchange.replicas_per_host
+    self.param_sets = self.replicas_per_host  # sets of params on the devices
     self.num_replicas = exchange.num_replicas
     self.host = jax.sharding.SingleDeviceSharding(exchange.host_device)
     self.on_mesh = NamedSharding(mesh, P())  # replicated on every local device
@@ -113,17 +76,16 @@ class HostSide:
                                                 num_replicas=self.replicas_per_host),
                               out_shardings=self.on_mesh)
 
-  @property
-  def param_sets(self) -> int:
-    """Sets of params on the devices: one per local replica."""
-    return self.replicas_per_host
-
   @staticmethod
   def inner_step(loss_fn, optimizer, *, mesh: Mesh, grad_accum_steps: int,
                  **unused) -> inner.ReplicaStep:
     """The inner step this driver's replicas take (every replica, no communication)."""
     del unused
     return inner.ReplicaStep(loss_fn, optimizer, mesh=mesh, grad_accum_steps=grad_accum_steps)
+
+  def after_step(self, outer: Outer, replicas, step: int, round_: int) -> Update:
+    """After inner step `step` of round `round_`, before its end (streaming's syncs)."""
+    return Update(outer, replicas, {})
 
   def place(self, tree: Params) -> Params:
     """A copy on the local devices. Never an alias: on a CPU host, the host device is
@@ -149,11 +111,11 @@ class HostSide:
     return finite_R, replicas
 
   def receive(self, outer: Outer, pending: exchange_lib.Pending,
-              diagnostics: bool = True) -> tuple[Outer, Params | None, Synced]:
+              diagnostics: bool = True) -> tuple[Outer, Params | None, skips.Synced]:
     """Waits for `pending`; returns the carry with its residual and skip counters moved
     on, the mean to apply (None: skipped) and what arrived."""
     arrived = self.exchange.wait(pending, diagnostics)
-    skips, synced = skip_policy(
+    counters, synced = skips.decide(
         outer.skips, arrived, replicas_per_host=self.replicas_per_host,
         tolerated=self.exchange.tolerated, max_skipped_rounds=self.max_skipped_rounds,
         aggregation=self.exchange.aggregation, host=self.exchange.collective.host_index)
@@ -161,14 +123,31 @@ class HostSide:
     if arrived.residual is not None:
       residuals = {**residuals, arrived.key: arrived.residual}
     inflight = tuple(p for p in outer.inflight if p is not pending)
-    return (outer._replace(skips=skips, residuals=residuals, inflight=inflight),
+    return (outer._replace(skips=counters, residuals=residuals, inflight=inflight),
             arrived.mean if synced.applied else None, synced)
 
-  def checkpoint(self, outer: Outer, shared: Any, own: Any) -> tuple[dict, dict]:
-    """(shared, own) trees for a checkpoint: `shared` and `own` are the mode's state split,
-    plus the skip counters, the residuals and the sum in flight (at most one at a round
-    boundary)."""
+  # What a driver's `rule` says of its state (a diloco rule; streaming: its fragments).
+
+  def final(self, outer: Outer, replicas) -> Params:
+    """The trained params on the local devices (eager: the mean over all K replicas)."""
+    params = self.rule.final(outer.state)
+    if self.rule.per_replica:
+      params = self.exchange.mean_over_replicas(params)
+    return self.place(params)
+
+  def model(self, outer: Outer, replicas) -> Params:
+    """The params to evaluate during the run, on the local devices."""
+    return self.place(self.rule.model(outer.state))
+
+  def replicated(self, outer: Outer, replicas) -> Any:
+    """What must be identical on every host after every outer step."""
+    return self.rule.split(outer.state)[0]
+
+  def split(self, outer: Outer) -> tuple[dict, dict]:
+    """(shared, own) trees for a checkpoint: the state as the rule splits it, the skip
+    counters, the residuals and the sum in flight (at most one at a round boundary)."""
     assert len(outer.inflight) <= 1, "more than one sum in flight at a round boundary"
+    shared, own = self.rule.split(outer.state)
     own_tree = {} if own is None else {"outer": own}
     if outer.residuals:
       own_tree["wire"] = {str(key): r for key, r in outer.residuals.items()}
@@ -176,16 +155,33 @@ class HostSide:
       own_tree["inflight"] = self.exchange.inflight(outer.inflight[0])
     return {"outer": shared, "skips": outer.skips}, own_tree
 
-  def restored(self, state: Any, shared: dict, own: dict | None, default_residuals: dict):
-    """The carry of a checkpoint: its sum in flight, if any, issued again."""
+  def split_like(self, outer: Outer, replicas, inflight: bool) -> tuple[dict, dict]:
+    """The structure of `split`, with a sum in flight if `inflight` (for restoring)."""
+    shared, own = self.split(outer._replace(inflight=()))
+    if inflight:
+      own["inflight"] = self.exchange.inflight_like(self.sent_at_boundary(replicas.params))
+    return shared, own
+
+  def sent_at_boundary(self, params_R: Params) -> Params:
+    """The part of the params whose Δ can be in flight at a round boundary."""
+    return params_R
+
+  def join(self, shared: dict, own: dict | None) -> Outer:
+    """The carry of a checkpoint, its sum in flight issued again (own None: a host that
+    was away in elastic mode starts from the shared state)."""
     own = own or {}
-    residuals = ({int(key): np.asarray(r) for key, r in own["wire"].items()}
-                 if "wire" in own else default_residuals)
+    state = jax.device_put(self.rule.join(shared["outer"], own.get("outer")), self.host)
+    residuals = ({int(key): np.asarray(r) for key, r in own["wire"].items()} if "wire" in own
+                 else self.init_residuals(state))
     inflight = ()
     if "inflight" in own:
       inflight = (self.exchange.resubmit(own["inflight"], residuals),)
-    return Outer(jax.device_put(state, self.host), state_lib.SkipCounters.of(
-        *map(int, (shared["skips"].total, shared["skips"].in_a_row))), residuals, inflight)
+    skips = state_lib.SkipCounters.of(int(shared["skips"].total),
+                                      int(shared["skips"].in_a_row))
+    return Outer(state, skips, residuals, inflight)
+
+  def init_residuals(self, state) -> dict[int, np.ndarray]:
+    return self.exchange.init_residuals({0: exchange_lib.entries(self.rule.model(state))})
 
 
 class OuterStep(HostSide):
@@ -196,6 +192,7 @@ class OuterStep(HostSide):
     super().__init__(mesh=mesh, exchange=exchange, max_skipped_rounds=max_skipped_rounds)
     self.rule = rule
     self._apply = jax.jit(rule.apply, donate_argnums=0)
+    self._drain = jax.jit(rule.drain, donate_argnums=0)
     self._drop = jax.jit(diloco.drop_replicas)
 
   @classmethod
@@ -209,12 +206,7 @@ class OuterStep(HostSide):
     # Committed to the host CPU device, as every later outer state is, so the outer-step
     # programs compile once rather than again in round 2.
     state = jax.device_put(self.rule.init(anchor, self.replicas_per_host), self.host)
-    residuals = self.exchange.init_residuals({0: exchange_lib.entries(anchor)})
-    return Outer(state, state_lib.SkipCounters.of(0, 0), residuals)
-
-  def after_step(self, outer: Outer, replicas, step: int, round_: int) -> Update:
-    """After inner step `step` of round `round_`, before its end: nothing for a rule."""
-    return Update(outer, replicas, {})
+    return Outer(state, state_lib.SkipCounters.of(0, 0), self.init_residuals(state))
 
   def end_round(self, outer: Outer, replicas, loss_sum, round_: int) -> Update:
     """The round's outer step: Δ of every local replica, the exchange, the rule."""
@@ -225,19 +217,15 @@ class OuterStep(HostSide):
     finite_R, replicas = self.check_finite(deltas_R, replicas)
     if self.rule.per_replica and not finite_R.all():  # applies its own Δ at once: a broken
       deltas_R = self._drop(deltas_R, finite_R)  # replica applies nothing of its own
-    send = lambda o: o._replace(inflight=(*o.inflight, self.exchange.submit(
-        deltas_R, loss_sum, finite_R, round_=round_, residual=o.residuals.get(0))))
     mean, synced = None, ()
-    if self.rule.delay == 0:
-      outer = send(outer)
+    if self.rule.delay and outer.inflight:  # the previous round's mean; waited for first,
+      outer, mean, arrived = self.receive(outer, outer.inflight[0])  # so its diagnostics
+      synced = (arrived,)  # job runs before this round's sum
+    outer = outer._replace(inflight=(*outer.inflight, self.exchange.submit(
+        deltas_R, loss_sum, finite_R, round_=round_, residual=outer.residuals.get(0))))
+    if not self.rule.delay:  # sync: this round's own mean
       outer, mean, arrived = self.receive(outer, outer.inflight[-1])
       synced = (arrived,)
-    else:  # wait first: the previous round's diagnostics job then runs before this sum
-      if outer.inflight:
-        outer, mean, arrived = self.receive(outer, outer.inflight[0])
-        synced = (arrived,)
-      outer = send(outer)
-    if self.rule.delay == 0:
       times["outer_mean"] = time.perf_counter() - t
       t = time.perf_counter()
     state = jax.block_until_ready(self._apply(outer.state, deltas_R, mean))
@@ -257,38 +245,7 @@ class OuterStep(HostSide):
     if outer.inflight:
       outer, mean, arrived = self.receive(outer, outer.inflight[0])
       synced = (arrived,)
-      state = self.rule.drain(outer.state, mean)
+      state = self._drain(outer.state, mean)
       replicas, _ = self._to_replicas(replicas, state)
       outer = outer._replace(state=state)
     return Update(outer, replicas, {}, synced)
-
-  def final(self, outer: Outer, replicas) -> Params:
-    """The trained params on the local devices (eager: the mean over all K replicas)."""
-    params = self.rule.final(outer.state)
-    if self.rule.per_replica:
-      params = self.exchange.mean_over_replicas(params)
-    return self.place(params)
-
-  def model(self, outer: Outer, replicas) -> Params:
-    """The params to evaluate during the run, on the local devices."""
-    return self.place(self.rule.model(outer.state))
-
-  def replicated(self, outer: Outer, replicas) -> Any:
-    """What must be identical on every host after every outer step."""
-    return self.rule.split(outer.state)[0]
-
-  def split(self, outer: Outer) -> tuple[dict, dict]:
-    return self.checkpoint(outer, *self.rule.split(outer.state))
-
-  def split_like(self, outer: Outer, replicas, inflight: bool) -> tuple[dict, dict]:
-    """The structure of `split`, with a sum in flight if `inflight` (for restoring)."""
-    shared, own = self.split(outer._replace(inflight=()))
-    if inflight:
-      own["inflight"] = self.exchange.inflight_like(replicas.params)
-    return shared, own
-
-  def join(self, shared: dict, own: dict | None) -> Outer:
-    """The carry of a checkpoint (own None: a host that was away in elastic mode)."""
-    state = self.rule.join(shared["outer"], None if own is None else own.get("outer"))
-    sizes = {0: exchange_lib.entries(self.rule.model(state))}
-    return self.restored(state, shared, own, self.exchange.init_residuals(sizes))

@@ -16,8 +16,9 @@ to its fragment. For the GPT, `model_fragment_ids` puts block l in fragment l mo
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import optax
@@ -98,3 +99,25 @@ def outer_states(outer_optimizer: optax.GradientTransformation, init_params: Par
   return [state_lib.init_outer_state(outer_optimizer, part)
           for part in split(init_params, ids, num_fragments)]
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragments:
+  """The P fragments' global copies as one outer state (the list of their OuterStates),
+  seen as a `diloco` rule sees its state: the model is θᵍ, every fragment's anchor;
+  every host holds all of it identically."""
+  ids: tuple[int, ...]  # per leaf of the params: its fragment
+  treedef: Any
+  per_replica: ClassVar[bool] = False
+
+  def model(self, states: list[state_lib.OuterState]) -> Params:
+    return join([s.anchor for s in states], list(self.ids), self.treedef)
+
+  final = model
+
+  def split(self, states: list[state_lib.OuterState]) -> tuple[Any, Any]:
+    return states, None
+
+  def join(self, shared: Any, own: Any) -> list[state_lib.OuterState]:
+    del own
+    return list(shared)

@@ -37,9 +37,9 @@ class StreamingOuterStep(outer_lib.HostSide):
     super().__init__(**kw)
     self.num_fragments, self.layout, self.alpha = num_fragments, layout, merge_alpha
     self.optimizer, self.h = optimizer, inner_steps
-    self.rule = diloco.Sync(optimizer, self.num_replicas)  # each fragment's outer step
+    self.fragment_rule = diloco.Sync(optimizer, self.num_replicas)  # a fragment's outer step
     self.events = streaming.events(num_rounds, inner_steps, num_fragments, overlap_steps)
-    self._apply = jax.jit(self.rule.apply, donate_argnums=0)
+    self._apply = jax.jit(self.fragment_rule.apply, donate_argnums=0)
     self._merge = jax.jit(functools.partial(streaming.merge, alpha=merge_alpha,
                                             num_replicas=self.replicas_per_host),
                           out_shardings=self.on_mesh)
@@ -55,13 +55,14 @@ class StreamingOuterStep(outer_lib.HostSide):
   def init(self, anchor: Params) -> outer_lib.Outer:
     self.ids = jax.tree.leaves(streaming.model_fragment_ids(anchor, self.num_fragments,
                                                             self.layout))
-    self.treedef = jax.tree.structure(anchor)
-    parts = streaming.split(anchor, self.ids, self.num_fragments)
-    residuals = self.exchange.init_residuals({p: exchange_lib.entries(part)
-                                              for p, part in enumerate(parts)})
+    self.rule = streaming.Fragments(tuple(self.ids), jax.tree.structure(anchor))
     states = jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
                                                    self.num_fragments), self.host)
-    return outer_lib.Outer(states, state_lib.SkipCounters.of(0, 0), residuals)
+    return outer_lib.Outer(states, state_lib.SkipCounters.of(0, 0), self.init_residuals(states))
+
+  def init_residuals(self, states) -> dict[int, np.ndarray]:
+    return self.exchange.init_residuals({p: exchange_lib.entries(s.anchor)
+                                         for p, s in enumerate(states)})
 
   def after_step(self, outer, replicas, step: int, round_: int) -> outer_lib.Update:
     return self._handle(outer, replicas, step, round_, None)
@@ -104,33 +105,11 @@ class StreamingOuterStep(outer_lib.HostSide):
            self._merge(self._fragment(replicas.params, p), placed))
     parts = streaming.split(replicas.params, self.ids, self.num_fragments)
     parts[p] = jax.block_until_ready(new)
-    return replicas.replace(params=streaming.join(parts, self.ids, self.treedef))
+    return replicas.replace(params=streaming.join(parts, self.ids, self.rule.treedef))
 
   def drain(self, outer, replicas) -> outer_lib.Update:
     """Nothing: the schedule receives every send by the last inner step."""
     return outer_lib.Update(outer, replicas, {})
 
-  def final(self, outer, replicas) -> Params:
-    """θᵍ: every fragment's global copy, on the local devices."""
-    return self.place(streaming.join([s.anchor for s in outer.state], self.ids,
-                                     self.treedef))
-
-  model = final
-
-  def replicated(self, outer, replicas) -> Any:
-    return outer.state
-
-  def split(self, outer) -> tuple[dict, dict]:
-    return self.checkpoint(outer, outer.state, None)
-
-  def split_like(self, outer, replicas, inflight: bool) -> tuple[dict, dict]:
-    shared, own = self.split(outer._replace(inflight=()))
-    if inflight:  # only fragment 0 crosses a round boundary
-      own["inflight"] = self.exchange.inflight_like(self._fragment(replicas.params, 0))
-    return shared, own
-
-  def join(self, shared: dict, own: dict | None) -> outer_lib.Outer:
-    parts = [[np.asarray(x) for x in s.anchor] for s in shared["outer"]]
-    default = self.exchange.init_residuals({p: exchange_lib.entries(part)
-                                            for p, part in enumerate(parts)})
-    return self.restored(list(shared["outer"]), shared, own, default)
+  def sent_at_boundary(self, params_R: Params) -> Params:
+    return self._fragment(params_R, 0)  # only fragment 0 crosses a round boundary

@@ -21,7 +21,7 @@ from diloco_jax import checkpoint
 from diloco_jax import dispatch
 from diloco_jax import distributed
 from diloco_jax import elastic
-from diloco_jax import outer
+from diloco_jax import skips
 from diloco_jax import trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -75,7 +75,7 @@ def main(argv):
     sys.exit(f"Start-up failed: {e}")
   except checkpoint.CheckpointError as e:
     sys.exit(f"Checkpoint error: {e}")
-  except outer.BadPseudoGradientError as e:
+  except skips.BadPseudoGradientError as e:
     sys.exit(f"Stopped: {e}")
   except dispatch.CollectiveError as e:
     # A peer is gone: exit now rather than wait at JAX's shutdown barrier for a host that

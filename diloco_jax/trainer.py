@@ -11,19 +11,13 @@ for logging; only host 0 prints and writes files.
 from __future__ import annotations
 
 import functools
-import signal
-import threading
 import time
 from typing import Any, NamedTuple
 
-import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 import diloco_jax
 from diloco_jax import checkpoint as checkpoint_lib
@@ -32,6 +26,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import data as data_lib
 from diloco_jax import ddp
 from diloco_jax import dispatch
+from diloco_jax import distributed
 from diloco_jax import elastic
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import inner
@@ -63,8 +58,7 @@ class TrainResult(NamedTuple):
   preempted_at: int | None = None
 
 
-class AnchorMismatchError(RuntimeError):
-  """debug_checks: the outer state differs between hosts after an outer step."""
+AnchorMismatchError = exchange_lib.AnchorMismatchError
 
 
 class RestartForRejoin(Exception):  # noqa: N818 -- a request, not a failure
@@ -129,7 +123,7 @@ class Trainer:
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
         collective=self.collective,
         elastic_timeout=config.elastic_timeout if self.elastic else None)
-    self._sigterm = threading.Event()  # one host: SIGTERM asks for a checkpoint and exit
+    self.preemption = distributed.Preemption()
 
   def run_round(self, r: int) -> None:
     """Round r: H inner steps of every local replica, then the outer step. Its record
@@ -155,21 +149,11 @@ class Trainer:
   def _round_checks(self, r: int) -> None:
     """After round r's outer step: the debug check, and the eval when due (read late)."""
     if self.config.debug_checks:
-      self.log.add(r, anchor_hash=self._check_same_outer_state(r))
+      self.log.add(r, anchor_hash=self.exchange.check_same(
+          self.outer_step.replicated(self.outer, self.replicas), r))
     if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
       self.log.add(r, eval_loss=self.eval_step(self.outer_step.model(self.outer, self.replicas),
                                                self.eval_batches), floor=self.spec.floor)
-
-  def _check_same_outer_state(self, r: int) -> str:
-    """Hashes the outer state on every host and stops if any two hosts differ."""
-    digest = state_lib.fingerprint(self.outer_step.replicated(self.outer, self.replicas))
-    words = np.frombuffer(bytes.fromhex(digest), np.uint32)
-    every = self.dispatcher.run(self.collective.allgather, words, round_=r,
-                                what="debug check of the outer state")
-    if not (every == words).all():
-      hashes = ", ".join(f"host {h}: {row.tobytes().hex()[:16]}" for h, row in enumerate(every))
-      raise AnchorMismatchError(f"round {r}: the outer state differs between hosts ({hashes})")
-    return digest[:16]
 
   def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
     """Everything needed to continue after round r (after its outer step); `finished`:
@@ -210,11 +194,9 @@ class Trainer:
       self.replicas = jax.device_put(snap.own["replicas"], self.train_step.state_sharding)
       self.data.set_state(checkpoint_lib.decode_json(snap.own["data"]))
     if self.is_host0:
-      print(f"resumed from checkpoint {r} ({self.checkpointer.directory}/{r}): outer "
-            f"state, {self.num_replicas} replicas' inner state and data iterators"
-            + (", the pseudo-gradients in flight" if self.outer.inflight else "")
-            + ("; the run had finished" if self.finished_before
-               else f"; continuing at round {r + 1} of {self.num_rounds}"), flush=True)
+      metrics.print_resumed(r, self.checkpointer.directory, replicas=self.num_replicas,
+                            inflight=bool(self.outer.inflight),
+                            finished=self.finished_before, num_rounds=self.num_rounds)
     if self.outer.inflight:  # its record was not logged before the checkpoint
       self.log.open(r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step,
                     resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0, eta=0.0)
@@ -235,35 +217,6 @@ class Trainer:
     print(f"host {self.host}: rejoining at round {snap.round + 1}: replicas from the anchor "
           f"with fresh optimizer moments (step {step})", flush=True)
 
-  def request_preemption(self) -> None:
-    """One host (a SIGTERM handler): stop after this round with a checkpoint."""
-    self._sigterm.set()
-
-  def preempted(self, r: int) -> bool:
-    """Whether any host got a preemption notice (SIGTERM); every host answers the same
-    for the same round (JAX's preemption sync point, through the coordination service)."""
-    if self.num_hosts == 1:
-      return self._sigterm.is_set()
-    try:
-      return multihost_utils.reached_preemption_sync_point(r)
-    except RuntimeError:  # the preemption service is off
-      return False
-
-  def run_info(self) -> dict[str, Any]:
-    """What run.json says of this run."""
-    return {"config": self.config.to_dict(), "mode": self.config.mode,
-            "hosts": self.num_hosts, "replicas_per_host": self.replicas_per_host,
-            "replicas": self.num_replicas,
-            "local_devices": [str(d) for d in self.mesh.devices.flat],
-            "num_params": self.num_params,
-            "flops_per_token": model_lib.flops_per_token(self.model_cfg, self.num_params),
-            "tokens_per_step": self.tokens_per_step,
-            "versions": {"diloco_jax": diloco_jax.__version__, "jax": jax.__version__,
-                         "jaxlib": jax.lib.__version__, "flax": flax.__version__,
-                         "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,
-                         "numpy": np.__version__},
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
   def run(self) -> TrainResult:
     metrics.print_startup(
         host=self.host, num_hosts=self.num_hosts, mode=self.config.mode,
@@ -273,7 +226,11 @@ class Trainer:
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)
     if self.is_host0:
-      metrics.write_run_json(self.workdir, self.run_info())
+      metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,
+                             devices=self.mesh.devices.flat, num_params=self.num_params,
+                             flops_per_token=model_lib.flops_per_token(self.model_cfg,
+                                                                       self.num_params),
+                             tokens_per_step=self.tokens_per_step)
     done = self.resume()
     self.log.writer = metrics.MetricsWriter(
         self.workdir, enabled=self.is_host0,
@@ -297,7 +254,7 @@ class Trainer:
                    eta=float(typical * (self.num_rounds - r)))
       if self.log.rejoin_requested(r) and r < self.num_rounds:
         self._restart_for_rejoin(r)
-      preempted = self.preempted(r)
+      preempted = self.preemption.reached(r)
       if r < self.num_rounds and (preempted or (every and r % every == 0)):
         self._save(r)
       if preempted and r < self.num_rounds:
@@ -367,10 +324,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   `workdir` (host 0). On several hosts, `distributed.initialize` must have run first."""
   with dispatch.Dispatcher() as dispatcher:
     trainer = Trainer(config, workdir, dispatcher)
-    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-      return trainer.run()  # several hosts: JAX's preemption notifier handles SIGTERM
-    previous = signal.signal(signal.SIGTERM, lambda *_: trainer.request_preemption())
-    try:
+    with trainer.preemption.on_sigterm():
       return trainer.run()
-    finally:
-      signal.signal(signal.SIGTERM, previous)

@@ -1,5 +1,5 @@
-"""Async DiLoCo in `simulate`: delayed (ALGORITHMS.md §2) and eager (§3) against independent
-numpy implementations written here, and their invariants."""
+"""Async DiLoCo in `simulate`: delayed (docs/algorithms.md §3) and eager (§4) against
+independent numpy implementations written here, and their invariants."""
 
 import jax
 import numpy as np
@@ -105,8 +105,9 @@ def test_eager_one_replica_is_sync_bit_for_bit():
 
 
 def test_constant_mock():
-  """Each inner step adds −c; with μ=0 (§6): delayed^(r) = sync^(r−1) before the drain and
-  sync after it; eager applies Hc/K in round 1 and Hc from round 2 on, then the drain."""
+  """Each inner step adds −c; with μ=0 (docs/algorithms.md §8): delayed^(r) = sync^(r−1)
+  before the drain and sync after it; eager applies Hc/K in round 1 and Hc from round 2 on,
+  then the drain."""
   c, eta = 0.25, 0.5
   params = {"w": np.ones(3)}
   batches = {"x": np.zeros((T, K, H, 1))}

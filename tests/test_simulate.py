@@ -1,4 +1,4 @@
-"""`simulate` against an independent numpy DiLoCo, and the invariants of ALGORITHMS.md §6."""
+"""`simulate` against an independent numpy DiLoCo, and the invariants of docs/algorithms.md §8."""
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ class NumpyAdamW:
 
 
 def np_diloco(params, batches, inner, outer_lr, momentum):
-  """ALGORITHMS.md §1 in numpy: K replicas, H AdamW steps, Nesterov on the mean Δ."""
+  """docs/algorithms.md §2 in numpy: K replicas, H AdamW steps, Nesterov on the mean Δ."""
   anchor = {k: v.copy() for k, v in params.items()}
   buf = {k: np.zeros_like(v) for k, v in params.items()}
   opts = [NumpyAdamW(inner, T * H, params) for _ in range(K)]
@@ -151,7 +151,7 @@ def test_one_replica_equals_plain_training():
       grads = jax.grad(loss_fn)(p, {k: v[t, 0, h] for k, v in batches.items()})
       updates, opt_state = inner_opt.update(grads, opt_state, p)
       p = optax.apply_updates(p, updates)
-  for k in p:  # θ − (θ − θ₁) may differ from θ₁ by an ulp (ALGORITHMS.md §6.3).
+  for k in p:  # θ − (θ − θ₁) may differ from θ₁ by an ulp (docs/algorithms.md §8).
     np.testing.assert_allclose(result.params[k], p[k], atol=1e-14, rtol=0)
   # The inner state was carried across rounds, never reset: T·H steps were counted.
   counts = [x for x in jax.tree.leaves(result.replicas.opt_state) if x.dtype == jnp.int32]
@@ -167,7 +167,7 @@ def test_zero_outer_lr_keeps_anchor():
 
 
 def test_identical_replicas_equal_one_replica():
-  """K replicas fed identical batches ≡ K = 1 (ALGORITHMS.md §6.6)."""
+  """K replicas fed identical batches ≡ K = 1 (docs/algorithms.md §8)."""
   params, batches = make_problem(4)
   same = {k: np.repeat(v[:, :1], K, axis=1) for k, v in batches.items()}
   one = {k: v[:, :1] for k, v in batches.items()}
@@ -180,7 +180,7 @@ def test_identical_replicas_equal_one_replica():
 
 
 def test_constant_mock_closed_form():
-  """Each inner step adds −c: Δ = Hc, and with μ=0, θ^(r) = θ⁰ − rηHc (§6.7)."""
+  """Each inner step adds −c: Δ = Hc, and with μ=0, θ^(r) = θ⁰ − rηHc (docs/algorithms.md §8)."""
   c, eta = 0.25, 0.5
   params = {"w": np.ones(3)}
   batches = {"x": np.zeros((T, K, H, 1))}

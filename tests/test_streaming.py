@@ -1,4 +1,4 @@
-"""Streaming DiLoCo in `simulate` (ALGORITHMS.md §4; phase convention in streaming.py)."""
+"""Streaming DiLoCo in `simulate` (docs/algorithms.md §5)."""
 
 import jax
 import jax.numpy as jnp

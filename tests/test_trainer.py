@@ -70,6 +70,20 @@ def test_workdir_outputs(sync_run):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_run_json_says_what_the_run_is(sync_run):
+  config, workdir, result = sync_run
+  with open(os.path.join(workdir, "run.json")) as f:
+    run = json.load(f)
+  assert run["config"] == config.to_dict()
+  assert (run["hosts"], run["replicas_per_host"], run["replicas"]) == (1, 2, 2)
+  assert run["local_devices"] == [str(d) for d in jax.local_devices()]
+  params = sum(x.size for x in jax.tree.leaves(result.params))
+  assert run["num_params"] == params
+  cfg = model_lib.GPTConfig.from_config(config.model, config.data.vocab_size)
+  assert run["flops_per_token"] == model_lib.flops_per_token(cfg, params)
+  assert run["versions"]["jax"] == jax.__version__ and run["versions"]["diloco_jax"]
+
+
 def test_ddp_equals_mean_gradient_adamw(tmp_path):
   config = small_config(mode="ddp", num_rounds=2)
   result = trainer.train_and_evaluate(config, str(tmp_path))
