@@ -18,9 +18,11 @@ orbax calls run on the dispatch thread (the one thread that issues cross-host co
 collectives, so they never interleave with a cross-host sum.
 
 Restoring tries the newest checkpoint first. Every host reads its part, and the hosts
-agree (an all-gather of ok flags) before anyone uses it; a checkpoint that any host cannot
-read is moved to workdir/checkpoints_unreadable/ with a warning naming it, and the one
-before is tried.
+agree (an all-gather of ok flags) before anyone uses it; when a checkpoint that any host
+cannot read is followed by an older readable one, it is moved to
+workdir/checkpoints_unreadable/ with a warning naming it. When none can be read, they all
+stay where they are and the run is refused, on this attempt and every later one: a run
+never starts over from round 1 while checkpoints it could not read exist.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ from diloco_jax import config as config_lib
 CHECKPOINTS = "checkpoints"
 UNREADABLE = "checkpoints_unreadable"
 JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
+
+
+def _size(n: int) -> str:
+  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if n >= scale:
+      return f"{n / scale:.1f} {unit}"
+  return f"{n} bytes"
 
 
 class CheckpointError(RuntimeError):
@@ -157,6 +166,7 @@ class Checkpointer:
     self.dispatcher, self.collective = dispatcher, collective
     self.num_hosts, self.host = jax.process_count(), jax.process_index()
     self.keep = keep
+    self._writing: int | None = None  # the round of the save orbax may still be writing
     # Elastic mode: each save is finished within its job (so no host ever has one in
     # flight when the next starts, and all decide alike), and a save whose barriers wait
     # for a dead host gives up after this many seconds instead of holding the dispatch
@@ -215,15 +225,20 @@ class Checkpointer:
     # with any save it still had in flight).
     hosts = list(getattr(self.collective, "live", self.hosts))
     snapshot.meta["hosts_in_rows"] = hosts
+    # On a shared workdir host 0 writes the shared item and every host its row.
+    needed = collective_lib.payload_bytes(shared) + len(hosts) * collective_lib.payload_bytes(own)
 
     def job():
       try:
         if hosts != self.hosts:
           self._open(hosts)
+        self._finish_previous()
+        self._check_space(snapshot.round, needed)
         self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
             shared=ocp.args.StandardSave(self._to_replicated(shared)),
             hosts=ocp.args.StandardSave(self._to_rows(own)),
             meta=ocp.args.JsonSave(snapshot.meta)))
+        self._writing = snapshot.round
         if self.elastic_timeout:
           self.manager.wait_until_finished()
       except Exception as e:  # noqa: BLE001
@@ -238,10 +253,37 @@ class Checkpointer:
     self.dispatcher.submit(job, round_=snapshot.round, what="checkpoint save")
     return blocked
 
+  def _finish_previous(self) -> None:
+    """Waits for the save still being written (orbax would, first thing in the next
+    save) so that a failure is reported with the round it belongs to."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._failed(self._writing, e) from None
+    self._writing = None
+
+  def _check_space(self, r: int, needed: int) -> None:
+    """Refuses a save the filesystem cannot hold, before orbax writes a byte of it."""
+    free = shutil.disk_usage(self.directory).free
+    if free < needed + needed // 10:
+      raise CheckpointError(
+          f"checkpoint {r} needs about {_size(needed)} in {self.directory}, which has "
+          f"{_size(free)} free: not written. The checkpoints before it are intact; free some "
+          f"space and run the same command to continue")
+
+  def _failed(self, r: int | None, error: BaseException) -> CheckpointError:
+    text = str(error)
+    full = "No space left on device" in text or "os_error_code='28'" in text
+    reason = "no space left on device" if full else f"{type(error).__name__}: {text[:300]}"
+    free = shutil.disk_usage(self.directory).free
+    return CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
+                           f"{reason} ({_size(free)} free there). The checkpoints before it "
+                           f"are intact")
+
   def wait(self) -> None:
     """Until every started save is complete on disk."""
     if self.hosts is not None:  # else the last save failed (elastic) and was reported
-      self.dispatcher.run(self.manager.wait_until_finished, what="checkpoint save (finish)")
+      self.dispatcher.run(self._finish_previous, what="checkpoint save (finish)")
 
   def close(self) -> None:
     if self.hosts is not None:
@@ -304,30 +346,33 @@ class Checkpointer:
       flags = self.dispatcher.run(self.collective.allgather, np.array([ok], np.int32),
                                   what="agreeing on a readable checkpoint")[:, 0]
       if flags.all():
+        for newer, bad_hosts in tried:  # only now that an older one could be read
+          self._set_aside(newer, bad_hosts, step)
         return snapshot
-      bad_hosts = [h for h, f in enumerate(flags) if not f]
       if error is not None:
         sys.stderr.write(f"host {self.host}: cannot read checkpoint {step}: "
                          f"{type(error).__name__}: {str(error)[:500]}\n")
-      self._set_aside(step, bad_hosts)
-      tried.append(step)
-    if tried:
+      tried.append((step, [h for h, f in enumerate(flags) if not f]))
+    if tried:  # left where they are: every later attempt refuses the same way
+      rounds = ", ".join(f"{step} (unreadable on host(s) {bad})" for step, bad in tried)
       raise CheckpointError(
-          f"no checkpoint in {self.directory} could be read (tried rounds "
-          f"{', '.join(map(str, tried))}; they are now in {UNREADABLE}/). Nothing was "
-          f"deleted; to start from scratch, use another --workdir")
+          f"no checkpoint in {self.directory} could be read: rounds {rounds}. They are "
+          f"left where they are, and this run is not started again from round 1 while "
+          f"they exist. If a filesystem was missing for a moment, run the same command "
+          f"again; to start this workdir from scratch anyway, add --restart_from_scratch "
+          f"(the old run is moved to {self.workdir}/previous/, nothing is deleted)")
     return None
 
-  def _set_aside(self, step: int, bad_hosts: list[int]) -> None:
-    """Moves an unreadable checkpoint out of orbax's way (kept for inspection), on every
-    host's view, with a warning naming it."""
+  def _set_aside(self, step: int, bad_hosts: list[int], resumed: int) -> None:
+    """Moves an unreadable checkpoint newer than the one resumed from out of orbax's way
+    (kept for inspection), on every host's view, with a warning naming it."""
     if self.host == 0:
       target = os.path.join(self.workdir, UNREADABLE, f"{step}-{int(time.time())}")
       os.makedirs(os.path.dirname(target), exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), target)
       print(f"WARNING: checkpoint {step} in {self.directory} is incomplete or corrupt "
-            f"(unreadable on host(s) {bad_hosts}); moved to {target}; trying the one "
-            f"before it", file=sys.stderr, flush=True)
+            f"(unreadable on host(s) {bad_hosts}); moved to {target}; resuming from "
+            f"checkpoint {resumed}", file=sys.stderr, flush=True)
     # Nobody lists the directory again before host 0 has moved it.
     self.dispatcher.run(self.collective.allgather, np.zeros(1, np.int32),
                         what="waiting for an unreadable checkpoint to be set aside")

@@ -19,8 +19,10 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -31,7 +33,7 @@ import diloco_jax
 from diloco_jax import config as config_lib
 
 _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOCO_NUM_HOSTS",
-        "host_id": "DILOCO_HOST_ID"}
+        "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT"}
 
 
 class StartupError(RuntimeError):
@@ -41,12 +43,15 @@ class StartupError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Cluster:
   """Attributes: coordinator_address ('host:port', None for one host); num_hosts; host_id;
-  initialization_timeout and heartbeat_timeout in seconds."""
+  initialization_timeout and heartbeat_timeout in seconds; link_timeout: seconds a host
+  may be cut off from the others before every host stops with "link lost" (None: 40% of
+  heartbeat_timeout; 0: never, JAX's heartbeat timeout aborts the job instead)."""
   coordinator_address: str | None = None
   num_hosts: int | None = None
   host_id: int | None = None
   initialization_timeout: int = 300
   heartbeat_timeout: int = 100
+  link_timeout: int | None = None
 
   def resolved(self) -> Cluster:
     """Fills unset fields from DILOCO_* environment variables."""
@@ -100,6 +105,8 @@ def initialize(cluster: Cluster) -> bool:
                       ("heartbeat_timeout", c.heartbeat_timeout)):
     if value < 1:
       raise StartupError(f"--{name}={value}: must be >= 1 second")
+  if c.link_timeout is not None and c.link_timeout < 0:
+    raise StartupError(f"--link_timeout={c.link_timeout}: must be >= 0 (0: off)")
   # Cross-host sums run on the CPU backend (gloo over TCP) on every kind of host.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   where = (f"host {c.host_id if c.host_id is not None else '?'} of "
@@ -126,7 +133,65 @@ def initialize(cluster: Cluster) -> bool:
         f"the coordinator's port open?): {type(e).__name__}: {e}") from None
   finally:
     watchdog.cancel()
+  _keep_coordinator_connections(c.heartbeat_timeout)
+  link_timeout = (c.link_timeout if c.link_timeout is not None
+                  else max(1, c.heartbeat_timeout * 2 // 5))
+  # Elastic mode (recoverability) outlives a lost host by design: no watchdog there.
+  if link_timeout and not jax.config.jax_enable_recoverability:
+    LinkWatchdog(link_timeout).start()
   return True
+
+
+def _keep_coordinator_connections(heartbeat_timeout: int) -> None:
+  """Host 0: the coordination service keeps a host's connection through a network outage
+  as long as its heartbeat timeout allows, not gRPC's 20 s.
+
+  gRPC's server sets TCP_USER_TIMEOUT = 20 s on every connection it accepts (measured:
+  getsockopt on the service's sockets; JAX passes no channel argument to change it). When a
+  link is down for 20 s while the service has a reply outstanding (a barrier, a key-value
+  get), the kernel drops the connection; when the link returns the host's gRPC channel gets
+  "Connection reset by peer", its error polling fails, and JAX aborts the process. A thread
+  raises the option on each of the service's connections (they are this process's own
+  sockets) to the heartbeat timeout, after which the service gives up on the host anyway.
+  DILOCO_COORDINATOR_TCP_USER_TIMEOUT (seconds; 0: leave gRPC's) overrides the value.
+  """
+  from jax._src import distributed as jax_distributed
+  state = jax_distributed.global_state
+  if state.service is None or not state.coordinator_address:
+    return
+  seconds = int(os.environ.get("DILOCO_COORDINATOR_TCP_USER_TIMEOUT", heartbeat_timeout))
+  if seconds <= 0 or not hasattr(socket, "TCP_USER_TIMEOUT") or not os.path.isdir(
+      "/proc/self/fd"):
+    return
+  port = int(state.coordinator_address.rsplit(":", 1)[1])
+  threading.Thread(target=_raise_user_timeouts, args=(port, seconds * 1000),
+                   name="diloco-coordinator-sockets", daemon=True).start()
+
+
+def _raise_user_timeouts(port: int, timeout_ms: int) -> None:
+  seen: set[str] = set()  # socket inodes already looked at
+  while True:
+    try:
+      fds = os.listdir("/proc/self/fd")
+    except OSError:
+      return
+    for fd in fds:
+      try:
+        inode = os.readlink(f"/proc/self/fd/{fd}")
+        if not inode.startswith("socket:") or inode in seen:
+          continue
+        sock = socket.socket(fileno=os.dup(int(fd)))
+      except (OSError, ValueError):
+        continue
+      seen.add(inode)
+      with sock:
+        try:
+          if (sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == port
+              and sock.getpeername()):  # an accepted connection, not the listener
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, timeout_ms)
+        except (OSError, IndexError, TypeError):
+          pass
+    time.sleep(1.0)
 
 
 def _missing_hosts(where: str, c: Cluster) -> None:
@@ -137,6 +202,90 @@ def _missing_hosts(where: str, c: Cluster) -> None:
       "coordinator's port open? Stopping this host.\n")
   sys.stderr.flush()
   os._exit(1)
+
+
+class LinkWatchdog:
+  """Every host stops with "link lost" (exit 1) once it has been cut off from the job for
+  `timeout_s`, so that a restart (`launch/local.py --max_restarts`) resumes from the
+  newest checkpoint, instead of JAX aborting the hosts one by one up to a heartbeat
+  timeout later (measured before this: the coordinator ~100 s after a 20 s drop).
+
+  Each host writes a counter to the coordination service's key-value store every second.
+  A host whose own writes have not gone through for `timeout_s` is cut off from the
+  service (which runs on host 0); host 0 also stops when another host's counter has not
+  moved for `timeout_s` (that host is cut off, or gone). A host leaving normally marks
+  itself done at exit. Shorter outages are survived: gRPC's and gloo's connections carry
+  on once the link is back (`_keep_coordinator_connections`).
+  """
+
+  PERIOD_S = 1.0
+  _KEY = "diloco_jax/alive/"
+
+  def __init__(self, timeout_s: int):
+    from jax._src import distributed as jax_distributed
+    self.timeout_s = timeout_s
+    self._client = jax_distributed.global_state.client
+    self._me = jax_distributed.global_state.process_id
+    self._n = jax_distributed.global_state.num_processes
+    self._last_ok = time.monotonic()
+    self._seen: dict[str, tuple[str, float]] = {}  # host -> (counter, when it changed)
+    self._stopped = threading.Event()
+
+  def start(self) -> None:
+    import atexit
+    # Registered after JAX's own shutdown hook, so it runs first (LIFO): no false alarm
+    # while a host waits for the others at JAX's shutdown barrier.
+    atexit.register(self.stop)
+    threading.Thread(target=self._beat, name="diloco-link-beat", daemon=True).start()
+    threading.Thread(target=self._watch, name="diloco-link-watch", daemon=True).start()
+
+  def stop(self) -> None:
+    if not self._stopped.is_set():
+      self._stopped.set()
+      try:
+        self._client.key_value_set(f"{self._KEY}{self._me}", "done", allow_overwrite=True)
+      except Exception:  # noqa: BLE001 -- leaving anyway
+        pass
+
+  def _beat(self) -> None:
+    count = 0
+    while not self._stopped.is_set():
+      count += 1
+      try:
+        self._client.key_value_set(f"{self._KEY}{self._me}", str(count), allow_overwrite=True)
+        if self._me == 0:
+          now = time.monotonic()
+          for key, value in self._client.key_value_dir_get(self._KEY):
+            host = key.rsplit("/", 1)[1]
+            if self._seen.get(host, (None,))[0] != value:
+              self._seen[host] = (value, now)
+        self._last_ok = time.monotonic()
+      except Exception:  # noqa: BLE001 -- unreachable: the watch thread decides
+        pass
+      self._stopped.wait(self.PERIOD_S)
+
+  def _watch(self) -> None:
+    start = time.monotonic()
+    while not self._stopped.wait(self.PERIOD_S):
+      now = time.monotonic()
+      if now - self._last_ok > self.timeout_s:
+        self._lost(f"this host has not reached the coordination service (host 0) for "
+                   f"{now - self._last_ok:.0f}s")
+      if self._me == 0:
+        for h in range(1, self._n):
+          value, since = self._seen.get(str(h), (None, start))
+          if value != "done" and now - since > self.timeout_s:
+            self._lost(f"no word from host {h} for {now - since:.0f}s (its link is down, "
+                       "or it stopped)")
+
+  def _lost(self, why: str) -> None:
+    if self._stopped.is_set():
+      return
+    sys.stderr.write(f"host {self._me}: link lost: {why} (--link_timeout={self.timeout_s}s). "
+                     "Stopping this host; a restart resumes from the newest checkpoint.\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def describe(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -176,13 +325,15 @@ def check_same_config(config: ml_collections.ConfigDict, timeout_s: int) -> None
 
 
 class Preemption:
-  """Whether any host got a preemption notice (SIGTERM); the run then stops after the
-  round with a checkpoint. Several hosts: JAX's preemption notifier (on by default)
-  turns SIGTERM into a sync point that every host reaches at the same round, through the
-  coordination service. One host: a SIGTERM handler installed for the run."""
+  """Whether the run should stop after this round with a checkpoint: a preemption notice
+  (SIGTERM) or a Ctrl-C (SIGINT) on any host. Several hosts: JAX's preemption notifier
+  (on by default) turns SIGTERM into a sync point that every host reaches at the same
+  round, through the coordination service; a first Ctrl-C sends this process SIGTERM. One
+  host: handlers installed for the run. A second Ctrl-C stops the process at once."""
 
   def __init__(self):
     self._requested = threading.Event()
+    self._interrupts = 0
 
   def request(self) -> None:
     self._requested.set()
@@ -196,14 +347,32 @@ class Preemption:
     except RuntimeError:  # the preemption service is off
       return False
 
+  def _interrupted(self, *_) -> None:
+    self._interrupts += 1
+    if self._interrupts > 1:
+      sys.stderr.write("Ctrl-C again: stopping now, without a checkpoint of this round\n")
+      sys.stderr.flush()
+      os._exit(130)
+    sys.stderr.write("Ctrl-C: finishing this round, then saving a checkpoint and stopping "
+                     "(Ctrl-C again stops at once)\n")
+    sys.stderr.flush()
+    if jax.process_count() > 1:
+      os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier: every host stops alike
+    else:
+      self.request()
+
   @contextlib.contextmanager
-  def on_sigterm(self):
-    """One host, on the main thread: SIGTERM requests a stop for as long as this lasts."""
-    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+  def handling_signals(self):
+    """On the main thread, for as long as this lasts: SIGINT (and, on one host, SIGTERM)
+    ask for a stop after the round."""
+    if threading.current_thread() is not threading.main_thread():
       yield
       return
-    previous = signal.signal(signal.SIGTERM, lambda *_: self.request())
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, self._interrupted)}
+    if jax.process_count() == 1:
+      previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda *_: self.request())
     try:
       yield
     finally:
-      signal.signal(signal.SIGTERM, previous)
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)

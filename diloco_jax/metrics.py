@@ -90,28 +90,70 @@ class ProgressBar:
       self.stream.flush()
 
 
+class MetricsError(RuntimeError):
+  """metrics.jsonl cannot be continued; the message names the file and the line."""
+
+
+def read_records(path: str) -> tuple[list[dict[str, Any]], bool]:
+  """The records of a metrics.jsonl, and whether its last line was torn (a write cut
+  short by a crash or a full disk: dropped). Any other bad line is a MetricsError."""
+  with open(path, "rb") as f:
+    lines = f.read().decode(errors="replace").split("\n")
+  records, torn = [], False
+  last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict) or not isinstance(record.get("round"), int):
+        raise ValueError("not a round's record")
+    except ValueError as e:
+      if i == last:
+        torn = True
+        continue
+      raise MetricsError(f"{path}, line {i + 1}: {e}: {line[:80]!r}. Fix or remove that line "
+                         "(the records are this run's history) and run again") from None
+    records.append(record)
+  return records, torn
+
+
 class MetricsWriter:
   """Appends one JSON record per round to workdir/metrics.jsonl and mirrors the scalars
-  to TensorBoard event files in workdir/tensorboard, with tokens seen as the x axis."""
+  to TensorBoard event files in workdir/tensorboard, with tokens seen as the x axis.
 
-  def __init__(self, workdir: str, enabled: bool = True, resume_before: int | None = None):
-    """`resume_before`: a resumed run keeps the records of earlier rounds (later ones are
-    trained again); None starts the file afresh."""
+  A run continues the file: the records of rounds before `first_round` are kept (the
+  rounds the checkpoint holds), later ones are dropped, since they are trained and logged
+  again, and TensorBoard is told to purge its events from `purge_step` on. Without
+  `enabled` (hosts other than 0) nothing is written."""
+
+  def __init__(self, workdir: str, enabled: bool = True, first_round: int | None = None,
+               purge_step: int | None = None):
     self.enabled = enabled
     self.records: list[dict[str, Any]] = []
     path = os.path.join(workdir, "metrics.jsonl")
-    if resume_before is not None and os.path.exists(path):
-      with open(path) as f:
-        self.records = [r for r in map(json.loads, filter(str.strip, f))
-                        if r["round"] < resume_before]
+    if first_round is None:  # in memory only (a Trainer used without `run`)
+      self.enabled = False
+      return
+    if os.path.exists(path):
+      records, torn = read_records(path)
+      self.records = [r for r in records if r["round"] < first_round]
+      dropped = len(records) - len(self.records)
+      if enabled and (torn or dropped):
+        print(f"WARNING: {path}: "
+              + ("a torn last line (a write cut short) removed" if torn else "")
+              + ("; " if torn and dropped else "")
+              + (f"{dropped} record(s) of rounds >= {first_round} removed (the checkpoint "
+                 "does not hold them: they are trained and logged again)" if dropped else ""),
+              file=sys.stderr, flush=True)
+        with open(path + ".tmp", "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in self.records)
+        os.replace(path + ".tmp", path)
     if not enabled:
       return
     from tensorboardX import SummaryWriter  # Imported on host 0 only.
-    self._jsonl = open(path, "w")
-    for record in self.records:
-      self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self._jsonl = open(path, "a")
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge_step)
 
   def write(self, record: Mapping[str, Any]) -> None:
     record = {k: _plain(v) for k, v in record.items()}

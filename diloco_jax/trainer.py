@@ -36,6 +36,7 @@ from diloco_jax import optim
 from diloco_jax import outer as outer_lib
 from diloco_jax import state as state_lib
 from diloco_jax import streaming_step
+from diloco_jax import workdir as workdir_lib
 
 # Each mode's outer step: a rule's driver, streaming's fragments, or ddp's per-step sums.
 DRIVERS = {"sync": outer_lib.OuterStep, "delayed": outer_lib.OuterStep,
@@ -69,7 +70,7 @@ class Trainer:
   """Everything one host needs for a run: `run_round(r)` trains round r, `run()` the run."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               dispatcher: dispatch.Dispatcher):
+               dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False):
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
     checkpoint_lib.check_writable(workdir)
@@ -93,6 +94,10 @@ class Trainer:
     self.elastic = config.elastic and self.num_hosts > 1
     self.collective = (elastic.ElasticCollective(config.elastic_timeout) if self.elastic
                        else collective_lib.make_collective())
+    self.lock = workdir_lib.claim(  # before anything in the workdir is written
+        workdir, is_host0=self.is_host0, restart_from_scratch=restart_from_scratch,
+        agree=lambda ok: bool(dispatcher.run(self.collective.allgather, np.array([ok]),
+                                             what="agreeing on the workdir lock").all()))
     driver = DRIVERS[config.mode]
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
                                         grad_accum_steps=config.grad_accum_steps,
@@ -232,9 +237,10 @@ class Trainer:
                                                                        self.num_params),
                              tokens_per_step=self.tokens_per_step)
     done = self.resume()
-    self.log.writer = metrics.MetricsWriter(
-        self.workdir, enabled=self.is_host0,
-        resume_before=(done if self.outer.inflight else done + 1) if done else None)
+    first = done if self.outer.inflight else done + 1  # the first round logged from now on
+    self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
+                                            first_round=first,
+                                            purge_step=first * self.h * self.tokens_per_step)
     round_times: list[float] = []
     every, preempted_at = self.config.checkpoint.every, None
     if self.elastic and self.is_host0:
@@ -319,10 +325,16 @@ class Trainer:
     self.log.write_through(r)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       restart_from_scratch: bool = False) -> TrainResult:
   """Trains per `config`, writing run.json, metrics, TensorBoard events and a loss plot to
-  `workdir` (host 0). On several hosts, `distributed.initialize` must have run first."""
+  `workdir` (host 0). On several hosts, `distributed.initialize` must have run first.
+  `restart_from_scratch`: move the workdir's previous run aside and start from round 1."""
   with dispatch.Dispatcher() as dispatcher:
-    trainer = Trainer(config, workdir, dispatcher)
-    with trainer.preemption.on_sigterm():
-      return trainer.run()
+    trainer = Trainer(config, workdir, dispatcher, restart_from_scratch)
+    try:
+      with trainer.preemption.handling_signals():
+        return trainer.run()
+    finally:
+      if trainer.lock is not None:
+        trainer.lock.release()

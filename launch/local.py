@@ -53,6 +53,7 @@ class Hosts:
         p for p in (REPO, self._env.get("PYTHONPATH")) if p)
     self.num_hosts, self.train_args, self.port = num_hosts, train_args, port
     self.procs: list[subprocess.Popen] = []
+    self.exited_at: dict[int, float] = {}  # pid -> when it exited (monotonic)
     self._lock = threading.Lock()
     self._threads = []
     for host in range(num_hosts):
@@ -68,7 +69,14 @@ class Hosts:
     t = threading.Thread(target=self._copy, args=(host, proc), daemon=True)
     t.start()
     self._threads.append(t)
+    threading.Thread(target=self._note_exit, args=(proc,), daemon=True).start()
     return proc
+
+  def _note_exit(self, proc: subprocess.Popen) -> None:
+    """When a host dies, the others usually fail a moment later (their collectives or
+    heartbeats break): the time of each exit tells which one failed first."""
+    proc.wait()
+    self.exited_at.setdefault(proc.pid, time.monotonic())
 
   def _copy(self, host: int, proc: subprocess.Popen) -> None:
     for line in iter(proc.stdout.readline, b""):
@@ -96,7 +104,7 @@ class Hosts:
 
   def wait(self, rejoin_after: float | None = None) -> int:
     """0 when every host exits 0; EXIT_RESTART when every host asks for a restart; else
-    the first failure's code, the rest killed. With `rejoin_after` (elastic mode), a dead
+    the code of the host that failed first (by exit time), the rest killed. With `rejoin_after` (elastic mode), a dead
     host other than 0 does not stop the others: it is started again that many seconds
     later, and returns to the job."""
     restart_at: dict[int, float] = {}
@@ -114,7 +122,8 @@ class Hosts:
         del restart_at[host]
       if due:
         continue  # the codes above are the dead processes'
-      failed = [(h, c) for h, c in failed if h not in restart_at]
+      failed = sorted(((h, c) for h, c in failed if h not in restart_at),
+                      key=lambda hc: self.exited_at.get(self.procs[hc[0]].pid, now))
       if failed and rejoin_after is not None and failed[0][0] != 0:
         host, code = failed[0]
         print(f"[launcher] host {host} {_reason(code)}; elastic: the other hosts go on; "

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import checkpoint
+from diloco_jax import distributed
 from diloco_jax import trainer
 from tests import multihost
 
@@ -33,7 +34,7 @@ def checkpoint_has(workdir, name: str) -> bool:
 
 
 def preempt_at(monkeypatch, round_):
-  monkeypatch.setattr(trainer.Trainer, "preempted", lambda self, r: r == round_)
+  monkeypatch.setattr(distributed.Preemption, "reached", lambda self, r: r == round_)
 
 
 STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps": 1,

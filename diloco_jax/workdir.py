@@ -1,0 +1,155 @@
+"""Who may use a workdir, and how a run may start over in one: nothing already trained lost.
+
+A workdir holds one run at a time. Host 0 holds `workdir/lock` for the run's lifetime: an
+exclusive `flock` on it (released by the kernel when the process ends, however it ends),
+and in it a JSON line naming the holder's machine, pid, start time and command. A second
+run on the same workdir is refused, naming the holder. A lock left by a run that is gone
+is stale and taken over. Where a shared filesystem does not carry flocks between
+machines, the holder also touches the file every `REFRESH_S` seconds, and a file naming
+another machine that was touched within `STALE_AFTER_S` seconds is refused too.
+
+Starting over is always explicit: `--restart_from_scratch` moves the workdir's previous
+run (checkpoints, metrics, events, plot, run.json) into `workdir/previous/<time>/` and
+says where; without it, a workdir whose checkpoints cannot be read is refused on every
+attempt (checkpoint.py), never trained again from round 1.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+LOCK = "lock"
+PREVIOUS = "previous"
+REFRESH_S = 10.0
+STALE_AFTER_S = 120.0
+# What a run writes into its workdir; moved aside together by --restart_from_scratch.
+RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "tensorboard",
+             "loss.png", "run.json")
+_HELD: dict[str, Lock] = {}  # path -> this process's lock on it
+
+
+class WorkdirInUseError(RuntimeError):
+  """Another run holds the workdir's lock; the message names it."""
+
+
+def describe(holder: dict) -> str:
+  return (f"pid {holder.get('pid')} on {holder.get('host')}, started "
+          f"{holder.get('started_at')}: {holder.get('command')}")
+
+
+class Lock:
+  """The workdir's lock, held by this process until `release()`. `stale`: the holder
+  named in a lock that was taken over (its run had ended without releasing it)."""
+
+  def __new__(cls, workdir: str):
+    path = os.path.realpath(os.path.join(workdir, LOCK))
+    if path in _HELD:  # another Trainer of this process on the same workdir
+      return _HELD[path]
+    lock = super().__new__(cls)
+    lock._acquire(path)
+    _HELD[path] = lock
+    return lock
+
+  def _acquire(self, path: str) -> None:
+    self.path, self._stop = path, threading.Event()
+    while True:
+      self._fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+      holder = self._read()
+      try:
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(self._fd)
+        raise self._in_use(holder) from None
+      try:  # the file we locked is still the lock (a releasing holder unlinks it first)
+        if os.stat(path).st_ino == os.fstat(self._fd).st_ino:
+          break
+      except FileNotFoundError:
+        pass
+      os.close(self._fd)
+    if (holder and holder.get("host") != socket.gethostname()
+        and time.time() - os.path.getmtime(path) < STALE_AFTER_S):
+      fcntl.flock(self._fd, fcntl.LOCK_UN)  # a live holder this filesystem's flock misses
+      os.close(self._fd)
+      raise self._in_use(holder)
+    self.stale = holder
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, (json.dumps(me) + "\n").encode(), 0)
+    threading.Thread(target=self._refresh, daemon=True, name="workdir-lock").start()
+
+  def _in_use(self, holder: dict | None) -> WorkdirInUseError:
+    who = describe(holder) if holder else "holder unknown"
+    return WorkdirInUseError(
+        f"--workdir={os.path.dirname(self.path)} is in use by another run ({who}); wait "
+        f"for it to end, or use another --workdir")
+
+  def _read(self) -> dict | None:
+    try:
+      return json.loads(os.pread(self._fd, 65536, 0).decode() or "null")
+    except (OSError, ValueError):
+      return None
+
+  def _refresh(self) -> None:
+    """Keeps the lock fresh for hosts on other machines that judge it by its age."""
+    while not self._stop.wait(REFRESH_S):
+      try:
+        os.utime(self.path)
+      except OSError:
+        pass
+
+  def release(self) -> None:
+    """Removes the lock file, then lets go of it (the next run creates it anew)."""
+    if _HELD.pop(self.path, None) is None:
+      return
+    self._stop.set()
+    try:
+      os.remove(self.path)
+    except FileNotFoundError:
+      pass
+    os.close(self._fd)
+
+
+def move_previous_run(workdir: str) -> str | None:
+  """Moves what an earlier run wrote into workdir/previous/<time>/; returns that
+  directory, or None when there was nothing to move."""
+  present = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
+  if not present:
+    return None
+  target = os.path.join(workdir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S"))
+  os.makedirs(target)
+  for name in present:
+    os.rename(os.path.join(workdir, name), os.path.join(target, name))
+  return target
+
+
+def claim(workdir: str, *, is_host0: bool, agree, restart_from_scratch: bool) -> Lock | None:
+  """Host 0 locks the workdir and, with `restart_from_scratch`, moves the previous run
+  aside; every host learns whether it could (`agree(ok)`: True when every host is ok, the
+  same answer everywhere). Returns host 0's lock."""
+  lock, error = None, None
+  if is_host0:
+    try:
+      lock = Lock(workdir)
+      if lock.stale:
+        print(f"workdir lock of an earlier run that ended without releasing it taken over "
+              f"({describe(lock.stale)})", flush=True)
+      if restart_from_scratch:
+        moved = move_previous_run(workdir)
+        print(f"--restart_from_scratch: " + (f"the previous run in {workdir} moved to {moved}"
+                                            if moved else f"nothing to move in {workdir}"),
+              flush=True)
+    except WorkdirInUseError as e:
+      error = e
+  if not agree(error is None):
+    if lock is not None:
+      lock.release()
+    raise error or WorkdirInUseError(f"host 0 found --workdir={workdir} in use by another "
+                                     f"run (its log names the holder)")
+  return lock
