@@ -111,3 +111,46 @@ def flops_per_token(cfg: GPTConfig, num_params: int) -> float:
   """
   matmul_params = num_params - (cfg.vocab_size + cfg.seq_len) * cfg.d_model
   return 6 * matmul_params + 6 * cfg.num_layers * cfg.seq_len * cfg.d_model
+
+
+def num_params_of(cfg: GPTConfig) -> int:
+  """The number of params of GPT(cfg), from the shapes alone: `count_params` of
+  `init_params(cfg, ...)` without building anything (for checks before allocation)."""
+  d, m, v = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+  block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)
+  return v * d + cfg.seq_len * d + cfg.num_layers * block + 2 * d + (d * v + v)
+
+
+def memory_estimate(cfg: GPTConfig, *, param_sets: int, grad_copies: int, host_copies: int,
+                    micro_batch: int) -> tuple[dict[str, int], dict[str, int]]:
+  """Bytes of a training run's pieces: ({part: bytes} on every local device, {part: bytes}
+  in host memory), in this trainer's layout (params and optimizer state replicated on
+  every local device, the batch split over them, the outer state on the host).
+
+  With N = num_params_of(cfg), s the compute dtype's bytes, b = `micro_batch` sequences
+  per device, and L, D, M, V, H, layers from `cfg`:
+
+    per device  state        param_sets x 12N  float32 params + AdamW's two moments
+                step         (grad_copies + 2) x 4N  the gradients alive at once, the
+                             optimizer's update, and the params placed for evaluation
+                activations  b x L x layers x (8D + 2M + H x L) x s  what the backward pass
+                             keeps of one micro-batch's blocks: the residual, norm outputs,
+                             q, k, v, attention output, MLP input and GELU output, and
+                             every token's H x L attention weights
+                logits       b x L x V x (s + 4)  the head's output and its float32 copy
+    host        outer        host_copies x 4N  anchor, outer momentum, the pseudo-gradients
+                             and the copies they are computed from
+
+  The state figures are exact; activations and logits are an estimate of what cannot be
+  avoided (XLA may fuse some intermediates away, keep others longer), meant to tell a
+  config that cannot fit from one that might. Evaluation runs `batch_size` sequences per
+  device at once, not micro-batches: its logits are not counted here.
+  """
+  n = 4 * num_params_of(cfg)  # float32 bytes of one copy of the params
+  s = jnp.dtype(cfg.dtype).itemsize
+  tokens = micro_batch * cfg.seq_len
+  device = {"state": param_sets * 3 * n, "step": (grad_copies + 2) * n,
+            "activations": tokens * cfg.num_layers * s * (
+                8 * cfg.d_model + 2 * cfg.mlp_dim + cfg.num_heads * cfg.seq_len),
+            "logits": tokens * cfg.vocab_size * (s + 4)}
+  return device, {"outer": host_copies * n}

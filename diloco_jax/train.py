@@ -1,16 +1,23 @@
 """Entry point: python -m diloco_jax.train --config=configs/tiny.py --workdir=DIR.
 
-On several hosts, run the same command on every host with --coordinator_address,
---num_hosts and --host_id (or DILOCO_* environment variables, or under SLURM with none).
+Override any field with --config.a.b=value; --print_config prints every field with its
+value and meaning, then exits. On several hosts, run the same command on every host with
+--coordinator_address, --num_hosts and --host_id (or DILOCO_* environment variables, or
+under SLURM with none).
+
+A bad flag or config stops the run with one line on stderr and exit status 1, before
+anything is compiled.
 """
 
 import faulthandler
 import os
+import re
 import signal
 import sys
 import traceback
 
 import jax
+import ml_collections
 from absl import app
 from absl import flags
 from absl import logging
@@ -25,9 +32,11 @@ from diloco_jax import skips
 from diloco_jax import trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (configs/*.py); override fields with --config.x=y.",
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, events and plots.")
+    "config", None, "Required: the config file (configs/*.py); override its fields with "
+    "--config.a.b=value.", lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Required (but with --print_config): the directory for checkpoints, "
+    "metrics, events and plots.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "host:port of host 0's coordination service, the same on every host "
@@ -40,12 +49,158 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds without a heartbeat after which a host counts as dead "
     "and the job stops.")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print every config field with its value and what it means "
+    "(with --config and its overrides), then exit; --workdir is not needed.")
+# --config and --workdir are required, but checked in `main` rather than by absl, whose
+# check would run before --help and --print_config could answer.
+
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with --help exiting 0 and every bad flag or config override
+  reported in one line (absl prints a traceback or two lines, and exits 1 on --help)."""
+  try:
+    return flags.FLAGS(argv)
+  except SystemExit as e:
+    if e.code == 1 and _asks_for_help(argv):  # absl's help flags exit 1 after printing
+      sys.exit(0)
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # Only flags and the config file run here: whatever fails is the command line's fault,
+    # and its traceback (absl's and ml_collections' frames) would say nothing more.
+    sys.exit(_describe_flag_error(e, argv))
+
+
+def _args(argv: list[str]) -> list[str]:
+  """The flags of argv (absl stops at '--')."""
+  args = argv[1:]
+  return args[:args.index("--")] if "--" in args else args
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+  return any(a.lstrip("-").split("=")[0] in _HELP_FLAGS for a in _args(argv)
+             if a.startswith("-"))
+
+
+def _config_path(argv: list[str]) -> str | None:
+  """The value of --config in argv (the last one), without a ':config_string'."""
+  path, args = None, _args(argv)
+  for i, a in enumerate(args):
+    name, eq, value = a.lstrip("-").partition("=")
+    if a.startswith("-") and name == "config":
+      path = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+  return None if path is None else path.split(":", 1)[0]
+
+
+def _overrides(argv: list[str]) -> list[str]:
+  """The fields overridden in argv: ["config.outer.lr", ...]."""
+  out = []
+  for a in _args(argv):
+    m = re.fullmatch(r"--?(?:no)?config\.([^=]+)(=.*)?", a)
+    if m:
+      out.append(f"config.{m.group(1)}")
+  return out
+
+
+def _describe_flag_error(e: Exception, argv: list[str]) -> str:
+  """One line that says what is wrong on the command line, for an exception raised while
+  absl parsed it."""
+  message = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
+  path = _config_path(argv)
+  if isinstance(e, OSError) and path is not None:  # the file did not load, and overrides
+    return _config_file_error(path, e)            # of it were given
+  if isinstance(e, (KeyError, AttributeError)):   # ml_collections: an override's field
+    known = config_lib.known_names()
+    unknown = [n for n in _overrides(argv) if n not in known]
+    if unknown:
+      return "\n".join(f"Invalid config: {config_lib.unknown_field(n)}" for n in unknown)
+  if isinstance(e, flags.Error):
+    # absl: "flag --config.inner_steps=abc: invalid literal for int() with base 10: 'abc'".
+    m = re.fullmatch(r"flag --(config\.[\w.]+)=(.*?): (.*)", message)
+    if m:
+      return f"Invalid config: {m.group(1)} = {m.group(2)!r}: {_expected(m.group(1), m.group(3))}"
+    m = re.fullmatch(r"flag --config=(.*?): Error whilst parsing config file: (.*)", message)
+    if m:  # ml_collections re-raised get_config()'s ValueError or TypeError as text
+      path = m.group(1).split(":", 1)[0]
+      lines = [line for file, line in re.findall(r'File "([^"]+)", line (\d+)', str(e))
+               if os.path.abspath(file) == os.path.abspath(path)]
+      where = f", line {lines[-1]}" if lines else ""
+      return f"Config file {path}{where}: " + _last_line(str(e))
+    return f"Invalid flags: {message} (see --help)"
+  if path is not None and _in_config_file(e, path):
+    return _config_file_error(path, e)
+  if path is not None and "get_config" in message:
+    return f"Config file {path}: defines no get_config() returning the config"
+  return f"Invalid config: {type(e).__name__}: {message}"
+
+
+def _expected(name: str, parse_error: str) -> str:
+  """What a config field's value must be, from its default's type."""
+  default = config_lib.flatten(config_lib.get_default_config()).get(name)
+  if isinstance(default, bool):
+    return "must be true or false"
+  if isinstance(default, int):
+    return "must be an int"
+  if isinstance(default, float):
+    return "must be a number"
+  if default is None and "ConfigDict" in parse_error:
+    return "is a group of fields: set each one, e.g. --" + name + ".<field>=..."
+  return parse_error
+
+
+def _last_line(text: str) -> str:
+  lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+  return lines[-1] if lines else text
+
+
+def _in_config_file(e: BaseException, path: str) -> bool:
+  """Whether `e` was raised by the code of the config file at `path`."""
+  target = os.path.abspath(path)
+  if isinstance(e, SyntaxError) and e.filename:
+    return os.path.abspath(e.filename) == target
+  return any(os.path.abspath(frame.filename) == target
+             for frame in traceback.extract_tb(e.__traceback__))
+
+
+def _config_file_error(path: str, e: BaseException | None) -> str:
+  """One line for a config file that did not load."""
+  if not path:
+    return "Config file not given: --config is empty (e.g. --config=configs/tiny.py)"
+  if not os.path.exists(path):
+    return f"Config file not found: {path}"
+  if os.path.isdir(path):
+    return f"Config file is a directory: {path}"
+  where = ""
+  if isinstance(e, SyntaxError) and e.lineno:
+    where = f", line {e.lineno}"
+  elif e is not None:
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if os.path.abspath(f.filename) == os.path.abspath(path)]
+    where = f", line {lines[-1]}" if lines else ""
+  cause = e
+  while isinstance(cause, OSError) and cause.__cause__ is not None:
+    cause = cause.__cause__  # ml_collections wraps the file's error in OSErrors
+  detail = f"{type(cause).__name__}: {_last_line(str(cause))}" if cause else "did not load"
+  return f"Config file {path}{where}: {detail}"
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    sys.exit(f"Unexpected arguments: {argv[1:]} (flags are --name=value; see --help)")
+  config = _CONFIG.value
+  if config is None:
+    sys.exit("Missing --config: the config file to run, e.g. --config=configs/tiny.py")
+  if not isinstance(config, ml_collections.ConfigDict):  # the file did not load
+    sys.exit(_config_file_error(config_flags.get_config_filename(flags.FLAGS["config"]),
+                                getattr(config, "_error", None)))
+  if _PRINT_CONFIG.value:
+    print(config_lib.format_config(config))
+    return
+  if not _WORKDIR.value:
+    sys.exit("Missing --workdir: the directory for checkpoints, metrics and plots, e.g. "
+             "--workdir=/tmp/diloco_tiny")
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
     logging.set_verbosity(logging.WARNING)
@@ -53,7 +208,6 @@ def main(argv):
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
-  config = _CONFIG.value
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)
@@ -64,13 +218,17 @@ def main(argv):
       _exit(elastic.EXIT_RESTART)
     # Before validation: hosts that disagree must all stop, not wait for each other.
     distributed.check_same_config(config, timeout_s=_INIT_TIMEOUT.value)
+    # The trainer validates too; here so that the memory check sees a valid config.
+    config_lib.validate(config, num_local_devices=jax.local_device_count(),
+                        num_hosts=jax.process_count())
+    config_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
     trainer.train_and_evaluate(config, _WORKDIR.value)
     if multi_host_elastic:
       elastic.finish()
   except trainer.RestartForRejoin:
     _exit(elastic.EXIT_RESTART)
-  except config_lib.ConfigError as e:
-    sys.exit(f"Invalid config:\n{e}")
+  except config_lib.ConfigError as e:  # one line per bad field
+    sys.exit("\n".join(f"Invalid config: {line}" for line in str(e).splitlines()))
   except distributed.StartupError as e:
     sys.exit(f"Start-up failed: {e}")
   except checkpoint.CheckpointError as e:
@@ -92,4 +250,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
