@@ -28,8 +28,10 @@ from diloco_jax import checkpoint
 from diloco_jax import dispatch
 from diloco_jax import distributed
 from diloco_jax import elastic
+from diloco_jax import metrics
 from diloco_jax import skips
 from diloco_jax import trainer
+from diloco_jax import workdir
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Required: the config file (configs/*.py); override its fields with "
@@ -49,6 +51,10 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds without a heartbeat after which a host counts as dead "
     "and the job stops.")
+_RESTART = flags.DEFINE_bool(
+    "restart_from_scratch", False, "Move the workdir's previous run (checkpoints, metrics, "
+    "events, run.json) into workdir/previous/<time>/ and train from round 1. Without it, a "
+    "workdir whose checkpoints cannot be read is refused rather than trained again.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config field with its value and what it means "
     "(with --config and its overrides), then exit; --workdir is not needed.")
@@ -218,29 +224,41 @@ def main(argv):
       _exit(elastic.EXIT_RESTART)
     # Before validation: hosts that disagree must all stop, not wait for each other.
     distributed.check_same_config(config, timeout_s=_INIT_TIMEOUT.value)
-    # The trainer validates too; here so that the memory check sees a valid config.
-    config_lib.validate(config, num_local_devices=jax.local_device_count(),
-                        num_hosts=jax.process_count())
-    config_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
-    trainer.train_and_evaluate(config, _WORKDIR.value)
+    trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
     if multi_host_elastic:
       elastic.finish()
   except trainer.RestartForRejoin:
     _exit(elastic.EXIT_RESTART)
   except config_lib.ConfigError as e:  # one line per bad field
-    sys.exit("\n".join(f"Invalid config: {line}" for line in str(e).splitlines()))
+    _fail("\n".join(f"Invalid config: {line}" for line in str(e).splitlines()))
   except distributed.StartupError as e:
-    sys.exit(f"Start-up failed: {e}")
+    _fail(f"Start-up failed: {e}")
   except checkpoint.CheckpointError as e:
-    sys.exit(f"Checkpoint error: {e}")
-  except skips.BadPseudoGradientError as e:
-    sys.exit(f"Stopped: {e}")
+    _fail(f"Checkpoint error: {e}")
+  except (workdir.WorkdirInUseError, metrics.MetricsError, skips.BadPseudoGradientError) as e:
+    _fail(f"Stopped: {e}")
   except dispatch.CollectiveError as e:
+    if isinstance(e.__cause__, checkpoint.CheckpointError):  # a save on the dispatch thread
+      _fail(f"Checkpoint error: {e.__cause__}")
+    traceback.print_exc()
+    if jax.process_count() == 1:
+      _fail(f"Stopped: {e}")
     # A peer is gone: exit now rather than wait at JAX's shutdown barrier for a host that
     # will never arrive (which would end in an abort at the heartbeat timeout).
-    traceback.print_exc()
     sys.stderr.write(f"Stopped: {e}\nAnother host failed or was killed: see its log.\n")
     _exit(1)
+  except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
+    _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
+
+
+def _fail(message: str, code: int = 1) -> None:
+  """The one line that says why the run stopped, and nothing after it: one host exits at
+  once (orbax's threads would print shutdown noise); several hosts, which all stop on the
+  same error, meet at JAX's shutdown barrier as usual."""
+  sys.stderr.write(message + "\n")
+  if jax.process_count() > 1:
+    sys.exit(code)
+  _exit(code)
 
 
 def _exit(code: int) -> None:

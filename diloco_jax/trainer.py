@@ -73,7 +73,7 @@ class Trainer:
                dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False):
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
-    checkpoint_lib.check_writable(workdir)
+    config_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self.is_host0 = self.host == 0
@@ -91,6 +91,7 @@ class Trainer:
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh()
+    checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
     self.elastic = config.elastic and self.num_hosts > 1
     self.collective = (elastic.ElasticCollective(config.elastic_timeout) if self.elastic
                        else collective_lib.make_collective())
@@ -230,13 +231,13 @@ class Trainer:
         num_rounds=self.num_rounds, inner_steps=self.h,
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)
-    if self.is_host0:
+    done = self.resume()
+    if self.is_host0:  # once the workdir is known to be this run's
       metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,
                              devices=self.mesh.devices.flat, num_params=self.num_params,
                              flops_per_token=model_lib.flops_per_token(self.model_cfg,
                                                                        self.num_params),
                              tokens_per_step=self.tokens_per_step)
-    done = self.resume()
     first = done if self.outer.inflight else done + 1  # the first round logged from now on
     self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
                                             first_round=first,

@@ -8,8 +8,9 @@ line is prefixed with its host id. Hosts share fate: if one exits non-zero or is
 the others are killed at once and the launcher exits non-zero with that host's code,
 or, with --max_restarts=N, starts every host again (up to N times): the trainer resumes
 from the newest checkpoint in --workdir. SIGTERM to the launcher is passed to every host
-(the trainer's preemption signal: checkpoint, exit 0; no restart follows); SIGINT kills
-them. Hosts die with the launcher even if it is SIGKILLed.
+(the trainer's preemption signal: checkpoint, exit 0; no restart follows), and so is a
+first Ctrl-C; a second Ctrl-C kills them. A failure is blamed on the host that exited
+first. Hosts die with the launcher even if it is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -178,7 +179,15 @@ def main(argv: list[str]) -> int:
     if current:
       current[-1].signal_all(signal.SIGTERM)
 
+  def on_sigint(*_):
+    if terminated.is_set():  # the second Ctrl-C: stop everything now
+      raise KeyboardInterrupt
+    print("[launcher] Ctrl-C: the hosts finish the round, save a checkpoint and stop "
+          "(Ctrl-C again kills them)", flush=True)
+    on_sigterm()
+
   signal.signal(signal.SIGTERM, on_sigterm)
+  signal.signal(signal.SIGINT, on_sigint)
   attempt = 0
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
