@@ -55,6 +55,12 @@ _RESTART = flags.DEFINE_bool(
     "restart_from_scratch", False, "Move the workdir's previous run (checkpoints, metrics, "
     "events, run.json) into workdir/previous/<time>/ and train from round 1. Without it, a "
     "workdir whose checkpoints cannot be read is refused rather than trained again.")
+_LINK_TIMEOUT = flags.DEFINE_integer(
+    "link_timeout", None, "Seconds a host may be cut off from the others (a network outage) "
+    "before every host stops with 'link lost' and exit code 1, for a restart "
+    "(launch/local.py --max_restarts) to resume from the newest checkpoint; shorter "
+    "outages are survived. Default: 40% of --heartbeat_timeout; 0: off "
+    "(env DILOCO_LINK_TIMEOUT).")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config field with its value and what it means "
     "(with --config and its overrides), then exit; --workdir is not needed.")
@@ -213,7 +219,7 @@ def main(argv):
   cluster = distributed.Cluster(
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
-      heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+      heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value)
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)
