@@ -1,10 +1,11 @@
 """What a checkpoint costs next to a round: ≈25M-param model, one host, sync, H=50.
 
-  python bench/checkpoint.py [--batch_size=8] [--rounds=3] [--overlap_rounds=3]
+  python bench/checkpoint.py [--batch_size=8] [--rounds=3] [--overlap_rounds=3] [--out=...]
+  python bench/checkpoint.py --smoke  # seconds: configs/tiny.py's model, 4 rounds of 2 steps
 
 Runs the real trainer (`Trainer.run_round`, one replica, one process, no
 jax.distributed) on bench/outer_step.py's "25m" model (configs/tiny.py with 8 blocks of
-width 512) and measures, as `Trainer.run` would see them:
+width 512; `--model=tiny`: configs/tiny.py's) and measures, as `Trainer.run` would see them:
   round          `run_round(r)` up to `jax.block_until_ready` of the state; round 1
                  (compiling) excluded; median of `--rounds` rounds with no save writing;
   blocking       what `checkpointer.save(trainer.snapshot(r))` returns (the copy into
@@ -19,7 +20,8 @@ width 512) and measures, as `Trainer.run` would see them:
                  (the anchor, and every other leaf) and replicas equal the saved ones bit
                  for bit;
   size           bytes on disk of one checkpoint step directory.
-Prints a table and the ratios to the round length; writes bench/results/checkpoint.json.
+Prints a table and the ratios to the round length; writes bench/results/checkpoint.json
+(--smoke: --out, or a file in a temporary directory).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import diloco_jax  # noqa: E402
+from bench import _smoke  # noqa: E402
 from bench.outer_step import MODELS  # noqa: E402
 from configs import tiny  # noqa: E402
 from diloco_jax import dispatch  # noqa: E402
@@ -51,7 +54,7 @@ from diloco_jax import trainer as trainer_lib  # noqa: E402
 
 def bench_config(args, total_rounds: int):
   config = tiny.get_config()
-  for flag in MODELS["25m"]:  # "--config.model.d_model=512" -> config.model.d_model = 512
+  for flag in MODELS[args.model]:  # "--config.model.d_model=512" -> config.model.d_model = 512
     key, value = flag.removeprefix("--config.").split("=")
     *path, leaf = key.split(".")
     node = functools.reduce(getattr, path, config)
@@ -59,14 +62,23 @@ def bench_config(args, total_rounds: int):
   config.mode, config.replicas_per_host = "sync", 1
   config.inner_steps, config.batch_size = args.inner_steps, args.batch_size
   config.num_rounds = total_rounds + 1  # never reached: no final eval, no end-of-run save
+  config.inner.warmup_steps = min(config.inner.warmup_steps,
+                                  config.num_rounds * config.inner_steps - 1)
   config.eval_every = 10 ** 6
   return config
+
+
+def held(trainer):
+  """What a checkpoint holds of the trainer's state: the outer state (the rule's state, the
+  anchor in it, and the skip counters and error-feedback residuals) and the replicas."""
+  o = trainer.outer
+  return (o.state, o.skips, o.residuals), trainer.replicas
 
 
 def timed_round(trainer, r: int) -> float:
   t = time.perf_counter()
   trainer.run_round(r)
-  jax.block_until_ready((trainer.outer_state, trainer.replicas))
+  jax.block_until_ready(held(trainer))
   return time.perf_counter() - t
 
 
@@ -92,15 +104,18 @@ def dir_bytes(path: str) -> int:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="25m", choices=sorted(MODELS),
+                      help="bench/outer_step.py's MODELS")
   parser.add_argument("--batch_size", type=int, default=8)
   parser.add_argument("--inner_steps", type=int, default=50)
   parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each then saved")
   parser.add_argument("--overlap_rounds", type=int, default=3)
   parser.add_argument("--workdir", default=None, help="default: a temporary directory")
-  parser.add_argument("--out", default=os.path.join(REPO, "bench", "results",
-                                                    "checkpoint.json"))
-  args = parser.parse_args()
+  args = _smoke.parse_args(parser, "checkpoint", dict(
+      model="tiny", batch_size=2, inner_steps=2, rounds=1, overlap_rounds=2))
   start = time.perf_counter()
   workdir = args.workdir or tempfile.mkdtemp(prefix="bench_checkpoint_")
   config = bench_config(args, total_rounds=1 + args.rounds + args.overlap_rounds)
@@ -130,7 +145,7 @@ def main():
       saves.append({"round": r, "blocking": blocking, "wall": wall, "full": None})
       print(f"round {r}{' (a save writing behind it)' if behind else ''}: "
             f"{rounds[-1]['seconds']:.1f} s; save: blocking {blocking:.3f} s", flush=True)
-    saved = host_copy((trainer.outer_state, trainer.replicas))  # what round r's save holds
+    saved = host_copy(held(trainer))  # what round r's save holds
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(saved))
     trainer.checkpointer.wait()
     trainer.checkpointer.close()
@@ -139,10 +154,10 @@ def main():
 
     fresh = trainer_lib.Trainer(config, workdir, dispatcher)
     t = time.perf_counter()
-    restored_round, _ = fresh.resume()
+    restored_round = fresh.resume()
     restore = time.perf_counter() - t
-    anchor_ok = restored_round == r and same(saved[0].anchor, fresh.outer_state.anchor)
-    state_ok = restored_round == r and same(saved, (fresh.outer_state, fresh.replicas))
+    anchor_ok = restored_round == r and same(saved[0][0].anchor, fresh.outer.state.anchor)
+    state_ok = restored_round == r and same(saved, held(fresh))
     fresh.checkpointer.close()
   if args.workdir is None:
     shutil.rmtree(workdir, ignore_errors=True)
@@ -153,7 +168,8 @@ def main():
   blocking_s, wall_s = median([s["blocking"] for s in saves]), median([s["wall"] for s in saves])
   full_s = median([s["full"] for s in saves if s["full"] is not None])
   result = {
-      "config": {"model": "bench/outer_step.py 25m (configs/tiny.py + 8 x 512)",
+      "config": {"model": f"bench/outer_step.py {args.model}"
+                          + (" (configs/tiny.py + 8 x 512)" if args.model == "25m" else ""),
                  "num_layers": config.model.num_layers, "d_model": config.model.d_model,
                  "num_heads": config.model.num_heads, "mlp_dim": config.model.mlp_dim,
                  "seq_len": config.model.seq_len, "vocab_size": config.data.vocab_size,
@@ -173,7 +189,7 @@ def main():
       "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
       "jax": jax.__version__, "orbax_checkpoint": ocp.__version__,
       "diloco_jax": diloco_jax.__version__,
-      "total_seconds": time.perf_counter() - start,
+      "total_seconds": time.perf_counter() - start, "smoke": args.smoke,
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

@@ -1,13 +1,15 @@
 """What one sync outer step costs across hosts on localhost, part by part.
 
-  python bench/outer_step.py [--hosts=2,4] [--models=tiny,25m] [--rounds=6]
+  python bench/outer_step.py [--hosts=2,4] [--models=tiny,25m] [--rounds=6] [--out=...]
+  python bench/outer_step.py --smoke  # seconds: tiny (one block) on 2 hosts, 2 rounds
 
 For each model and number of hosts, runs the real trainer with `launch/local.py` (one
 replica per host, one CPU device each, H=2 so the run is mostly outer steps) and reads
 host 0's metrics.jsonl: the median over rounds 2..R of the device→host copy, the mean
 (Δ, this host's sum, the cross-host sum over gloo/TCP and the division by K), the outer
 optimizer update, the host→device copy, and the bytes this host sent per round (ring
-all-reduce: 2(n−1)/n of the payload). Prints a table, writes bench/results/outer_step.json.
+all-reduce: 2(n−1)/n of the payload). Prints a table, writes bench/results/outer_step.json
+(--smoke: --out, or a file in a temporary directory).
 On one machine the "network" is loopback: this measures the software path, not a WAN
 (bench/wan.py shapes bandwidth for that).
 """
@@ -23,6 +25,9 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench import _smoke  # noqa: E402
 
 MODELS = {
     # configs/tiny.py's model.
@@ -33,14 +38,17 @@ MODELS = {
             "--config.batch_size=2", "--config.eval_batches=1"],
 }
 PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d", "outer_time")
+# --smoke: after the model's flags, fewer sequences per step and for the eval, one block.
+SMOKE_FLAGS = ["--config.batch_size=2", "--config.eval_batches=1", "--config.model.num_layers=1"]
 
 
-def run(model: str, hosts: int, rounds: int) -> dict:
+def run(model: str, hosts: int, rounds: int, extra: tuple[str, ...] = ()) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}", "--",
            "--config=configs/tiny.py", f"--workdir={workdir}", "--config.replicas_per_host=1",
            f"--config.num_rounds={rounds}", "--config.inner_steps=2",
-           "--config.inner.warmup_steps=1", f"--config.eval_every={10 ** 6}", *MODELS[model]]
+           "--config.inner.warmup_steps=1", f"--config.eval_every={10 ** 6}", *MODELS[model],
+           *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
       raise RuntimeError(f"{model} on {hosts} hosts failed:\n{proc.stdout[-3000:]}")
@@ -55,21 +63,22 @@ def run(model: str, hosts: int, rounds: int) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hosts", default="2,4")
-  parser.add_argument("--models", default="tiny,25m")
-  parser.add_argument("--rounds", type=int, default=6)
-  parser.add_argument("--out", default=os.path.join(REPO, "bench", "results",
-                                                    "outer_step.json"))
-  args = parser.parse_args()
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--hosts", default="2,4", help="numbers of hosts, comma-separated")
+  parser.add_argument("--models", default="tiny,25m", help=f"from {', '.join(MODELS)}")
+  parser.add_argument("--rounds", type=int, default=6, help="rounds, the first untimed")
+  args = _smoke.parse_args(parser, "outer_step", dict(hosts="2", models="tiny", rounds=2))
   rows = []
   for model in args.models.split(","):
     for hosts in map(int, args.hosts.split(",")):
-      rows.append(run(model, hosts, args.rounds))
+      rows.append(run(model, hosts, args.rounds, tuple(SMOKE_FLAGS) if args.smoke else ()))
       print(f"done: {model} on {hosts} hosts", flush=True)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
-    json.dump({"rows": rows, "rounds_timed": args.rounds - 1}, f, indent=2)
+    json.dump({"rows": rows, "rounds_timed": args.rounds - 1, "smoke": args.smoke}, f,
+              indent=2)
   print("\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
         "| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|")
   for r in rows:

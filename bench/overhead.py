@@ -1,6 +1,7 @@
 """What DiLoCo costs on top of plain training, measured side by side in one process.
 
-  python bench/overhead.py [--rounds=12]
+  python bench/overhead.py [--rounds=12] [--inner_steps=50] [--batch_size=16] [--out=...]
+  python bench/overhead.py --smoke  # seconds: 2 rounds of 2 steps of 4 sequences, one block
 
 Loops over the same model (configs/tiny.py's), the same data pipeline and the same tokens
 per step (K=4 replicas x 16 sequences of 64 tokens), H=50:
@@ -12,7 +13,8 @@ per step (K=4 replicas x 16 sequences of 64 tokens), H=50:
   local     : the trainer's inner step alone (K replicas, no outer step).
 The loops take turns round by round (H steps each, waited for), so drifts in the shared
 machine's speed hit all of them alike; tokens/s is the median over rounds, the first
-(compiling) round excluded. Writes bench/results/overhead.json.
+(compiling) round excluded. Writes bench/results/overhead.json (--smoke: --out, or a file
+in a temporary directory).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
+from bench import _smoke  # noqa: E402
 from configs import tiny  # noqa: E402
 from diloco_jax import data as data_lib  # noqa: E402
 from diloco_jax import dispatch  # noqa: E402
@@ -41,10 +44,13 @@ from diloco_jax import state as state_lib  # noqa: E402
 from diloco_jax import trainer  # noqa: E402
 
 
-def bench_config(rounds: int):
+def bench_config(args):
   config = tiny.get_config()
-  config.inner_steps = 50
-  config.num_rounds = rounds + 1  # never reached: the trainer's final eval stays out
+  config.inner_steps, config.batch_size = args.inner_steps, args.batch_size
+  config.model.num_layers = args.num_layers or config.model.num_layers
+  config.num_rounds = args.rounds + 1  # never reached: the trainer's final eval stays out
+  config.inner.warmup_steps = min(config.inner.warmup_steps,
+                                  config.num_rounds * config.inner_steps - 1)
   config.eval_every = 10 ** 6
   config.eval_batches = 1
   return config
@@ -57,12 +63,27 @@ def make_data(config):
                                  num_eval_batches=config.eval_batches)
 
 
-def diloco_loop(config, dispatcher):
-  t = trainer.Trainer(config, tempfile.mkdtemp(), dispatcher)
-  return lambda r: jax.block_until_ready(t.run_round(r)["train_loss"])
+def diloco_loop(config, dispatcher, workdir: str):
+  """The trainer's round: H inner steps of K replicas and the outer step. Nothing is read
+  from what `run_round` returns; waiting for the replicas' state waits for the round."""
+  t = trainer.Trainer(config, workdir, dispatcher)
+
+  def one_round(r):
+    t.run_round(r)
+    jax.block_until_ready(t.replicas)
+
+  return one_round
 
 
-def plain_loop(config, per_replica_batches: bool):
+def initial_params(config):
+  """The params every loop but the trainer's starts from, on the host (initialised once:
+  each `init_params` call compiles again)."""
+  data = make_data(config)
+  cfg = model_lib.GPTConfig.from_config(config.model, data.spec.vocab_size)
+  return jax.device_get(model_lib.init_params(cfg, jax.random.key(0)))
+
+
+def plain_loop(config, params0, per_replica_batches: bool):
   """A plain AdamW loop written here, independent of the trainer: one set of params."""
   data = make_data(config)
   cfg = model_lib.GPTConfig.from_config(config.model, data.spec.vocab_size)
@@ -75,7 +96,7 @@ def plain_loop(config, per_replica_batches: bool):
     return optax.apply_updates(params, updates), opt_state, loss
 
   step = jax.jit(step, donate_argnums=(0, 1))
-  params = model_lib.init_params(cfg, jax.random.key(0))
+  params = jax.device_put(params0)
   state = [params, opt.init(params)]
 
   def one_round(_):
@@ -89,14 +110,15 @@ def plain_loop(config, per_replica_batches: bool):
   return one_round
 
 
-def local_loop(config):
-  """The trainer's inner step over K replicas with no outer step."""
+def local_loop(config, params0):
+  """The trainer's inner step over K replicas with no outer step (its very program: the
+  same optimizer and learning-rate schedule)."""
   data = make_data(config)
   cfg = model_lib.GPTConfig.from_config(config.model, data.spec.vocab_size)
-  opt = optim.inner_optimizer(config.inner, 10 ** 6)
+  opt = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
   step = inner.ReplicaStep(model_lib.make_loss_fn(cfg), opt, mesh=inner.local_mesh())
-  anchor = model_lib.init_params(cfg, jax.random.key(0))
-  state = [step.place(state_lib.init_replica_state(opt, anchor, config.replicas_per_host))]
+  state = [step.place(state_lib.init_replica_state(opt, jax.device_put(params0),
+                                                   config.replicas_per_host))]
 
   def one_round(_):
     for _ in range(config.inner_steps):
@@ -107,19 +129,25 @@ def local_loop(config):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--rounds", type=int, default=12)
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                    "overhead.json"))
-  args = parser.parse_args()
-  config = bench_config(args.rounds)
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0],
+      epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--rounds", type=int, default=12, help="rounds, the first untimed")
+  parser.add_argument("--inner_steps", type=int, default=50, help="H")
+  parser.add_argument("--batch_size", type=int, default=16, help="sequences per replica")
+  parser.add_argument("--num_layers", type=int, default=0, help="default: configs/tiny.py's")
+  args = _smoke.parse_args(parser, "overhead",
+                           dict(rounds=2, inner_steps=2, batch_size=4, num_layers=1))
+  config = bench_config(args)
   tokens_per_round = (config.inner_steps * config.replicas_per_host * config.batch_size
                       * config.model.seq_len)
-  with dispatch.Dispatcher() as dispatcher:
-    loops = {"diloco": diloco_loop(config, dispatcher),
-             "plain": plain_loop(config, per_replica_batches=True),
-             "plain_big": plain_loop(config, per_replica_batches=False),
-             "local": local_loop(config)}
+  with dispatch.Dispatcher() as dispatcher, tempfile.TemporaryDirectory() as workdir:
+    params0 = initial_params(config)
+    loops = {"diloco": diloco_loop(config, dispatcher, workdir),
+             "plain": plain_loop(config, params0, per_replica_batches=True),
+             "plain_big": plain_loop(config, params0, per_replica_batches=False),
+             "local": local_loop(config, params0)}
     samples = {name: [] for name in loops}
     for r in range(1, args.rounds + 1):
       for name, one_round in loops.items():
@@ -139,7 +167,7 @@ def main():
       "ratio_diloco_vs_plain": median["diloco"] / median["plain"],
       "ratio_diloco_vs_plain_big": median["diloco"] / median["plain_big"],
       "ratio_diloco_vs_local": median["diloco"] / median["local"],
-      "device": str(jax.devices()[0]), "jax": jax.__version__,
+      "device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

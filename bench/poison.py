@@ -1,6 +1,7 @@
 """One poisoned replica against each aggregation: final eval loss, mean vs robust.
 
-  python bench/poison.py [--rounds=16] [--out=bench/results/poison.json]
+  python bench/poison.py [--rounds=16] [--inner_steps=25] [--out=bench/results/poison.json]
+  python bench/poison.py --smoke  # seconds: 4 runs (every attack, every aggregation), 2 x 2 steps
 
 configs/tiny.py's model and data with K = 5 replicas on one host. Replica 4's
 pseudo-gradient is replaced at every outer step by
@@ -11,7 +12,10 @@ and the run is repeated with `outer.aggregation` = mean, trimmed_mean (trim 0.2:
 value dropped at each end of the 5) and median, next to an unpoisoned run. The NaN
 run with `mean` skips every outer step (the trainer refuses a non-finite mean; here
 `outer.max_skipped_rounds` is set past the end so that it runs to completion). Prints a
-table and writes it as JSON.
+table and writes it as JSON. `--runs` picks attack:aggregation pairs instead of all 12;
+--smoke runs 4 of them (each attack once, each aggregation at least once), 2 rounds of
+H = 2 with 2 sequences per step on a one-block model, and writes to --out or a temporary
+directory.
 """
 
 from __future__ import annotations
@@ -29,40 +33,56 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench import _smoke  # noqa: E402
 from diloco_jax import outer  # noqa: E402
 from diloco_jax import trainer  # noqa: E402
 
 ATTACKS = ("none", "scaled", "noise", "nan")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 BAD = 4  # the poisoned replica
+SMOKE_RUNS = "none:mean,scaled:median,noise:trimmed_mean,nan:mean"
+# The class whose `pseudo_gradients(self, start, local_R)` every outer step calls.
+PATCHED = outer.HostSide
 
 
 def poison(attack: str):
-  """`OuterStep.pseudo_gradients` with replica BAD's Δ replaced per `attack`."""
-  original = outer.OuterStep.pseudo_gradients
+  """`PATCHED.pseudo_gradients` with replica BAD's Δ replaced per `attack`."""
+  original = PATCHED.pseudo_gradients
   key = [jax.random.key(1)]
 
-  def bad(d):
+  def bad(d, sub):
     if attack == "scaled":
       return d * 1e6
     if attack == "nan":
       return jnp.full_like(d, jnp.nan)
-    key[0], sub = jax.random.split(key[0])
     return 100 * jnp.std(d) * jax.random.normal(sub, d.shape, d.dtype)
 
+  @jax.jit  # one program for the whole tree, not a dozen small ones per leaf
+  def replace(deltas, k):
+    def one(d):
+      nonlocal k
+      k, sub = jax.random.split(k)  # noise: a fresh key per leaf, per outer step
+      return d.at[BAD].set(bad(d[BAD], sub))
+    return jax.tree.map(one, deltas), k
+
   def pseudo_gradients(self, start, local_R):
-    deltas = original(self, start, local_R)
-    return jax.tree.map(lambda d: d.at[BAD].set(bad(d[BAD])), deltas)
+    deltas, key[0] = replace(original(self, start, local_R), key[0])
+    return deltas
 
   return pseudo_gradients
 
 
-def tiny_config(rounds: int, aggregation: str):
+def tiny_config(args, aggregation: str):
   spec = importlib.util.spec_from_file_location("tiny", os.path.join(REPO, "configs", "tiny.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
+  rounds = args.rounds
   config.num_rounds, config.replicas_per_host = rounds, 5
+  config.inner_steps = args.inner_steps
+  if args.smoke:
+    config.batch_size, config.eval_batches, config.model.num_layers = 2, 1, 1
+  config.inner.warmup_steps = min(config.inner.warmup_steps, rounds * config.inner_steps - 1)
   config.eval_every = rounds
   config.outer.aggregation = aggregation
   config.outer.max_skipped_rounds = rounds + 1
@@ -71,37 +91,48 @@ def tiny_config(rounds: int, aggregation: str):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--rounds", type=int, default=16)
-  parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "poison.json"))
-  args = parser.parse_args()
+  parser.add_argument("--inner_steps", type=int, default=25, help="H")
+  parser.add_argument("--runs", default=None,
+                      help="attack:aggregation pairs, comma-separated (default: all 12)")
+  args = _smoke.parse_args(parser, "poison",
+                           dict(rounds=2, inner_steps=2, runs=SMOKE_RUNS))
+  runs = ([tuple(run.split(":")) for run in args.runs.split(",")] if args.runs
+          else [(a, g) for a in ATTACKS for g in AGGREGATIONS])
+  unknown = [run for run in runs if run[0] not in ATTACKS or run[-1] not in AGGREGATIONS]
+  if unknown:
+    parser.error(f"--runs: unknown {unknown}: attacks {ATTACKS}, aggregations {AGGREGATIONS}")
   rows = []
-  original = outer.OuterStep.pseudo_gradients
-  for attack in ATTACKS:
-    for aggregation in AGGREGATIONS:
-      outer.OuterStep.pseudo_gradients = original if attack == "none" else poison(attack)
-      with tempfile.TemporaryDirectory() as workdir:
-        result = trainer.train_and_evaluate(tiny_config(args.rounds, aggregation), workdir)
-      skipped = sum(r.get("skipped", 0) for r in result.records)
-      rows.append({"attack": attack, "aggregation": aggregation,
-                   "final_eval_loss": float(result.records[-1]["eval_loss"]),
-                   "skipped_rounds": skipped})
-      print(rows[-1], flush=True)
-  outer.OuterStep.pseudo_gradients = original
+  original = PATCHED.pseudo_gradients
+  for attack, aggregation in runs:
+    PATCHED.pseudo_gradients = original if attack == "none" else poison(attack)
+    with tempfile.TemporaryDirectory() as workdir:
+      result = trainer.train_and_evaluate(tiny_config(args, aggregation), workdir)
+    skipped = sum(r.get("skipped", 0) for r in result.records)
+    rows.append({"attack": attack, "aggregation": aggregation,
+                 "final_eval_loss": float(result.records[-1]["eval_loss"]),
+                 "skipped_rounds": skipped})
+    print(rows[-1], flush=True)
+  PATCHED.pseudo_gradients = original
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
-    json.dump({"rounds": args.rounds, "replicas": 5, "poisoned_replica": BAD, "rows": rows},
-              f, indent=2)
-  print(f"\nK = 5, replica {BAD} poisoned, {args.rounds} rounds x H = 25 (configs/tiny.py)\n"
+    json.dump({"rounds": args.rounds, "inner_steps": args.inner_steps, "replicas": 5,
+               "poisoned_replica": BAD, "rows": rows, "smoke": args.smoke}, f, indent=2)
+  print(f"\nK = 5, replica {BAD} poisoned, {args.rounds} rounds x H = {args.inner_steps} "
+        f"(configs/tiny.py{', smoke sizes' if args.smoke else ''})\n"
         f"| attack | {' | '.join(AGGREGATIONS)} |\n|---|---|---|---|")
   for attack in ATTACKS:
     cells = []
-    for r in rows:
-      if r["attack"] == attack:
-        loss = r["final_eval_loss"]
-        cells.append(f"{loss:.4f}" + (f" ({r['skipped_rounds']} skipped)"
-                                      if r["skipped_rounds"] else ""))
-    print(f"| {attack} | {' | '.join(cells)} |")
+    for aggregation in AGGREGATIONS:
+      r = next((r for r in rows if (r["attack"], r["aggregation"]) == (attack, aggregation)),
+               None)
+      cells.append("-" if r is None else f"{r['final_eval_loss']:.4f}" + (
+          f" ({r['skipped_rounds']} skipped)" if r["skipped_rounds"] else ""))
+    if any(cell != "-" for cell in cells):
+      print(f"| {attack} | {' | '.join(cells)} |")
   print(f"wrote {args.out}")
 
 

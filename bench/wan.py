@@ -1,6 +1,7 @@
 """DiLoCo modes over a slow link: K hosts in network namespaces behind rate-limited veths.
 
-  sudo python bench/wan.py [--hosts=2] [--rate_mbit=8] [--rounds=32] [--modes=...]
+  sudo python bench/wan.py [--hosts=2] [--rate_mbit=8] [--rounds=32] [--modes=...] [--out=...]
+  python bench/wan.py --smoke  # seconds, no root: 2 hosts on 127.0.0.1, none and sync, 2 rounds
 
 Builds one network namespace per host on a bridge, each host's link shaped to
 `--rate_mbit` in both directions with `tc tbf` (this kernel has no netem, so the WAN is
@@ -18,6 +19,12 @@ steps of 32 x 64 tokens) takes about half a second here, and at 8 Mbit/s a 2-hos
 all-reduce moves it in about as long: sync then waits about as long as it computes.
 Wall times exclude round 1 (compilation). The namespaces are removed on exit, also after
 Ctrl-C or SIGTERM. Needs root (ip netns, tc).
+
+--smoke runs the same orchestration, figures, table and plot in seconds and without root:
+no namespaces and no shaping (the hosts are plain processes on 127.0.0.1), 2 rounds of 2
+inner steps of 2 sequences of a one-block model, modes none and sync; with no veth to read,
+the bytes on the wire are host 0's own count (its metrics' `bytes_sent`). It writes to
+--out or a temporary directory.
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench import _smoke  # noqa: E402
+
 TAG = f"dj{os.getpid() % 10000}"  # interface names stay under 15 characters
 BRIDGE = f"{TAG}br"
 SUBNET = "10.77.{}.{}"
@@ -41,6 +52,11 @@ SUBNET = "10.77.{}.{}"
 # The same model, data and tokens for every mode.
 COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
           "--config.batch_size=32", "--config.eval_every=4"]
+# --smoke: the same, tiny (with H = SMOKE_H and `--rounds` rounds, whatever the run's H).
+SMOKE_COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
+                "--config.batch_size=2", "--config.eval_every=1", "--config.eval_batches=1",
+                "--config.model.num_layers=1", "--config.inner.warmup_steps=1"]
+SMOKE_H = 2
 # Outer learning rate and momentum per mode: sync uses the DiLoCo paper's 0.7 and 0.9. The
 # one-round-late modes are unstable at those on this task; the best of a small sweep of
 # eager on one host (K=2, 32 rounds: lr 0.3-0.9, momentum 0.5-0.95) was lr 0.7 with
@@ -81,6 +97,12 @@ class Network:
 
   def address(self, host: int) -> str:
     return SUBNET.format(self.subnet, host + 1)
+
+  def command(self, host: int, argv: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+  def port(self) -> int:
+    return 20000 + os.getpid() % 10000
 
   def __enter__(self) -> Network:
     try:
@@ -126,16 +148,50 @@ class Network:
     sh("ip", "link", "del", BRIDGE, check=False)
 
 
+class Localhost:
+  """--smoke: the hosts as plain processes on 127.0.0.1, no namespaces, no shaping, no root.
+  There is no veth to count bytes on (`tx_bytes` is None)."""
+
+  def __init__(self, num_hosts: int):
+    self.num_hosts = num_hosts
+
+  def __enter__(self) -> Localhost:
+    return self
+
+  def __exit__(self, *_) -> None:
+    pass
+
+  def address(self, host: int) -> str:
+    return "127.0.0.1"
+
+  def command(self, host: int, argv: list[str]) -> list[str]:
+    return argv
+
+  def port(self) -> int:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      return s.getsockname()[1]
+
+  def tx_bytes(self, host: int) -> None:
+    return None
+
+
 def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
-def run_mode(net: Network, name: str, rounds: int, workdir: str) -> dict:
-  """One run of RUNS on every host; figures from host 0's metrics and every host's veth."""
+def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
+             smoke: bool = False) -> dict:
+  """One run of RUNS on every host; figures from host 0's metrics and every host's veth
+  (Localhost: host 0's metrics only)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
   mode, extra, h = RUNS[name]
-  args = [*COMMON, f"--config.num_rounds={rounds * 25 // h}", f"--config.inner_steps={h}",
+  num_rounds = rounds * 25 // h
+  if smoke:
+    h, num_rounds = SMOKE_H, rounds
+  args = [*(SMOKE_COMMON if smoke else COMMON), f"--config.num_rounds={num_rounds}",
+          f"--config.inner_steps={h}",
           f"--config.outer.lr={OUTER_LR[mode]}",
           f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra]
   if mode == "none":  # the reference: every host its own one-host job, nothing crosses
@@ -145,13 +201,13 @@ def run_mode(net: Network, name: str, rounds: int, workdir: str) -> dict:
                               stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   else:
-    port = 20000 + os.getpid() % 10000
+    port = net.port()
     before = [net.tx_bytes(i) for i in range(net.num_hosts)]
-    procs = [subprocess.Popen(
-        ["ip", "netns", "exec", net.namespaces[i], sys.executable, "-m", "diloco_jax.train",
-         *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
-         f"--coordinator_address={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
-         f"--host_id={i}", "--initialization_timeout=120"],
+    procs = [subprocess.Popen(net.command(i, [
+        sys.executable, "-m", "diloco_jax.train",
+        *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
+        f"--coordinator_address={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
+        f"--host_id={i}", "--initialization_timeout=120"]),
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   outputs = [p.communicate()[0] for p in procs]
@@ -175,8 +231,11 @@ def run_mode(net: Network, name: str, rounds: int, workdir: str) -> dict:
          "curve": [(sum(r["round_time"] for r in records[1:i + 1]), r["eval_loss"])
                    for i, r in enumerate(records) if "eval_loss" in r and i > 0]}
   if mode != "none":
-    row["bytes_per_host"] = [net.tx_bytes(i) - b for i, b in enumerate(before)]
     row["bytes_per_host_counted"] = sum(r.get("bytes_sent", 0) for r in records)
+    if before[0] is not None:  # each host's veth
+      row["bytes_per_host"] = [net.tx_bytes(i) - b for i, b in enumerate(before)]
+    else:  # no veth (Localhost): host 0's own count, the only host that logs
+      row["bytes_per_host"] = [row["bytes_per_host_counted"]]
     # The most one sync put on the wire at once (streaming: one fragment).
     row["peak_bytes_per_sync"] = max(r.get("bytes_peak", r.get("bytes_sent", 0))
                                      for r in records)
@@ -201,22 +260,25 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--hosts", type=int, default=2)
   parser.add_argument("--rate_mbit", type=float, default=8.0)
   parser.add_argument("--rounds", type=int, default=32)
   parser.add_argument("--modes", default="none,sync,delayed,eager,ddp",
                       help=f"runs, comma-separated, from {', '.join(RUNS)}")
   parser.add_argument("--subnet", type=int, default=77, help="10.77.<subnet>.0/24")
-  parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "wan.json"))
   parser.add_argument("--workdir", default="", help="keep each mode's workdirs here")
-  args = parser.parse_args()
-  if os.geteuid() != 0:
-    sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs")
+  args = _smoke.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync"))
+  if not args.smoke and os.geteuid() != 0:
+    sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs "
+             "(--smoke does not)")
   signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-  rows = []
-  with Network(args.hosts, args.rate_mbit, args.subnet) as net, \
-       tempfile.TemporaryDirectory() as scratch:
+  rows, failed = [], []
+  network = (Localhost(args.hosts) if args.smoke
+             else Network(args.hosts, args.rate_mbit, args.subnet))
+  with network as net, tempfile.TemporaryDirectory() as scratch:
     tmp = args.workdir or scratch
     unknown = set(args.modes.split(",")) - set(RUNS)
     if unknown:
@@ -224,19 +286,21 @@ def main():
     for mode in args.modes.split(","):
       t = time.time()
       try:
-        rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, mode)))
+        rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, mode), args.smoke))
       except RuntimeError as e:  # report it, keep the other runs' figures
         print(f"{mode}: FAILED\n{e}", flush=True)
+        failed.append(mode)
         continue
       print(f"{mode}: done in {time.time() - t:.0f} s", flush=True)
   reference = next((r["wall_s"] for r in rows if r["mode"] == "none"), None)
   for r in rows:
     r["compute_utilization"] = reference / r["wall_s"] if reference else None
-  title = f"{args.hosts} hosts, {args.rate_mbit:g} Mbit/s each way, tiny model, H=25"
+  title = (f"smoke: {args.hosts} hosts on 127.0.0.1, unshaped, H={SMOKE_H}" if args.smoke else
+           f"{args.hosts} hosts, {args.rate_mbit:g} Mbit/s each way, tiny model, H=25")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
-    json.dump({"hosts": args.hosts, "rate_mbit": args.rate_mbit, "rounds": args.rounds,
-               "rows": rows}, f, indent=2)
+    json.dump({"hosts": args.hosts, "rate_mbit": None if args.smoke else args.rate_mbit,
+               "rounds": args.rounds, "rows": rows, "smoke": args.smoke}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)
   print(f"\n{title}\n| mode | outer lr, μ | wall s | compute util. | outer-step idle | tokens/s "
         f"| MB/host (wire) | peak MB/sync | comm s/round | final eval loss |\n"
@@ -250,6 +314,8 @@ def main():
           f"{r['tokens_per_sec']:,.0f} | {mb} | {peak} | {comm} | "
           f"{r['final_eval_loss']:.4f} |")
   print(f"wrote {args.out} and {args.out.replace('.json', '.png')}")
+  if failed and args.smoke:  # a smoke run is a test: any failed run fails it
+    sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""Every script in bench/ still runs: `--help`, and `--smoke` end to end.
+
+A smoke run is the bench's own code (the trainer, the launcher, the JSON and the table) on
+tiny sizes, in seconds; it must exit 0, write the JSON keys a full run writes (to the
+--out given here) and leave bench/results/ alone. When a change to the trainer breaks a
+bench, these tests say so.
+"""
+
+import glob
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHES = ("checkpoint", "linkdrop", "outer_step", "overhead", "poison", "wan")
+TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
+
+# The keys a full run writes: at the top of the JSON, in "config", in every row.
+CHECKPOINT_KEYS = {
+    "anchor_bit_exact", "blocking_over_round", "checkpoint_mb", "config", "cpu_count",
+    "device", "diloco_jax", "full_over_round", "jax", "orbax_checkpoint", "params",
+    "restore_seconds", "restored_round", "round_seconds", "round_with_write_behind_seconds",
+    "rounds", "save_blocking_seconds", "save_call_wall_seconds", "save_full_seconds", "saves",
+    "state_bit_exact", "state_bytes", "total_seconds", "wall_over_round"}
+CHECKPOINT_CONFIG_KEYS = {
+    "batch_size", "checkpoint_keep", "d_model", "extrapolated", "inner_steps", "mlp_dim",
+    "mode", "model", "num_heads", "num_layers", "overlap_rounds", "replicas_per_host",
+    "rounds_timed", "seq_len", "vocab_size"}
+LINKDROP_KEYS = {"drop_s", "env", "heartbeat_timeout", "reference_completed", "rounds", "side",
+                 "train_args", "trial"}
+LINKDROP_TRIAL_KEYS = {"attempts", "comparison", "completed", "name"}
+OUTER_STEP_ROW_KEYS = {
+    "bytes_sent_per_round", "hosts", "model", "outer_d2h", "outer_h2d", "outer_mean",
+    "outer_time", "outer_update", "params_millions"}
+OVERHEAD_KEYS = {"config", "device", "jax", "ratio_diloco_vs_local", "ratio_diloco_vs_plain",
+                 "ratio_diloco_vs_plain_big", "samples", "tokens_per_sec"}
+OVERHEAD_CONFIG_KEYS = {"batch_size", "d_model", "inner_steps", "num_layers", "replicas",
+                        "rounds_timed", "seq_len"}
+LOOPS = {"diloco", "plain", "plain_big", "local"}
+POISON_KEYS = {"poisoned_replica", "replicas", "rounds", "rows"}
+POISON_ROW_KEYS = {"aggregation", "attack", "final_eval_loss", "skipped_rounds"}
+WAN_KEYS = {"hosts", "rate_mbit", "rounds", "rows"}
+WAN_ROW_KEYS = {"compute_utilization", "curve", "final_eval_loss", "idle_fraction", "mode",
+                "outer_lr", "outer_momentum", "tokens_per_sec", "wall_s"}
+WAN_COMM_ROW_KEYS = WAN_ROW_KEYS | {"bytes_per_host", "bytes_per_host_counted",
+                                    "comm_s_per_round", "peak_bytes_per_sync"}
+
+
+def has(d: dict, keys: set) -> None:
+  assert keys <= set(d), f"missing {sorted(keys - set(d))}"
+
+
+def check_checkpoint(result: dict) -> None:
+  has(result, CHECKPOINT_KEYS)
+  has(result["config"], CHECKPOINT_CONFIG_KEYS)
+  assert result["anchor_bit_exact"] and result["state_bit_exact"]
+  assert result["restored_round"] == result["rounds"][-1]["round"]
+  assert result["round_with_write_behind_seconds"] is not None
+
+
+def check_linkdrop(result: dict) -> None:
+  has(result, LINKDROP_KEYS)
+  has(result["trial"], LINKDROP_TRIAL_KEYS)
+  assert result["reference_completed"] and result["trial"]["completed"]
+  assert result["trial"]["comparison"]["equal"]  # nothing dropped: the same run twice
+
+
+def check_outer_step(result: dict) -> None:
+  has(result, {"rows", "rounds_timed"})
+  assert result["rows"]
+  for row in result["rows"]:
+    has(row, OUTER_STEP_ROW_KEYS)
+    assert row["bytes_sent_per_round"] > 0
+
+
+def check_overhead(result: dict) -> None:
+  has(result, OVERHEAD_KEYS)
+  has(result["config"], OVERHEAD_CONFIG_KEYS)
+  assert set(result["tokens_per_sec"]) == LOOPS
+  assert all(v > 0 for v in result["tokens_per_sec"].values())
+
+
+def check_poison(result: dict) -> None:
+  has(result, POISON_KEYS)
+  for row in result["rows"]:
+    has(row, POISON_ROW_KEYS)
+  # --smoke: every attack once, every aggregation at least once.
+  assert sorted(r["attack"] for r in result["rows"]) == ["nan", "noise", "none", "scaled"]
+  assert {r["aggregation"] for r in result["rows"]} == {"mean", "trimmed_mean", "median"}
+
+
+def check_wan(result: dict, out: str) -> None:
+  has(result, WAN_KEYS)
+  assert [r["mode"] for r in result["rows"]] == ["none", "sync"]
+  for row in result["rows"]:
+    has(row, WAN_ROW_KEYS if row["mode"] == "none" else WAN_COMM_ROW_KEYS)
+  assert result["rows"][1]["bytes_per_host"][0] > 0  # the trainer's own count, no veth
+  assert os.path.getsize(out.replace(".json", ".png")) > 0
+
+
+CHECKS = {"checkpoint": check_checkpoint, "linkdrop": check_linkdrop,
+          "outer_step": check_outer_step, "overhead": check_overhead, "poison": check_poison,
+          "wan": check_wan}
+
+
+def run_bench(name: str, *flags: str) -> tuple[int, str]:
+  """Runs bench/NAME.py in its own process group, all of which a timeout kills."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.Popen([sys.executable, os.path.join("bench", f"{name}.py"), *flags],
+                          cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    pytest.fail(f"bench/{name}.py {' '.join(flags)}: no exit in {TIMEOUT_S} s:\n{out[-5000:]}")
+  return proc.returncode, out
+
+
+def results_digest() -> dict[str, str]:
+  return {path: hashlib.sha256(open(path, "rb").read()).hexdigest()
+          for path in sorted(glob.glob(os.path.join(REPO, "bench", "results", "*")))}
+
+
+def test_every_bench_is_tested():
+  scripts = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "bench", "*.py"))}
+  assert {s for s in scripts if not s.startswith("_")} == set(BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_help(name):
+  code, out = run_bench(name, "--help")
+  assert code == 0, out[-5000:]
+  assert "usage:" in out and "--smoke" in out and "--out" in out
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_smoke(name, tmp_path):
+  before = results_digest()
+  out = str(tmp_path / "x.json")
+  code, log = run_bench(name, "--smoke", f"--out={out}")
+  assert code == 0, log[-5000:]
+  with open(out) as f:
+    result = json.load(f)
+  assert result["smoke"] is True
+  if name == "wan":
+    check_wan(result, out)
+  else:
+    CHECKS[name](result)
+  assert results_digest() == before, "a smoke run changed bench/results/"
