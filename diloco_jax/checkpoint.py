@@ -44,17 +44,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diloco_jax import collective as collective_lib
 from diloco_jax import config as config_lib
+from diloco_jax import metrics
 
 CHECKPOINTS = "checkpoints"
 UNREADABLE = "checkpoints_unreadable"
 JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
-
-
-def _size(n: int) -> str:
-  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-    if n >= scale:
-      return f"{n / scale:.1f} {unit}"
-  return f"{n} bytes"
 
 
 class CheckpointError(RuntimeError):
@@ -267,8 +261,8 @@ class Checkpointer:
     free = shutil.disk_usage(self.directory).free
     if free < needed + needed // 10:
       raise CheckpointError(
-          f"checkpoint {r} needs about {_size(needed)} in {self.directory}, which has "
-          f"{_size(free)} free: not written. The checkpoints before it are intact; free some "
+          f"checkpoint {r} needs about {metrics.format_bytes(needed)} in {self.directory}, which has "
+          f"{metrics.format_bytes(free)} free: not written. The checkpoints before it are intact; free some "
           f"space and run the same command to continue")
 
   def _failed(self, r: int | None, error: BaseException) -> CheckpointError:
@@ -277,7 +271,7 @@ class Checkpointer:
     reason = "no space left on device" if full else f"{type(error).__name__}: {text[:300]}"
     free = shutil.disk_usage(self.directory).free
     return CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
-                           f"{reason} ({_size(free)} free there). The checkpoints before it "
+                           f"{reason} ({metrics.format_bytes(free)} free there). The checkpoints before it "
                            f"are intact")
 
   def wait(self) -> None:

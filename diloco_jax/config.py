@@ -4,8 +4,8 @@
 comment on each of its lines is that field's documentation (`field_docs`, printed by
 `--print_config`); the files in `configs/` start from it and change a few fields.
 `validate(config, ...)` runs before anything is compiled and rejects every bad value with a
-`ConfigError` that names the field and the values it accepts; `check_memory` refuses a
-config whose model and replicas cannot fit in memory, before anything is allocated.
+`ConfigError` that names the field and the values it accepts (`mesh.check_memory` adds
+whether the model and replicas fit in memory).
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ import textwrap
 import tokenize
 from typing import Any
 
-import jax
 import ml_collections
 
 from diloco_jax import aggregate
 from diloco_jax import compress
-from diloco_jax import model as model_lib
 from diloco_jax import streaming
 
 MODES = ("sync", "delayed", "eager", "streaming", "ddp")
@@ -341,101 +339,3 @@ def _check_wire(c: ml_collections.ConfigDict, check, num_replicas: int) -> None:
           "plain sums)")
   check("config.outer.aggregation", o.aggregation == "mean" or c.mode != "eager",
         "eager mode needs the mean (each replica subtracts its own Δ/K from it)")
-
-
-def host_memory_available() -> int:
-  """Bytes of host memory this process can still take: /proc/meminfo's MemAvailable (or
-  all physical memory where there is none), less if a cgroup limit leaves less."""
-  available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  try:
-    with open("/proc/meminfo") as f:
-      fields = dict(line.split(":", 1) for line in f)
-    available = int(fields["MemAvailable"].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    pass
-  for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                  "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-    try:
-      with open(limit_file) as f, open(usage_file) as g:
-        available = min(available, int(f.read()) - int(g.read()))  # "max": no limit
-    except (OSError, ValueError):
-      pass
-  return available
-
-
-def device_memory_limit() -> int | None:
-  """Bytes one local accelerator can allocate, None where the devices share host memory
-  (CPU) or the platform does not say. Initialises the backend (after `distributed`)."""
-  stats = jax.local_devices()[0].memory_stats()
-  return stats.get("bytes_limit") if stats else None
-
-
-def _size(n: float) -> str:
-  for unit in ("bytes", "KiB", "MiB", "GiB"):
-    if n < 1024:
-      return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-    n /= 1024
-  return f"{n:,.1f} TiB"
-
-
-def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
-                 num_local_devices: int) -> None:
-  """Raises a ConfigError, with the figures, if the run cannot fit in memory: the estimate
-  of `model.memory_estimate` against `device_memory_limit()` per accelerator and
-  `host_memory_available()`; with CPU devices, everything against the host's. Call it
-  after `validate` and `distributed.initialize`, before anything is allocated."""
-  ddp, r, accum = config.mode == "ddp", config.replicas_per_host, config.grad_accum_steps
-  sets = 1 if ddp else r  # sets of params and AdamW moments on every local device
-  cfg = model_lib.GPTConfig.from_config(config.model, vocab_size)
-  device, host = model_lib.memory_estimate(
-      cfg, param_sets=sets,
-      # ddp keeps all R replicas' gradients of a step before summing them; DiLoCo steps one
-      # replica at a time; accumulation adds the running sum.
-      grad_copies=(r + 1 if ddp else 1) + (accum > 1), host_copies=0 if ddp else 2 * r + 3,
-      micro_batch=max(config.batch_size // (accum * num_local_devices), 1))
-  d = config.data
-  if d.source == "synthetic":  # the chain's tables (probs, cdf, sort scratch) and samples
-    host["data"] = (4 * 8 * d.vocab_size ** d.markov_order * d.vocab_size
-                    + 4 * (d.num_sequences + d.num_eval_sequences) * (cfg.seq_len + 1))
-  n = model_lib.num_params_of(cfg)
-  embed = 2 * vocab_size * cfg.d_model
-  model = ["config.model", *(["config.data.vocab_size"] if embed > n / 2 else [])]
-  causes = {"state": [*model, *(["config.replicas_per_host"] if sets > 1 else [])],
-            "step": model, "outer": [*model, "config.replicas_per_host"],
-            "activations": ["config.model", "config.batch_size / config.grad_accum_steps"],
-            "logits": ["config.data.vocab_size", "config.batch_size / config.grad_accum_steps"],
-            "data": ["config.data.vocab_size / markov_order", "config.data.num_sequences"]}
-  figures = (f"{n:,} params ({embed / n:.0%} in the embedding and head, 2 x vocab_size "
-             f"{vocab_size:,} x d_model {cfg.d_model}); per device: state "
-             f"{_size(device['state'])} ({sets} x params + 2 AdamW moments, float32), step "
-             f"{_size(device['step'])} (gradients, update, eval copy), activations "
-             f"{_size(device['activations'])}, logits {_size(device['logits'])}; host: "
-             + ", ".join(f"{k} {_size(v)}" for k, v in host.items()))
-
-  def error(parts: dict[str, int], needs: str, available: str) -> str:
-    # Named first: the fields behind the parts that make up most of the need.
-    big = [k for k, v in parts.items() if v >= max(parts.values()) / 3]
-    fields = list(dict.fromkeys(f for k in big for f in causes[k]))
-    return f"{' / '.join(fields)}: needs about {needs}, more than the {available}: {figures}"
-
-  per_device, on_host = sum(device.values()), sum(host.values())
-  device_limit, host_available = device_memory_limit(), host_memory_available()
-  if device_limit is None:  # CPU devices: their memory is the host's
-    need = per_device * num_local_devices + on_host
-    if need > host_available:
-      raise ConfigError(error(
-          {**{k: v * num_local_devices for k, v in device.items()}, **host},
-          f"{_size(need)} of memory ({num_local_devices} CPU "
-          f"device{'s' * (num_local_devices > 1)} x {_size(per_device)} + host "
-          f"{_size(on_host)})", f"{_size(host_available)} available"))
-    return
-  errors = []
-  if per_device > device_limit:
-    errors.append(error(device, f"{_size(per_device)} per device",
-                        f"{_size(device_limit)} a device has"))
-  if on_host > host_available:
-    errors.append(error(host, f"{_size(on_host)} of host memory",
-                        f"{_size(host_available)} available"))
-  if errors:
-    raise ConfigError("\n".join(errors))

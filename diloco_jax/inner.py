@@ -19,17 +19,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from diloco_jax import mesh as mesh_lib
 from diloco_jax import state as state_lib
 
 Params = Any
 LossFn = Callable[[Params, jax.Array], jax.Array]
 
-DATA_AXIS = "data"
-
-
-def local_mesh() -> Mesh:
-  """A 1-D mesh over this host's devices only: inner steps never cross hosts."""
-  return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
+DATA_AXIS = mesh_lib.DATA_AXIS
+local_mesh = mesh_lib.local_mesh  # where the inner step runs
 
 
 def make_grad_fn(loss_fn: LossFn, grad_accum_steps: int = 1):

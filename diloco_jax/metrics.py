@@ -42,6 +42,14 @@ def format_count(x: float) -> str:
   return f"{x:.0f}"
 
 
+def format_bytes(n: float) -> str:
+  for unit in ("bytes", "KiB", "MiB", "GiB"):
+    if n < 1024:
+      return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:,.1f} TiB"
+
+
 def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
   """The one line printed per round (README: "Reading the progress line")."""
   width = len(str(num_rounds))
@@ -218,10 +226,26 @@ class RoundLog:
   fragment 0's, has arrived)."""
 
   def __init__(self, writer: MetricsWriter, bar: ProgressBar, *, num_rounds: int,
-               inner_steps: int, num_replicas: int, printing: bool):
+               inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int):
     self.writer, self.bar, self.printing = writer, bar, printing
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
+    self.tokens_per_round = tokens_per_round
     self._open: dict[int, dict[str, Any]] = {}
+    self._round_times: list[float] = []
+
+  @property
+  def elapsed(self) -> float:
+    """Seconds of the rounds trained by this process."""
+    return float(np.sum(self._round_times))
+
+  def timed(self, r: int, seconds: float) -> None:
+    """Round r took `seconds` of wall time: its speed, and the time left."""
+    times = self._round_times
+    times.append(seconds)
+    # The first round includes compilation; later rounds predict the rest better.
+    typical = np.mean(times[1:] if len(times) > 1 else times)
+    self.add(r, round_time=seconds, tokens_per_sec=self.tokens_per_round / seconds,
+             elapsed=self.elapsed, eta=float(typical * (self.num_rounds - r)))
 
   def open(self, r: int, **figures) -> None:
     self._open[r] = {"round": r, **figures}

@@ -30,6 +30,7 @@ from diloco_jax import distributed
 from diloco_jax import elastic
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import inner
+from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics
 from diloco_jax import model as model_lib
 from diloco_jax import optim
@@ -73,7 +74,7 @@ class Trainer:
                dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False):
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
-    config_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
+    mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self.is_host0 = self.host == 0
@@ -123,7 +124,8 @@ class Trainer:
     self.bar = metrics.ProgressBar(self.num_rounds * self.h, enabled=self.is_host0)
     self.log = metrics.RoundLog(
         metrics.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
-        inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0)
+        inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
+        tokens_per_round=self.h * self.tokens_per_step)
     self.finished_before = False  # resumed from the checkpoint of a finished run
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
@@ -194,7 +196,8 @@ class Trainer:
       return 0
     self.finished_before, r = snap.meta["finished"], snap.round
     if snap.own is None:  # elastic: this host was down when the checkpoint was written
-      self._rejoin_from_anchor(snap)
+      self.outer, self.replicas = elastic.rejoin(self.outer_step, snap, self._init_replicas,
+                                                 self.data, self.h)
     else:
       self.outer = self.outer_step.join(snap.shared, snap.own)
       self.replicas = jax.device_put(snap.own["replicas"], self.train_step.state_sharding)
@@ -208,20 +211,6 @@ class Trainer:
                     resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0, eta=0.0)
       self._round_checks(r)
     return r
-
-  def _rejoin_from_anchor(self, snap: checkpoint_lib.Snapshot) -> None:
-    """A host back after elastic mode trained without it: its replicas start from the
-    anchor with fresh AdamW moments (the step count, which drives the lr schedule, set
-    to the run's), and its data iterators where host 0's are (every replica has read
-    the same number of batches of its own shard)."""
-    self.outer = self.outer_step.join(snap.shared, None)
-    replicas = self._init_replicas(self.outer_step.model(self.outer, None))
-    step = snap.round * self.h
-    self.replicas = replicas.replace(opt_state=state_lib.with_step_count(replicas.opt_state,
-                                                                         step))
-    self.data.set_state(snap.meta["data_state"])
-    print(f"host {self.host}: rejoining at round {snap.round + 1}: replicas from the anchor "
-          f"with fresh optimizer moments (step {step})", flush=True)
 
   def run(self) -> TrainResult:
     metrics.print_startup(
@@ -242,7 +231,6 @@ class Trainer:
     self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
                                             first_round=first,
                                             purge_step=first * self.h * self.tokens_per_step)
-    round_times: list[float] = []
     every, preempted_at = self.config.checkpoint.every, None
     if self.elastic and self.is_host0:
       elastic.mark_running()
@@ -251,14 +239,7 @@ class Trainer:
     for r in range(done + 1, self.num_rounds + 1):
       self.run_round(r)
       self.log.write_through(r - 1)  # read after round r's work was dispatched
-      now = time.perf_counter()
-      round_times.append(now - t_round)
-      # The first round includes compilation; later rounds predict the rest better.
-      typical = np.mean(round_times[1:] if len(round_times) > 1 else round_times)
-      self.log.add(r, round_time=round_times[-1],
-                   tokens_per_sec=self.h * self.tokens_per_step / round_times[-1],
-                   elapsed=float(np.sum(round_times)),
-                   eta=float(typical * (self.num_rounds - r)))
+      self.log.timed(r, time.perf_counter() - t_round)
       if self.log.rejoin_requested(r) and r < self.num_rounds:
         self._restart_for_rejoin(r)
       preempted = self.preemption.reached(r)
@@ -274,17 +255,15 @@ class Trainer:
     self.checkpointer.wait()
     self.checkpointer.close()
     self.log.writer.close()
-    if preempted_at is not None:
-      if self.is_host0:
-        print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
-              f"{self.checkpointer.directory}; run the same command to continue", flush=True)
+    if self.is_host0 and preempted_at is not None:
+      print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
+            f"{self.checkpointer.directory}; run the same command to continue", flush=True)
     elif self.is_host0:
       metrics.report(
           self.log.writer.records, self.workdir, final_eval=float(self.final_eval),
-          floor=self.spec.floor, unigram=self.spec.unigram_loss,
-          elapsed=float(np.sum(round_times)), num_rounds=self.num_rounds,
-          title=f"{self.config.mode}: {self.num_hosts} host(s) x {self.replicas_per_host} "
-                f"replicas, H={self.h}")
+          floor=self.spec.floor, unigram=self.spec.unigram_loss, elapsed=self.log.elapsed,
+          num_rounds=self.num_rounds, title=f"{self.config.mode}: {self.num_hosts} host(s) "
+          f"x {self.replicas_per_host} replicas, H={self.h}")
     return TrainResult(self.final_params if preempted_at is None else
                        self.outer_step.model(self.outer, self.replicas),
                        self.outer.state, self.replicas, self.log.writer.records,

@@ -1,5 +1,21 @@
-"""Test set-up: one CPU device per process, unless a test starts its own processes."""
+"""Test set-up: one CPU device per process, unless a test starts its own processes; one
+JAX compilation cache for the whole session.
 
+Most tests train the same tiny models in many trainers, in this process and in the host
+processes they start; with JAX's persistent compilation cache (in a temporary directory,
+shared through the environment) each program is compiled once per session instead of
+once per trainer. The cache holds XLA's compiled programs only: tracing, and so the
+traced-once checks, and every computed bit are the same with or without it.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  _cache = tempfile.mkdtemp(prefix="diloco_jax_test_cache_")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

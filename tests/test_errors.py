@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax import mesh
 from diloco_jax import data as data_lib
 from diloco_jax import model as model_lib
 
@@ -207,23 +208,23 @@ def test_param_count_from_shapes(vocab_size):
 
 def test_memory_check_figures(monkeypatch):
   config = config_lib.get_default_config()
-  config_lib.check_memory(config, config.data.vocab_size, 1)  # small: fits this machine
+  mesh.check_memory(config, config.data.vocab_size, 1)  # small: fits this machine
   config.model.update(num_layers=8, d_model=1024, mlp_dim=4096)  # 101M params
   config.replicas_per_host = 64
   n = model_lib.num_params_of(model_lib.GPTConfig.from_config(config.model, 32))
-  monkeypatch.setattr(config_lib, "device_memory_limit", lambda: 60 * 2**30)
-  monkeypatch.setattr(config_lib, "host_memory_available", lambda: 1000 * 2**30)
+  monkeypatch.setattr(mesh, "device_memory_limit", lambda: 60 * 2**30)
+  monkeypatch.setattr(mesh, "host_memory_available", lambda: 1000 * 2**30)
   with pytest.raises(config_lib.ConfigError) as e:
-    config_lib.check_memory(config, 32, 1)
+    mesh.check_memory(config, 32, 1)
   (line,) = str(e.value).splitlines()
   state = 64 * 12 * n / 2**30  # 64 replicas' float32 params and two AdamW moments
   assert line.startswith("config.model / config.replicas_per_host: needs about ")
   assert f"more than the 60.0 GiB a device has: {n:,} params" in line
   assert f"state {state:.1f} GiB (64 x params + 2 AdamW moments, float32)" in line
-  monkeypatch.setattr(config_lib, "device_memory_limit", lambda: 1000 * 2**30)
-  monkeypatch.setattr(config_lib, "host_memory_available", lambda: 2**30)
+  monkeypatch.setattr(mesh, "device_memory_limit", lambda: 1000 * 2**30)
+  monkeypatch.setattr(mesh, "host_memory_available", lambda: 2**30)
   with pytest.raises(config_lib.ConfigError, match=r"of host memory, more than the 1\.0 GiB"):
-    config_lib.check_memory(config, 32, 1)  # the outer state of 64 replicas, on the host
+    mesh.check_memory(config, 32, 1)  # the outer state of 64 replicas, on the host
 
 
 def test_every_field_documented():
