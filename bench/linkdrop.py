@@ -3,18 +3,19 @@
   sudo python bench/linkdrop.py [--drop_s=20] [--heartbeat_timeout=100] [--rounds=30]
   python bench/linkdrop.py --smoke  # seconds, no root: 2 hosts on 127.0.0.1, no drop
 
-Builds a bridge and one network namespace per host (veth pairs, private 10.x addresses,
-like bench/wan.py but unshaped), starts the trainer on 2 hosts (configs/tiny.py, one
-replica per host, debug checks on, a checkpoint every round), waits until host 0 prints
-round `--drop_after_round`, takes host 1's link down for `--drop_s` seconds (`--side`:
-`inside`, host 1's own interface in its namespace, or `outside`, its port on the bridge)
-and brings it back. It records for every host its exit code, when it exited relative to
-the start of the drop, whether its output says "link lost", and its last lines. If any
-host failed, it starts every host again with the same command and workdir (up to
-`--restarts` times, like `launch/local.py --max_restarts`): the trainer resumes from its
-newest checkpoint. Finally it compares train_loss, eval_loss and anchor_hash of every round
-(the last record of each round in metrics.jsonl) with an uninterrupted reference run of the
-same config on the same network, and prints a table; the JSON goes to --out.
+Builds a bridge and one network namespace per host (bench/netns.py: veth pairs, private
+10.x addresses, like bench/wan.py but unshaped), starts the trainer on 2 hosts
+(configs/tiny.py, one replica per host, debug checks on, a checkpoint every round), waits
+until host 0 prints round `--drop_after_round`, takes host 1's link down for `--drop_s`
+seconds (`--side`: `inside`, host 1's own interface in its namespace, or `outside`, its
+port on the bridge) and brings it back. It records for every host its exit code, when it
+exited relative to the start of the drop, whether its output says "link lost", and its
+last lines. If any host failed, it starts every host again with the same command and
+workdir (up to `--restarts` times, like `launch/local.py --max_restarts`): the trainer
+resumes from its newest checkpoint. Finally it compares train_loss, eval_loss and
+anchor_hash of every round (the last record of each round in metrics.jsonl) with an
+uninterrupted reference run of the same config on the same network, and prints a table;
+the JSON goes to --out.
 
 Settings under test go to every host through `--env KEY=VALUE` (repeatable: e.g.
 JAX_ENABLE_RECOVERABILITY=1, XLA_FLAGS=--xla_cpu_collective_timeout_seconds=60,
@@ -33,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,10 +44,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
+from bench.netns import Localhost, Network, free_port  # noqa: E402
 
-TAG = f"ld{os.getpid() % 10000}"  # interface names stay under 15 characters
-BRIDGE = f"{TAG}br"
-SUBNET = "10.78.{}.{}"
 NUM_HOSTS = 2
 ROUND_LINE = re.compile(r"^round (\d+)/(\d+) ")
 # One replica per host, small rounds (about a second each here once compiled).
@@ -55,111 +53,6 @@ COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
           "--config.debug_checks=True", "--config.inner_steps=10", "--config.batch_size=8",
           "--config.eval_batches=2", "--config.inner.warmup_steps=5",
           "--config.checkpoint.every=1"]
-
-
-def sh(*cmd: str, check: bool = True) -> str:
-  return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
-
-
-class Network:
-  """A bridge and one namespace per host; `down(h)`/`up(h)` cut and restore host h's link."""
-
-  def __init__(self, num_hosts: int, subnet: int, side: str):
-    self.num_hosts, self.subnet, self.side = num_hosts, subnet, side
-    self.namespaces = [f"{TAG}h{i}" for i in range(num_hosts)]
-
-  def address(self, host: int) -> str:
-    return SUBNET.format(self.subnet, host + 1)
-
-  def command(self, host: int, argv: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", self.namespaces[host], *argv]
-
-  def __enter__(self) -> Network:
-    try:
-      sh("ip", "link", "add", BRIDGE, "type", "bridge")
-      sh("ip", "link", "set", BRIDGE, "up")
-      for i, ns in enumerate(self.namespaces):
-        outside, inside = f"{TAG}v{i}", f"{TAG}p{i}"
-        sh("ip", "netns", "add", ns)
-        # gloo connects to the address the hostname resolves to: in the namespace, this
-        # host's own address there (`ip netns exec` bind-mounts /etc/netns/NS/hosts).
-        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-        with open(f"/etc/netns/{ns}/hosts", "w") as f:
-          f.write(f"127.0.0.1 localhost\n{self.address(i)} {socket.gethostname()}\n")
-        sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-        sh("ip", "link", "set", inside, "netns", ns)
-        sh("ip", "link", "set", outside, "master", BRIDGE, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24",
-           "dev", inside)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-    except BaseException:
-      self.__exit__()
-      raise
-    return self
-
-  def _link(self, host: int, state: str) -> None:
-    if self.side == "inside":
-      sh("ip", "netns", "exec", self.namespaces[host], "ip", "link", "set", f"{TAG}p{host}",
-         state)
-    else:
-      sh("ip", "link", "set", f"{TAG}v{host}", state)
-
-  def down(self, host: int) -> None:
-    self._link(host, "down")
-
-  def up(self, host: int) -> None:
-    self._link(host, "up")
-
-  def kill_all(self) -> None:
-    for ns in self.namespaces:
-      for pid in sh("ip", "netns", "pids", ns, check=False).split():
-        try:
-          os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-          pass
-
-  def __exit__(self, *_) -> None:
-    self.kill_all()
-    for i, ns in enumerate(self.namespaces):
-      sh("ip", "netns", "del", ns, check=False)
-      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-      sh("ip", "link", "del", f"{TAG}v{i}", check=False)
-    sh("ip", "link", "del", BRIDGE, check=False)
-
-
-class Localhost:
-  """--smoke: plain processes on 127.0.0.1; nothing to cut."""
-
-  def __init__(self, num_hosts: int):
-    self.num_hosts = num_hosts
-
-  def __enter__(self) -> Localhost:
-    return self
-
-  def __exit__(self, *_) -> None:
-    pass
-
-  def address(self, host: int) -> str:
-    return "127.0.0.1"
-
-  def command(self, host: int, argv: list[str]) -> list[str]:
-    return argv
-
-  def down(self, host: int) -> None:
-    pass
-
-  def up(self, host: int) -> None:
-    pass
-
-  def kill_all(self) -> None:
-    pass
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Job:
@@ -266,7 +159,7 @@ def host_report(job: Job, host: int, drop_t: float | None, tail: int) -> dict:
 
 
 def run_trial(net, name: str, args: list[str], env: dict, workdir: str, *, drop: bool,
-              drop_after_round: int, drop_s: float, wait_s: float, restarts: int,
+              drop_after_round: int, drop_s: float, side: str, wait_s: float, restarts: int,
               tail: int, start_timeout: float) -> dict:
   """One job: start, (drop host 1's link), wait; then restarts until done or out of them."""
   trial = {"name": name, "attempts": []}
@@ -283,12 +176,12 @@ def run_trial(net, name: str, args: list[str], env: dict, workdir: str, *, drop:
           time.sleep(0.05)
         if job.last_round() >= drop_after_round and not job.done():
           drop_t = time.monotonic()
-          net.down(1)
+          net.down(1, side)
           print(f"[{name}] round {job.last_round()}: host 1's link down for {drop_s:g}s",
                 flush=True)
           while time.monotonic() < drop_t + drop_s:
             time.sleep(0.05)
-          net.up(1)
+          net.up(1, side)
           up_t = time.monotonic()
           print(f"[{name}] link up again", flush=True)
         else:
@@ -385,9 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     train_args += ["--config.model.num_layers=1", "--config.inner_steps=2",
                    "--config.batch_size=2", "--config.eval_batches=1",
                    "--config.inner.warmup_steps=1"]
-  network = Localhost(NUM_HOSTS) if args.smoke else Network(NUM_HOSTS, args.subnet, args.side)
-  common = dict(drop_after_round=args.drop_after_round, drop_s=args.drop_s, tail=args.tail,
-                start_timeout=600.0)
+  network = (Localhost(NUM_HOSTS) if args.smoke
+             else Network(NUM_HOSTS, f"10.78.{args.subnet}", tag="ld"))
+  common = dict(drop_after_round=args.drop_after_round, drop_s=args.drop_s, side=args.side,
+                tail=args.tail, start_timeout=600.0)
   with network as net, tempfile.TemporaryDirectory() as scratch:
     root = args.workdir or scratch
     ref = None

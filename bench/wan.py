@@ -3,8 +3,8 @@
   sudo python bench/wan.py [--hosts=2] [--rate_mbit=8] [--rounds=32] [--modes=...] [--out=...]
   python bench/wan.py --smoke  # seconds, no root: 2 hosts on 127.0.0.1, none and sync, 2 rounds
 
-Builds one network namespace per host on a bridge, each host's link shaped to
-`--rate_mbit` in both directions with `tc tbf` (this kernel has no netem, so the WAN is
+Builds one network namespace per host on a bridge (bench/netns.py), each host's link shaped
+to `--rate_mbit` in both directions with `tc tbf` (this kernel has no netem, so the WAN is
 modelled by bandwidth, not delay), and runs the trainer (configs/tiny.py's model and data,
 one replica per host, the same token budget) in each mode, plus a no-communication
 reference (the same hosts as independent one-host jobs). `--modes` also takes the
@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,10 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
-
-TAG = f"dj{os.getpid() % 10000}"  # interface names stay under 15 characters
-BRIDGE = f"{TAG}br"
-SUBNET = "10.77.{}.{}"
+from bench.netns import Localhost, Network  # noqa: E402
 
 # The same model, data and tokens for every mode.
 COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
@@ -82,98 +77,6 @@ RUNS.update({
         "--config.outer.fragments=2", "--config.outer.overlap_steps=5",
         "--config.outer.merge_alpha=0.5", "--config.outer.compression=4bit"], 20),
 })
-
-
-def sh(*cmd: str, check: bool = True) -> str:
-  return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
-
-
-class Network:
-  """A bridge and one namespace per host, with `rate_mbit` each way on every host's link."""
-
-  def __init__(self, num_hosts: int, rate_mbit: float, subnet: int):
-    self.num_hosts, self.rate, self.subnet = num_hosts, rate_mbit, subnet
-    self.namespaces = [f"{TAG}h{i}" for i in range(num_hosts)]
-
-  def address(self, host: int) -> str:
-    return SUBNET.format(self.subnet, host + 1)
-
-  def command(self, host: int, argv: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", self.namespaces[host], *argv]
-
-  def port(self) -> int:
-    return 20000 + os.getpid() % 10000
-
-  def __enter__(self) -> Network:
-    try:
-      sh("ip", "link", "add", BRIDGE, "type", "bridge")
-      sh("ip", "link", "set", BRIDGE, "up")
-      for i, ns in enumerate(self.namespaces):
-        outside, inside = f"{TAG}v{i}", f"{TAG}p{i}"
-        sh("ip", "netns", "add", ns)
-        # gloo connects to the address the hostname resolves to: inside the namespace it
-        # must be this host's address there (`ip netns exec` mounts /etc/netns/NS/hosts).
-        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-        with open(f"/etc/netns/{ns}/hosts", "w") as f:
-          f.write(f"127.0.0.1 localhost\n{self.address(i)} {socket.gethostname()}\n")
-        sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-        sh("ip", "link", "set", inside, "netns", ns)
-        sh("ip", "link", "set", outside, "master", BRIDGE, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", inside)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        tbf = ["tbf", "rate", f"{self.rate}mbit", "burst", "32kb", "latency", "500ms"]
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inside, "root", *tbf)  # up
-        sh("tc", "qdisc", "add", "dev", outside, "root", *tbf)  # down
-    except BaseException:
-      self.__exit__()
-      raise
-    return self
-
-  def tx_bytes(self, host: int) -> int:
-    out = sh("ip", "netns", "exec", self.namespaces[host], "cat",
-             f"/sys/class/net/{TAG}p{host}/statistics/tx_bytes")
-    return int(out)
-
-  def __exit__(self, *_) -> None:
-    for i, ns in enumerate(self.namespaces):
-      for pid in sh("ip", "netns", "pids", ns, check=False).split():
-        try:
-          os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-          pass
-      sh("ip", "netns", "del", ns, check=False)
-      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-      sh("ip", "link", "del", f"{TAG}v{i}", check=False)
-    sh("ip", "link", "del", BRIDGE, check=False)
-
-
-class Localhost:
-  """--smoke: the hosts as plain processes on 127.0.0.1, no namespaces, no shaping, no root.
-  There is no veth to count bytes on (`tx_bytes` is None)."""
-
-  def __init__(self, num_hosts: int):
-    self.num_hosts = num_hosts
-
-  def __enter__(self) -> Localhost:
-    return self
-
-  def __exit__(self, *_) -> None:
-    pass
-
-  def address(self, host: int) -> str:
-    return "127.0.0.1"
-
-  def command(self, host: int, argv: list[str]) -> list[str]:
-    return argv
-
-  def port(self) -> int:
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      return s.getsockname()[1]
-
-  def tx_bytes(self, host: int) -> None:
-    return None
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -277,7 +180,7 @@ def main():
   signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
   rows, failed = [], []
   network = (Localhost(args.hosts) if args.smoke
-             else Network(args.hosts, args.rate_mbit, args.subnet))
+             else Network(args.hosts, f"10.77.{args.subnet}", args.rate_mbit, tag="dj"))
   with network as net, tempfile.TemporaryDirectory() as scratch:
     tmp = args.workdir or scratch
     unknown = set(args.modes.split(",")) - set(RUNS)
