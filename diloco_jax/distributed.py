@@ -71,12 +71,19 @@ class Cluster:
 # The two private JAX APIs the project reaches, each behind one shim.
 
 
-def coordination_client():
-  """The coordination service's client of this process (key-value store, barriers, live
-  hosts). Private: JAX has no public handle on it; `jax.distributed` would need to expose
-  its client (or a key-value/barrier API) to replace this."""
+def jax_distributed_state():
+  """`jax.distributed`'s state in this process: the coordination service's client
+  (key-value store, barriers, live hosts), on host 0 the service itself, the coordinator
+  address, this process's id and the number of processes. Private: JAX has no public
+  handle on its client or service; a public key-value/barrier API in `jax.distributed`
+  would replace this."""
   from jax._src import distributed as jax_distributed
-  return jax_distributed.global_state.client
+  return jax_distributed.global_state
+
+
+def coordination_client():
+  """The coordination service's client of this process (`jax_distributed_state`)."""
+  return jax_distributed_state().client
 
 
 def _cluster_detected() -> bool:
@@ -155,8 +162,7 @@ def _keep_coordinator_connections(heartbeat_timeout: int) -> None:
   sockets) to the heartbeat timeout, after which the service gives up on the host anyway.
   DILOCO_COORDINATOR_TCP_USER_TIMEOUT (seconds; 0: leave gRPC's) overrides the value.
   """
-  from jax._src import distributed as jax_distributed
-  state = jax_distributed.global_state
+  state = jax_distributed_state()
   if state.service is None or not state.coordinator_address:
     return
   seconds = int(os.environ.get("DILOCO_COORDINATOR_TCP_USER_TIMEOUT", heartbeat_timeout))
@@ -222,11 +228,9 @@ class LinkWatchdog:
   _KEY = "diloco_jax/alive/"
 
   def __init__(self, timeout_s: int):
-    from jax._src import distributed as jax_distributed
+    state = jax_distributed_state()
     self.timeout_s = timeout_s
-    self._client = jax_distributed.global_state.client
-    self._me = jax_distributed.global_state.process_id
-    self._n = jax_distributed.global_state.num_processes
+    self._client, self._me, self._n = state.client, state.process_id, state.num_processes
     self._last_ok = time.monotonic()
     self._seen: dict[str, tuple[str, float]] = {}  # host -> (counter, when it changed)
     self._stopped = threading.Event()

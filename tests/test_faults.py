@@ -170,3 +170,28 @@ def test_full_disk_names_the_checkpoint_and_keeps_the_one_before(tmp_path):
                            env=multihost.ENV, capture_output=True, text=True, timeout=300)
   assert resumed.returncode == 0 and "resumed from checkpoint 1" in resumed.stdout
   assert np.isfinite([r["train_loss"] for r in records(copy)]).all()
+
+
+def test_a_host_cut_off_stops_the_job_within_the_link_timeout(tmp_path):
+  """Host 1 stops answering (SIGSTOP: as if its link were down) while the job trains:
+  host 0's link watchdog ends it with one "link lost" line within --link_timeout,
+  instead of waiting for the heartbeat timeout (here 120 s). bench/linkdrop.py measures
+  real link drops between network namespaces (README: Preemption and resume)."""
+  port = multihost.free_port()
+  hosts = [multihost.start(train_cmd(
+      tmp_path, "--config.replicas_per_host=1", f"--coordinator_address=127.0.0.1:{port}",
+      "--num_hosts=2", f"--host_id={h}", "--heartbeat_timeout=120", "--link_timeout=5"))
+      for h in range(2)]
+  try:
+    read_until(hosts[0], "round   3/200")
+    os.kill(hosts[1].pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    text = hosts[0].communicate(timeout=60)[0]
+    elapsed = time.monotonic() - t0
+  finally:
+    for h in hosts:
+      h.kill()
+      h.communicate()
+  assert hosts[0].returncode == 1, text[-3000:]
+  assert "host 0: link lost: no word from host 1" in text, text[-3000:]
+  assert elapsed < 5 + 10, elapsed  # the link timeout, and the watchdog's 1 s period
