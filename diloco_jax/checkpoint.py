@@ -344,8 +344,9 @@ class Checkpointer:
           self._set_aside(newer, bad_hosts, step)
         return snapshot
       if error is not None:
+        detail = " ".join(str(error).split())  # one line (orbax's errors span many)
         sys.stderr.write(f"host {self.host}: cannot read checkpoint {step}: "
-                         f"{type(error).__name__}: {str(error)[:500]}\n")
+                         f"{type(error).__name__}: {detail[:300]}\n")
       tried.append((step, [h for h, f in enumerate(flags) if not f]))
     if tried:  # left where they are: every later attempt refuses the same way
       rounds = ", ".join(f"{step} (unreadable on host(s) {bad})" for step, bad in tried)

@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run is bit-identical to one never interrupted (preemption,
 SIGKILL of any host, corrupt checkpoints), and what cannot be resumed is refused clearly."""
 
+import gc
 import json
 import os
 import random
@@ -83,6 +84,9 @@ def test_finished_run_is_not_trained_again(tmp_path, capsys):
   assert losses(again) == losses(first)
 
 
+# Orbax's failed read of the truncated file leaves its other reads' coroutines to the
+# garbage collector, which reports them as unraisable exceptions (whichever test runs then).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd):
   config = multihost.small_config(num_rounds=3)
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
@@ -99,6 +103,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd)
   assert (tmp_path / "run" / checkpoint.UNREADABLE).is_dir()  # set aside, not deleted
   for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):
     np.testing.assert_array_equal(a, b)
+  gc.collect()  # here, under this test's filter
 
 
 def test_every_checkpoint_unreadable_is_an_error(tmp_path):
