@@ -54,6 +54,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--text_field", default="text", help="The text of a JSONL/Parquet/Arrow row.")
   p.add_argument("--text_extensions", default=",".join(sources_lib.TEXT_EXTENSIONS),
                  help="Extensions read as text, one document per file (comma separated).")
+  p.add_argument("--exclude", action="append", default=[], help="Skip files and directories "
+                 "whose name or path matches this glob (e.g. site-packages, '*/test/*'); "
+                 "repeat for more.")
   p.add_argument("--eval_fraction", type=float, default=0.01,
                  help="The share of documents drawn (seeded) for the eval split.")
   p.add_argument("--eval_max_documents", type=int, help="At most this many eval documents.")
@@ -226,7 +229,8 @@ def prepare(args: argparse.Namespace) -> Prepared | None:
   """Writes the prepared corpus args.output; None if it was up to date."""
   spec = None if args.tokenizer == "train" else tokenizer_lib.load(args.tokenizer,
                                                                    args.eos_token)
-  sources, skipped = sources_lib.find_sources(args.input, args.text_extensions)
+  sources, skipped = sources_lib.find_sources(args.input, args.text_extensions,
+                                                 args.exclude)
   notes = [(f"skipped {len(skipped)} hidden files or files of other formats: "
             f"{sources_lib.listing(skipped)}")] if skipped else []
   output = os.path.normpath(args.output)

@@ -12,6 +12,7 @@ Documents come out one at a time in input order, so a corpus is never held in me
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -59,13 +60,14 @@ def file_kind(path: str, text_extensions: Sequence[str]) -> str | None:
   return None
 
 
-def find_sources(inputs: Sequence[str],
-                 text_extensions: Sequence[str]) -> tuple[list[Source], list[str]]:
+def find_sources(inputs: Sequence[str], text_extensions: Sequence[str],
+                 exclude: Sequence[str] = ()) -> tuple[list[Source], list[str]]:
   """(the sources of every --input, a file, a directory or a glob, in order, each once;
   the paths skipped).
 
-  Directories are walked in sorted order; hidden files and directories, __pycache__ and
-  files of unknown formats are skipped. An input with nothing to read is an InputError.
+  Directories are walked in sorted order; hidden files and directories, __pycache__, what
+  an `exclude` glob matches (by name or by path) and files of unknown formats are skipped.
+  An input with nothing to read is an InputError.
   """
   sources, seen, all_skipped = [], set(), []
   for pattern in inputs:
@@ -79,7 +81,7 @@ def find_sources(inputs: Sequence[str],
       raise InputError(f"--input={pattern}: no such file or directory")
     found, skipped = [], []
     for path in matches:
-      _collect(path, text_extensions, found, skipped)
+      _collect(path, text_extensions, exclude, found, skipped)
     if not found:
       known = ".jsonl, .jsonl.gz, .parquet, a datasets.save_to_disk directory, or text: "
       raise InputError(
@@ -93,9 +95,12 @@ def find_sources(inputs: Sequence[str],
   return sources, all_skipped
 
 
-def _collect(path: str, text_extensions, found: list, skipped: list) -> None:
+def _collect(path: str, text_extensions, exclude, found: list, skipped: list) -> None:
   """Appends the sources under `path` to `found` in a fixed order (a saved dataset in a
   directory before that directory's files, subdirectories after), the rest to `skipped`."""
+  if _skip(os.path.basename(os.path.normpath(path)), path, exclude, hidden=False):
+    skipped.append(path)
+    return
   if not os.path.isdir(path):
     kind = file_kind(path, text_extensions)
     if kind:
@@ -111,7 +116,7 @@ def _collect(path: str, text_extensions, found: list, skipped: list) -> None:
     dirs.sort()
     for d in list(dirs):
       full = os.path.join(root, d)
-      if _hidden(d):
+      if _skip(d, full, exclude):
         skipped.append(full + "/")
       elif (saved := _saved_dataset(full)) is not None:
         found.extend(saved)
@@ -120,15 +125,19 @@ def _collect(path: str, text_extensions, found: list, skipped: list) -> None:
       dirs.remove(d)  # os.walk does not descend into the dirs removed here
     for name in sorted(files):
       full = os.path.join(root, name)
-      kind = None if _hidden(name) else file_kind(name, text_extensions)
+      kind = None if _skip(name, full, exclude) else file_kind(name, text_extensions)
       if kind:
         found.append(Source(full, kind, (full,)))
       else:
         skipped.append(full)
 
 
-def _hidden(name: str) -> bool:
-  return name.startswith(".") or name == "__pycache__"
+def _skip(name: str, path: str, exclude: Sequence[str], hidden: bool = True) -> bool:
+  """Whether a file or directory met in a walk is skipped: hidden, __pycache__ or excluded
+  (an input named explicitly is only checked against `exclude`)."""
+  if hidden and (name.startswith(".") or name == "__pycache__"):
+    return True
+  return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(path, p) for p in exclude)
 
 
 def _saved_dataset(path: str) -> list[Source] | None:

@@ -263,6 +263,11 @@ def test_saved_dataset_dict_and_directory_walk(tmp_path):
       ("t/a/0001.txt", "text"), ("t/b/0002.txt", "text"), ("t/b/0003.txt", "text")]
   reader = sources.Reader("text")
   assert [d for s in found for d in reader.documents(s)] == TEXTS[:12]
+  found, skipped = sources.find_sources([str(tmp_path / "root")], sources.TEXT_EXTENSIONS,
+                                        exclude=["dd", "*/t/a/0001.txt", "b"])
+  assert [os.path.relpath(s.path, tmp_path / "root") for s in found] == ["t/a/0000.txt"]
+  assert [os.path.relpath(p, tmp_path / "root") for p in skipped] == [
+      "dd", "t/__pycache__", "t/b", "t/.hidden.txt", "t/notes.csv", "t/a/0001.txt"]
 
 
 # ---------------------------------------------------------------- re-runs and crashes
