@@ -1,11 +1,19 @@
 """The DiLoCo paper's scale: a ≈150M-param GPT in bf16 compute, one replica per GPU host.
 
-  python -m diloco_jax.train --config=configs/gpt_150m.py --workdir=/ckpt/gpt150m \
-      --config.data.path=/data/train_tokens.bin
+First prepare a corpus (once, on a machine with many cores; the output directory must be
+readable by every host), then train on it:
 
-`data.path` is a flat file of uint16 token ids from a 32k-vocabulary tokenizer (e.g. C4
-tokenized with a SentencePiece model). For a smoke test without data, add
-`--config.data.source=synthetic --config.data.vocab_size=1024 --config.data.markov_order=1`.
+  python -m diloco_jax.prepare --input='/data/corpus/*.jsonl.gz' --text_field=text \
+      --tokenizer=/models/spm32k.model --workers=32 --output=/data/corpus_spm32k
+  python -m diloco_jax.train --config=configs/gpt_150m.py --workdir=/ckpt/gpt150m \
+      --config.data.path=/data/corpus_spm32k
+
+`config.data.vocab_size` must equal the vocabulary in the directory's manifest.json (32000
+for a 32k SentencePiece model; `--tokenizer=train --vocab_size=32000` trains one on the
+input instead); a different one stops the run at start with the value to set. For a smoke
+test without data, add `--config.data.source=synthetic --config.data.vocab_size=1024
+--config.data.markov_order=1`.
+
 Hyperparameters follow DiLoCo (arXiv 2311.08105) Table 5: H=500, inner AdamW lr 4e-4 with
 1,000 warmup steps and weight decay 0.1, batch 512 x 1024 tokens, outer Nesterov lr 0.7,
 momentum 0.9. Every field is explained in diloco_jax/config.py.
@@ -32,11 +40,9 @@ def get_config():
   config.model.seq_len = 1024
   config.model.dtype = "bfloat16"  # Params stay float32; matmuls run in bf16.
 
-  config.data.source = "tokens"
-  config.data.path = ""  # Required: pass --config.data.path=... (a flat uint16 token file).
-  config.data.token_dtype = "uint16"
-  config.data.vocab_size = 32000
-  config.data.eval_fraction = 0.01
+  config.data.source = "prepared"
+  config.data.path = ""  # Required: --config.data.path=DIR, the output of diloco_jax.prepare.
+  config.data.vocab_size = 32000  # = the manifest's vocab_size (the tokenizer's).
 
   config.inner.lr = 4e-4
   config.inner.warmup_steps = 1000

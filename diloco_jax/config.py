@@ -26,7 +26,7 @@ from diloco_jax import compress
 from diloco_jax import streaming
 
 MODES = ("sync", "delayed", "eager", "streaming", "ddp")
-DATA_SOURCES = ("synthetic", "text", "tokens")
+DATA_SOURCES = ("synthetic", "text", "tokens", "prepared")
 SHARDINGS = ("iid", "non_iid")
 TOKEN_DTYPES = ("uint16", "int32")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -56,11 +56,11 @@ def get_default_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"  # One of DATA_SOURCES.
-  c.data.path = ""  # 'text': a file or a directory of files; 'tokens': a flat token file.
+  c.data.path = ""  # 'text': file or dir; 'tokens': flat token file; 'prepared': its directory.
   c.data.token_dtype = "uint16"  # 'tokens' only: dtype of the flat token file.
-  c.data.vocab_size = 32  # Symbols: synthetic alphabet; 256 for 'text'; 'tokens': the tokenizer's.
+  c.data.vocab_size = 32  # Symbols: synthetic; 256 for 'text'; the tokenizer's (= the manifest's).
   c.data.sharding = "iid"  # How replicas split the data: 'iid' or 'non_iid' (synthetic only).
-  c.data.eval_fraction = 0.05  # Files: fraction of sequences held out for evaluation.
+  c.data.eval_fraction = 0.05  # 'text', 'tokens': fraction of sequences held out for eval.
   c.data.seed = 0  # Seeds the synthetic chain, the split and the shuffles.
   c.data.markov_order = 2  # Synthetic: the chain's order (context length in tokens).
   c.data.branching = 4  # Synthetic: successors each context can emit (the sparsity).
@@ -257,6 +257,10 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
           f"must be one of {TOKEN_DTYPES}")
     if d.token_dtype == "uint16":
       check("config.data.vocab_size", d.vocab_size <= 65536, "must be <= 65536 for uint16")
+  elif d.source == "prepared":
+    # Only set: data.py says what is wrong with the directory (missing, interrupted, ...).
+    check("config.data.path", bool(d.path),
+          "must be a directory written by python -m diloco_jax.prepare")
   elif d.source == "synthetic":
     check("config.data.markov_order", d.markov_order >= 1, "must be >= 1")
     check("config.data.branching", 1 <= d.branching <= d.vocab_size,

@@ -1,4 +1,5 @@
-"""Input pipelines (grain): a synthetic Markov source with a known floor, text, token files.
+"""Input pipelines (grain): a synthetic Markov source with a known floor, text, token files,
+and prepared corpora (`python -m diloco_jax.prepare`; read by diloco_jax/corpus_reader.py).
 
 Every sequence has L+1 tokens (inputs [:-1], targets [1:]). The replica with local index r
 on host h reads shard g = h * replicas_per_host + r of G = hosts * replicas_per_host
@@ -16,6 +17,7 @@ import ml_collections
 import numpy as np
 
 from diloco_jax import config as config_lib
+from diloco_jax import corpus_reader
 
 # A little uniform probability in every context keeps the chain ergodic (a unique
 # stationary distribution) while the transitions stay sparse.
@@ -25,10 +27,13 @@ UNIFORM_MIX = 0.01
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
   """Attributes: vocab_size; floor, the exact expected loss of the true model (synthetic
-  only, else None); unigram_loss, the loss of the best unigram model (nats/token)."""
+  only, else None); unigram_loss, the loss of the best unigram model (nats/token);
+  bytes_per_token, UTF-8 text bytes per token of the "train" and "eval" splits (prepared
+  corpora only, whose manifest counts both; else None), for bits per byte."""
   vocab_size: int
   floor: float | None
   unigram_loss: float
+  bytes_per_token: dict[str, float] | None = None
 
 
 # ----------------------------------------------------------------------------- Markov chain
@@ -146,8 +151,9 @@ class IndexedSource:
 
 def text_files(path: str) -> tuple[list[str], list[str]]:
   """(files read, paths skipped) of a 'text' path: the file itself, or every file under
-  the directory in sorted order but hidden files and directories and __pycache__ (bytecode,
-  editor and VCS files are not text to learn from)."""
+  the directory in sorted order but hidden files and directories, __pycache__ and binary
+  files (bytecode, editor and VCS files, shared libraries, images are not text to learn
+  from)."""
   if not os.path.isdir(path):
     return [path], []
   used, skipped = [], []
@@ -156,7 +162,7 @@ def text_files(path: str) -> tuple[list[str], list[str]]:
     dirs[:] = [d for d in dirs if not _skipped(d)]  # os.walk does not descend into these
     for name in files:
       full = os.path.join(root, name)
-      if _skipped(name):
+      if _skipped(name) or (os.path.isfile(full) and _binary(full)):
         skipped.append(full)
       elif os.path.isfile(full):
         used.append(full)
@@ -165,6 +171,12 @@ def text_files(path: str) -> tuple[list[str], list[str]]:
 
 def _skipped(name: str) -> bool:
   return name.startswith(".") or name == "__pycache__"
+
+
+def _binary(path: str) -> bool:
+  """A NUL byte in the first 8,000 bytes: binary (git's and grep's rule; text has none)."""
+  with open(path, "rb") as f:
+    return b"\0" in f.read(8000)
 
 
 def _read_text(path: str) -> np.ndarray:
@@ -222,7 +234,7 @@ def check_file_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_si
                                                          if len(names) > 5 else ""))
       raise config_lib.ConfigError(
           f"config.data.path = {path!r}: a directory with no text files to read ({found}; "
-          "hidden files and directories and __pycache__ are skipped)")
+          "hidden files and directories, __pycache__ and binary files are skipped)")
     size = sum(os.path.getsize(f) for f in files)
     num_tokens = size
     held = (f"holds {size:,} bytes of text" + (f" in {len(files)} file"
@@ -278,7 +290,14 @@ class HostData:
 def make_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_size: int,
                    replicas_per_host: int, num_eval_batches: int, host_index: int = 0,
                    num_hosts: int = 1) -> HostData:
+  """The data of host `host_index` of `num_hosts`: its replicas' iterators and the eval
+  batches (the same on every host). Bad files or sizes raise a ConfigError naming them."""
   num_shards = num_hosts * replicas_per_host
+  if config.source == "prepared":
+    return _prepared_host_data(config, seq_len=seq_len, batch_size=batch_size,
+                               replicas_per_host=replicas_per_host,
+                               num_eval_batches=num_eval_batches, host_index=host_index,
+                               num_hosts=num_hosts)
   if config.source != "synthetic":
     check_file_data(config, seq_len=seq_len, batch_size=batch_size, num_shards=num_shards,
                     num_eval_batches=num_eval_batches)
@@ -326,15 +345,45 @@ def make_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_siz
   eval_batches = np.asarray(held_out[:need], np.int32).reshape(num_eval_batches, batch_size, -1)
 
   iterators = []
-  read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # items are cheap slices
   for r in range(replicas_per_host):
     g = host_index * replicas_per_host + r
     if config.source == "synthetic" and config.sharding == "non_iid":
       shard = order[g * per_shard:(g + 1) * per_shard]
     else:
       shard = order[g::num_shards][:per_shard]
-    ds = (grain.MapDataset.source(IndexedSource(base, shard))
-          .shuffle(seed=config.seed * 1_000_003 + g).repeat(reseed_each_epoch=True)
-          .batch(batch_size, drop_remainder=True).to_iter_dataset(read))
-    iterators.append(iter(ds))
+    iterators.append(_replica_iterator(IndexedSource(base, shard), config.seed, g, batch_size))
+  return HostData(spec, iterators, eval_batches)
+
+
+def _replica_iterator(source, seed: int, g: int, batch_size: int):
+  """Replica g's checkpointable iterator: `source` shuffled anew each epoch (seeded by the
+  data seed and g), in batches."""
+  read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # items are cheap slices
+  return iter(grain.MapDataset.source(source)
+              .shuffle(seed=seed * 1_000_003 + g).repeat(reseed_each_epoch=True)
+              .batch(batch_size, drop_remainder=True).to_iter_dataset(read))
+
+
+def _prepared_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_size: int,
+                        replicas_per_host: int, num_eval_batches: int, host_index: int,
+                        num_hosts: int) -> HostData:
+  """A prepared corpus (corpus_reader.py): replica g's windows are those of its own
+  documents, packed across document boundaries (attention is not masked there); eval
+  batches are the first eval_batches x batch_size windows of the "eval" split, never of
+  training documents. Nothing is read whole: windows come from memory-mapped shards."""
+  corpus = corpus_reader.open_corpus(config.path)
+  num_replicas = num_hosts * replicas_per_host
+  corpus_reader.check_sizes(corpus, vocab_size=config.vocab_size, seq_len=seq_len,
+                            batch_size=batch_size, num_replicas=num_replicas,
+                            num_eval_batches=num_eval_batches)
+  held_out = corpus_reader.Windows(corpus.eval_stream(), seq_len,
+                                   num_eval_batches * batch_size)
+  eval_batches = np.stack([held_out[i] for i in range(len(held_out))]).reshape(
+      num_eval_batches, batch_size, seq_len + 1)
+  iterators = []
+  for r in range(replicas_per_host):
+    g = host_index * replicas_per_host + r
+    windows = corpus_reader.Windows(corpus.replica_stream(g, num_replicas), seq_len)
+    iterators.append(_replica_iterator(windows, config.seed, g, batch_size))
+  spec = DataSpec(corpus.vocab_size, None, corpus.unigram_loss(), corpus.bytes_per_token())
   return HostData(spec, iterators, eval_batches)

@@ -11,6 +11,7 @@ loss) never stalls the devices.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -55,10 +56,10 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
   width = len(str(num_rounds))
   parts = [f"round {r['round']:>{width}}/{num_rounds}",
            f"step {r['inner_step']:>{len(str(total_steps))}}/{total_steps}",
-           f"train {r['train_loss']:.4f}"]
+           f"train {r['train_loss']:.4f}" + _bpb(r, "train")]
   if "eval_loss" in r:
     floor = f" (floor {r['floor']:.4f})" if r.get("floor") is not None else ""
-    parts.append(f"eval {r['eval_loss']:.4f}{floor}")
+    parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
   if "replicas" in r:  # elastic mode: the replicas in this round's mean
     parts.append(f"{int(r['replicas'])} replicas")
   parts += [f"{format_count(r['tokens_per_sec'])} tok/s",
@@ -72,6 +73,16 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     parts.append(f"anchor {r['anchor_hash'][:8]} on all hosts")
   parts.append(f"ETA {format_duration(r['eta'])}")
   return " | ".join(parts)
+
+
+def _bpb(record: Mapping[str, Any], split: str) -> str:
+  """' (1.234 bpb)' beside a loss in nats/token, where the record has bits per byte."""
+  return f" ({record[split + '_bpb']:.3f} bpb)" if split + "_bpb" in record else ""
+
+
+def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
+  """A loss in nats per token as bits per byte of text: comparable across tokenizers."""
+  return nats_per_token / (math.log(2) * bytes_per_token)
 
 
 class ProgressBar:
@@ -188,17 +199,27 @@ def _plain(v: Any) -> Any:
 
 def plot_losses(records: list[Mapping[str, Any]], path: str, *, floor: float | None,
                 unigram: float | None, title: str = "") -> None:
-  """Train and eval loss against tokens seen, with the loss floor and unigram loss drawn."""
+  """Train and eval loss against tokens seen, with the loss floor and unigram loss drawn;
+  records with bits per byte (prepared data) add a right axis in bits per byte of the
+  train split and the last figures to the legend."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
   tokens = [r["tokens"] for r in records]
-  ax.plot(tokens, [r["train_loss"] for r in records], label="train (mean over replicas)")
+  last = {s: next((f", last {r[s + '_bpb']:.3f} bpb" for r in reversed(records)
+                   if s + "_bpb" in r), "") for s in ("train", "eval")}
+  ax.plot(tokens, [r["train_loss"] for r in records],
+          label=f"train (mean over replicas){last['train']}")
   evals = [(r["tokens"], r["eval_loss"]) for r in records if "eval_loss" in r]
   if evals:
-    ax.plot(*zip(*evals), "o-", markersize=3, label="eval (anchor)")
+    ax.plot(*zip(*evals), "o-", markersize=3, label=f"eval (anchor){last['eval']}")
+  scaled = next((r for r in records if r.get("train_bpb")), None)
+  if scaled is not None:  # nats/token -> bits/byte is a fixed factor for the train split
+    k = scaled["train_loss"] / scaled["train_bpb"]
+    ax.secondary_yaxis("right", functions=(lambda x: x / k, lambda y: y * k)).set_ylabel(
+        "bits per byte (train split)")
   if floor is not None:
     ax.axhline(floor, color="k", linestyle="--", label=f"floor (true model) {floor:.3f}")
   if unigram is not None:
@@ -226,10 +247,12 @@ class RoundLog:
   fragment 0's, has arrived)."""
 
   def __init__(self, writer: MetricsWriter, bar: ProgressBar, *, num_rounds: int,
-               inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int):
+               inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
+               bytes_per_token: Mapping[str, float] | None = None):
     self.writer, self.bar, self.printing = writer, bar, printing
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
     self.tokens_per_round = tokens_per_round
+    self.bytes_per_token = bytes_per_token  # per split; None: no bits per byte
     self._open: dict[int, dict[str, Any]] = {}
     self._round_times: list[float] = []
 
@@ -298,6 +321,10 @@ class RoundLog:
     record["train_loss"] = float(record.pop("loss_sum")) / (live * self.h)
     if "eval_loss" in record:
       record["eval_loss"] = float(record["eval_loss"])
+    for split in self.bytes_per_token or ():
+      if f"{split}_loss" in record:
+        record[f"{split}_bpb"] = bits_per_byte(record[f"{split}_loss"],
+                                               self.bytes_per_token[split])
     record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
     if syncs:
       sent = [a.bytes_sent for a in syncs]
@@ -364,7 +391,9 @@ def report(records: list[Mapping[str, Any]], workdir: str, *, final_eval: float,
            title: str) -> None:
   """The final line (eval loss beside the floor and the unigram loss) and loss.png."""
   floor_text = f"{floor:.4f}" if floor is not None else "unknown"
-  print(f"final eval loss {final_eval:.4f} | loss floor {floor_text} | best unigram loss "
+  bpb = next((f" ({r['eval_bpb']:.4f} bits/byte)" for r in reversed(records)
+              if "eval_bpb" in r), "")
+  print(f"final eval loss {final_eval:.4f}{bpb} | loss floor {floor_text} | best unigram loss "
         f"{unigram:.4f} | {num_rounds} rounds in {format_duration(elapsed)}", flush=True)
   plot_losses(records, os.path.join(workdir, "loss.png"), floor=floor, unigram=unigram,
               title=title)

@@ -125,7 +125,7 @@ class Trainer:
     self.log = metrics.RoundLog(
         metrics.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
         inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
-        tokens_per_round=self.h * self.tokens_per_step)
+        tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token)
     self.finished_before = False  # resumed from the checkpoint of a finished run
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("checkpoint", "linkdrop", "outer_step", "overhead", "poison", "wan")
+BENCHES = ("checkpoint", "data", "linkdrop", "outer_step", "overhead", "poison", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -32,6 +32,13 @@ CHECKPOINT_CONFIG_KEYS = {
     "batch_size", "checkpoint_keep", "d_model", "extrapolated", "inner_steps", "mlp_dim",
     "mode", "model", "num_heads", "num_layers", "overlap_rounds", "replicas_per_host",
     "rounds_timed", "seq_len", "vocab_size"}
+DATA_KEYS = {"cpu_count", "demand", "input", "loader", "prepare", "ratio"}
+DATA_PREPARE_KEYS = {"bytes_per_token", "mb_per_sec", "seconds", "text_mb", "tokenizer",
+                     "tokens", "tokens_per_sec", "vocab_size", "workers"}
+DATA_LOADER_KEYS = {"batch_size", "batches", "seconds", "seq_len", "setup_seconds",
+                    "tokens_per_sec"}
+DATA_DEMAND_KEYS = {"flops_per_token", "mfu", "model", "params", "peak_flops",
+                    "tokens_per_sec"}
 LINKDROP_KEYS = {"drop_s", "env", "heartbeat_timeout", "reference_completed", "rounds", "side",
                  "train_args", "trial"}
 LINKDROP_TRIAL_KEYS = {"attempts", "comparison", "completed", "name"}
@@ -62,6 +69,18 @@ def check_checkpoint(result: dict) -> None:
   assert result["anchor_bit_exact"] and result["state_bit_exact"]
   assert result["restored_round"] == result["rounds"][-1]["round"]
   assert result["round_with_write_behind_seconds"] is not None
+
+
+def check_data(result: dict) -> None:
+  has(result, DATA_KEYS)
+  assert result["prepare"]
+  for row in result["prepare"]:
+    has(row, DATA_PREPARE_KEYS)
+    assert row["mb_per_sec"] > 0
+  has(result["loader"], DATA_LOADER_KEYS)
+  has(result["demand"], DATA_DEMAND_KEYS)
+  assert 1e4 < result["demand"]["tokens_per_sec"] < 1e6  # 150M params on one H100
+  assert result["ratio"] > 0
 
 
 def check_linkdrop(result: dict) -> None:
@@ -104,7 +123,7 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
-CHECKS = {"checkpoint": check_checkpoint, "linkdrop": check_linkdrop,
+CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "linkdrop": check_linkdrop,
           "outer_step": check_outer_step, "overhead": check_overhead, "poison": check_poison,
           "wan": check_wan}
 

@@ -97,8 +97,9 @@ def test_deterministic_and_host_dependent():
 
 def test_text_directory(tmp_path):
   (tmp_path / "sub").mkdir()
-  (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 3)
-  (tmp_path / "sub" / "b.txt").write_bytes(np.random.default_rng(0).bytes(500))
+  (tmp_path / "a.txt").write_bytes(bytes(range(1, 256)) * 3)  # no NUL: not a binary file
+  (tmp_path / "sub" / "b.txt").write_bytes(np.random.default_rng(0).bytes(500)
+                                           .replace(b"\0", b"\1"))
   raw = np.frombuffer((tmp_path / "a.txt").read_bytes() + (tmp_path / "sub" / "b.txt")
                       .read_bytes(), np.uint8)
   c = data_config(source="text", path=str(tmp_path), vocab_size=256, eval_fraction=0.2)
