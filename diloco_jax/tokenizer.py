@@ -193,7 +193,9 @@ def encode_chunks(chunks: Iterator[tuple[list[str], Any]], spec: Spec,
   saved = os.environ.get("TOKENIZERS_PARALLELISM")
   os.environ["TOKENIZERS_PARALLELISM"] = "false"
   try:
-    pool = multiprocessing.get_context().Pool(workers, _start_worker, (spec,))
+    # Spawned, not forked: a fork of a process whose JAX runtime or tokenizers' thread pool
+    # is running (prepare called from a program that trains, or from the tests) can hang.
+    pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, (spec,))
   finally:
     if saved is None:
       del os.environ["TOKENIZERS_PARALLELISM"]

@@ -336,6 +336,37 @@ def test_through_prepare(tmp_path, documents, tokenizer):
   assert all(r["eval_bpb"] > 0 for r in result.records)
 
 
+@pytest.mark.parametrize("fmt, tokenizer", [("parquet", "bytes"), ("save_to_disk", "bytes"),
+                                             ("jsonl.gz", "tokenizer.json"),
+                                             ("txt", "sentencepiece")])
+def test_trains_on_every_input_format_and_tokenizer(tmp_path, fmt, tokenizer):
+  """prepare, then train, for each kind of input and of tokenizer file: the eval loss falls
+  (tests/test_prepare.py checks the corpora themselves, token by token)."""
+  from tests import test_prepare as tp
+  texts = tp.make_texts(400, seed=5)
+  option = "--tokenizer=bytes"
+  if tokenizer == "tokenizer.json":  # a BPE trained on other text, as a user's own file
+    assert tp.run(f"--input={tp.write_jsonl(tmp_path / 'o.jsonl', tp.make_texts(200))}",
+                  f"--output={tmp_path / 'bpe'}", "--tokenizer=train",
+                  "--vocab_size=320") == 0
+    option = f"--tokenizer={tmp_path / 'bpe' / 'tokenizer.json'}"
+  elif tokenizer == "sentencepiece":
+    import sentencepiece as spm
+    lines = [line for t in tp.make_texts(200) for line in t.splitlines() if line.strip()]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), eos_id=2, minloglevel=2,
+                                   model_prefix=str(tmp_path / "spm"), vocab_size=80)
+    option = f"--tokenizer={tmp_path / 'spm.model'}"
+  source = tp.WRITERS[fmt](tmp_path, texts)
+  out = tmp_path / "prepared"
+  assert tp.run(f"--input={source}", f"--output={out}", option, "--eval_fraction=0.1",
+                "--workers=0") == 0
+  vocab = json.loads((out / "manifest.json").read_text())["vocab_size"]
+  config = train_config(str(out), num_rounds=4, **{"inner.lr": 1e-2, "data.vocab_size": vocab})
+  result = trainer.train_and_evaluate(config, str(tmp_path / "work"))
+  evals = [r["eval_loss"] for r in result.records]
+  assert evals[-1] < evals[0] - 0.3, evals
+
+
 # -------------------------------------------------------------------------------- errors
 
 def error(c, **kw) -> str:
