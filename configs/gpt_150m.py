@@ -8,9 +8,9 @@ readable by every host), then train on it:
   python -m diloco_jax.train --config=configs/gpt_150m.py --workdir=/ckpt/gpt150m \
       --config.data.path=/data/corpus_spm32k
 
-`config.data.vocab_size` must equal the vocabulary in the directory's manifest.json (32000
-for a 32k SentencePiece model; `--tokenizer=train --vocab_size=32000` trains one on the
-input instead); a different one stops the run at start with the value to set. For a smoke
+The vocabulary is the corpus's: `config.data.vocab_size` is replaced by its manifest.json's
+(32000 for a 32k SentencePiece model; `--tokenizer=train --vocab_size=32000` trains one on
+the input instead), with a note at start when the two differ. For a smoke
 test without data, add `--config.data.source=synthetic --config.data.vocab_size=1024
 --config.data.markov_order=1`.
 
@@ -42,7 +42,7 @@ def get_config():
 
   config.data.source = "prepared"
   config.data.path = ""  # Required: --config.data.path=DIR, the output of diloco_jax.prepare.
-  config.data.vocab_size = 32000  # = the manifest's vocab_size (the tokenizer's).
+  config.data.vocab_size = 32000  # The manifest's replaces it (the tokenizer's).
 
   config.inner.lr = 4e-4
   config.inner.warmup_steps = 1000

@@ -35,7 +35,7 @@ def get_config():
 
   config.data.source = "prepared"
   config.data.path = "/tmp/stdlib_bpe4k"  # The first command's --output.
-  config.data.vocab_size = 4096  # = its manifest's (--vocab_size).
+  config.data.vocab_size = 4096  # Its manifest's (--vocab_size); the manifest's wins.
 
   config.inner.lr = 3e-3
   config.inner.warmup_steps = 50

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import bisect
 import collections
+import copy
 import json
 import os
 from typing import Any
 
+import ml_collections
 import numpy as np
 
 from diloco_jax import config as config_lib
@@ -265,3 +267,25 @@ def check_sizes(corpus: Corpus, *, vocab_size: int, seq_len: int, batch_size: in
                  f"config.eval_batches {num_eval_batches} x config.batch_size {batch_size} "
                  f"= {need:,} are needed: prepare with a larger eval fraction, or lower "
                  "config.eval_batches")
+
+
+def resolved(config: ml_collections.ConfigDict, announce: bool = True
+             ) -> ml_collections.ConfigDict:
+  """The config as the run uses it: a prepared corpus brings its vocabulary, so
+  `data.vocab_size` becomes its manifest's (a copy; a note says so when the config said
+  otherwise), and a config written for other data trains on it unchanged. A corpus that
+  cannot be opened is left to `make_host_data`, which names what is wrong."""
+  if config.data.source != "prepared":
+    return config
+  try:
+    vocab = open_corpus(config.data.path).vocab_size
+  except config_lib.ConfigError:
+    return config
+  if vocab == config.data.vocab_size:
+    return config
+  if announce:
+    print(f"config.data.vocab_size = {config.data.vocab_size} replaced by {vocab}, the "
+          f"vocabulary of {config.data.path}/manifest.json", flush=True)
+  config = copy.deepcopy(config)
+  config.data.vocab_size = vocab
+  return config

@@ -23,6 +23,7 @@ import diloco_jax
 from diloco_jax import checkpoint as checkpoint_lib
 from diloco_jax import collective as collective_lib
 from diloco_jax import config as config_lib
+from diloco_jax import corpus_reader
 from diloco_jax import data as data_lib
 from diloco_jax import ddp
 from diloco_jax import dispatch
@@ -72,6 +73,7 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False):
+    config = corpus_reader.resolved(config, announce=jax.process_index() == 0)
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
     mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())

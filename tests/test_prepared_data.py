@@ -481,14 +481,28 @@ def test_config_needs_a_path():
     config_lib.validate(c)
 
 
-def test_cli_prints_one_line(prepared, tmp_path):
+def test_cli_prints_one_line(copy, tmp_path):
   """Through `python -m diloco_jax.train`: one line on stderr, exit 1, nothing trained."""
   from tests import test_errors
+  shard = os.path.join(copy, "train-00001.bin")
+  with open(shard, "r+b") as f:
+    f.truncate(100)
   line = test_errors.error_line(
       test_errors.TINY, f"--workdir={tmp_path / 'work'}", "--config.data.source=prepared",
-      f"--config.data.path={prepared}")
-  assert line == (f"Invalid config: config.data.vocab_size = 16, but {prepared}/manifest.json "
-                  "says the tokenizer has 257 tokens; set --config.data.vocab_size=257")
+      f"--config.data.path={copy}")
+  assert line.startswith(f"Invalid config: config.data.path = '{copy}': {shard} is 100 bytes,"
+                         ), line
+
+
+def test_the_corpus_brings_its_vocabulary(prepared, tmp_path, capsys):
+  """A config written for other data (vocab 16) trains on a prepared corpus (257)."""
+  config = train_config(prepared, num_rounds=1, **{"data.vocab_size": 16})
+  result = trainer.train_and_evaluate(config, str(tmp_path))
+  assert "config.data.vocab_size = 16 replaced by 257" in capsys.readouterr().out
+  with open(tmp_path / "run.json") as f:
+    assert json.load(f)["config"]["data"]["vocab_size"] == 257
+  assert config.data.vocab_size == 16  # the caller's config is not changed
+  assert result.records[0]["train_loss"] > 0
 
 
 def test_text_directories_skip_binary_files(tmp_path):
