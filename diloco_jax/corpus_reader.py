@@ -242,7 +242,7 @@ def _check_file(path: str, name: str, size: int, holds: str) -> None:
 def check_sizes(corpus: Corpus, *, vocab_size: int, seq_len: int, batch_size: int,
                 num_replicas: int, num_eval_batches: int) -> None:
   """ConfigErrors for a vocabulary other than the model's, a replica's stream shorter than
-  one batch, or an eval split shorter than the eval batches; the same on every host."""
+  one batch, or an eval split without one window; the same on every host."""
   path, manifest = corpus.path, os.path.join(corpus.path, MANIFEST)
   if vocab_size != corpus.vocab_size:
     raise config_lib.ConfigError(
@@ -258,15 +258,11 @@ def check_sizes(corpus: Corpus, *, vocab_size: int, seq_len: int, batch_size: in
                    f"{train['documents']:,} documents) gives replica {g} of {num_replicas} "
                    f"{len(stream):,} tokens = {windows:,} {window}, fewer than "
                    f"config.batch_size = {batch_size}; use a larger corpus or fewer replicas")
-  need = num_eval_batches * batch_size
   split = corpus.splits["eval"]
-  have = max(split["tokens"] - 1, 0) // seq_len
-  if have < need:
+  if max(split["tokens"] - 1, 0) // seq_len == 0:  # fewer windows than needed: repeated
     raise _error(path, f"{manifest}: the eval split ({split['tokens']:,} tokens, "
-                 f"{split['documents']:,} documents) holds {have:,} {window}; "
-                 f"config.eval_batches {num_eval_batches} x config.batch_size {batch_size} "
-                 f"= {need:,} are needed: prepare with a larger eval fraction, or lower "
-                 "config.eval_batches")
+                 f"{split['documents']:,} documents) holds no whole {window[:-1]}: prepare "
+                 "with a larger eval fraction")
 
 
 def resolved(config: ml_collections.ConfigDict, announce: bool = True

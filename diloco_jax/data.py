@@ -370,15 +370,19 @@ def _prepared_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batc
   """A prepared corpus (corpus_reader.py): replica g's windows are those of its own
   documents, packed across document boundaries (attention is not masked there); eval
   batches are the first eval_batches x batch_size windows of the "eval" split, never of
-  training documents. Nothing is read whole: windows come from memory-mapped shards."""
+  training documents (repeated when the split holds fewer). Nothing is read whole: windows
+  come from memory-mapped shards."""
   corpus = corpus_reader.open_corpus(config.path)
   num_replicas = num_hosts * replicas_per_host
   corpus_reader.check_sizes(corpus, vocab_size=config.vocab_size, seq_len=seq_len,
                             batch_size=batch_size, num_replicas=num_replicas,
                             num_eval_batches=num_eval_batches)
-  held_out = corpus_reader.Windows(corpus.eval_stream(), seq_len,
-                                   num_eval_batches * batch_size)
-  eval_batches = np.stack([held_out[i] for i in range(len(held_out))]).reshape(
+  held_out = corpus_reader.Windows(corpus.eval_stream(), seq_len)
+  need = num_eval_batches * batch_size
+  if len(held_out) < need and host_index == 0:  # a small corpus: every window, some twice
+    print(f"note: the eval split of {config.path} holds {len(held_out):,} windows, fewer than "
+          f"the {need:,} of config.eval_batches x batch_size; they are repeated", flush=True)
+  eval_batches = np.stack([held_out[i % len(held_out)] for i in range(need)]).reshape(
       num_eval_batches, batch_size, seq_len + 1)
   iterators = []
   for r in range(replicas_per_host):

@@ -468,9 +468,21 @@ def test_too_few_tokens(prepared):
   assert message.startswith(f"config.data.path = '{prepared}': {prepared}/manifest.json: "
                             "the train split (") and "fewer than config.batch_size = 1000" \
       in message
-  message = error(data_config(prepared), num_eval_batches=200)
-  assert "the eval split" in message and "config.eval_batches 200 x config.batch_size 4" \
-      in message
+
+
+def test_a_small_eval_split_is_repeated(prepared, tmp_path, capsys):
+  """More eval windows than the split holds: every window, in order, then again; an eval
+  split without one whole window is an error."""
+  few = host_data(data_config(prepared), num_eval_batches=2)
+  many = host_data(data_config(prepared), num_eval_batches=200)
+  held = many.eval_batches.reshape(-1, SEQ_LEN + 1)
+  windows = len({w.tobytes() for w in held})  # the distinct windows: all the split holds
+  assert f"holds {windows:,} windows, fewer than the {200 * BATCH:,}" in capsys.readouterr().out
+  np.testing.assert_array_equal(held[:2 * BATCH], few.eval_batches.reshape(-1, SEQ_LEN + 1))
+  np.testing.assert_array_equal(held[windows:2 * windows], held[:windows])
+  tiny = write_prepared(tmp_path / "tiny", *corpus_documents(num_train=240, num_eval=0))
+  message = error(data_config(tiny))
+  assert "the eval split (0 tokens, 0 documents) holds no whole window" in message, message
 
 
 def test_config_needs_a_path():
