@@ -117,7 +117,7 @@ def loader(path: str, args) -> dict:
 
 def demand() -> dict:
   config = gpt_150m.get_config()
-  cfg = model_lib.GPTConfig.from_config(config.model, config.data.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
   flops = model_lib.flops_per_token(cfg, model_lib.num_params_of(cfg))
   return {"model": "configs/gpt_150m.py", "params": model_lib.num_params_of(cfg),
           "flops_per_token": flops, "peak_flops": H100_BF16_FLOPS, "mfu": MFU,

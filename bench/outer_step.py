@@ -56,7 +56,7 @@ def run(model: str, hosts: int, rounds: int, extra: tuple[str, ...] = ()) -> dic
       records = [json.loads(line) for line in f][1:]  # round 1 compiles
   params = next(line for line in proc.stdout.splitlines() if "M params" in line)
   row = {"model": model, "hosts": hosts,
-         "params_millions": float(params.split("model ")[1].split("M")[0]),
+         "params_millions": float(params.split(": ")[1].split("M params")[0]),
          "bytes_sent_per_round": statistics.median(r["bytes_sent"] for r in records)}
   row.update({part: statistics.median(r[part] for r in records) for part in PARTS})
   return row

@@ -79,14 +79,14 @@ def initial_params(config):
   """The params every loop but the trainer's starts from, on the host (initialised once:
   each `init_params` call compiles again)."""
   data = make_data(config)
-  cfg = model_lib.GPTConfig.from_config(config.model, data.spec.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, data.spec.vocab_size)
   return jax.device_get(model_lib.init_params(cfg, jax.random.key(0)))
 
 
 def plain_loop(config, params0, per_replica_batches: bool):
   """A plain AdamW loop written here, independent of the trainer: one set of params."""
   data = make_data(config)
-  cfg = model_lib.GPTConfig.from_config(config.model, data.spec.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, data.spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(cfg)
   opt = optim.inner_optimizer(config.inner, 10 ** 6)
 
@@ -114,7 +114,7 @@ def local_loop(config, params0):
   """The trainer's inner step over K replicas with no outer step (its very program: the
   same optimizer and learning-rate schedule)."""
   data = make_data(config)
-  cfg = model_lib.GPTConfig.from_config(config.model, data.spec.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, data.spec.vocab_size)
   opt = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
   step = inner.ReplicaStep(model_lib.make_loss_fn(cfg), opt, mesh=inner.local_mesh())
   state = [step.place(state_lib.init_replica_state(opt, jax.device_put(params0),

@@ -30,6 +30,8 @@ DATA_SOURCES = ("synthetic", "text", "tokens", "prepared")
 SHARDINGS = ("iid", "non_iid")
 TOKEN_DTYPES = ("uint16", "int32")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_FAMILIES = ("gpt", "llama")
+REMAT = ("none", "block")
 
 
 def get_default_config() -> ml_collections.ConfigDict:
@@ -53,6 +55,13 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 512  # Hidden width of each block's MLP.
   c.model.seq_len = 64  # Tokens per training sequence (the context length).
   c.model.dtype = "float32"  # Compute dtype (COMPUTE_DTYPES); params are always float32.
+  c.model.family = "gpt"  # One of MODEL_FAMILIES: 'gpt' (GPT-2 style) or 'llama'.
+  c.model.module = ""  # Your own model instead: 'package.module:factory' (see model.py).
+  c.model.num_kv_heads = 0  # 'llama': key/value heads (GQA), dividing num_heads; 0: num_heads.
+  c.model.rope_base = 10000.0  # 'llama': base (theta) of the rotary position embedding.
+  c.model.norm_eps = 1e-5  # 'llama': RMSNorm epsilon.
+  c.model.tie_embeddings = False  # The head is the token embedding table, transposed.
+  c.model.remat = "none"  # One of REMAT: 'block' recomputes blocks in the backward pass.
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"  # One of DATA_SOURCES.
@@ -239,6 +248,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     check("config.model.d_model", m.d_model % m.num_heads == 0,
           f"must be divisible by config.model.num_heads = {m.num_heads}")
   check("config.model.dtype", m.dtype in COMPUTE_DTYPES, f"must be one of {COMPUTE_DTYPES}")
+  _check_model_family(m, check)
 
   check("config.data.source", d.source in DATA_SOURCES, f"must be one of {DATA_SOURCES}")
   check("config.data.sharding", d.sharding in SHARDINGS, f"must be one of {SHARDINGS}")
@@ -298,6 +308,33 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
         f"elastic mode is available for config.mode = 'sync' only (not {c.mode!r})")
   if errors:
     raise ConfigError("\n".join(errors))
+
+
+def _check_model_family(m: ml_collections.ConfigDict, check) -> None:
+  check("config.model.family", m.family in MODEL_FAMILIES, f"must be one of {MODEL_FAMILIES}")
+  check("config.model.remat", m.remat in REMAT, f"must be one of {REMAT}")
+  check("config.model.rope_base", m.rope_base > 0, "must be > 0")
+  check("config.model.norm_eps", m.norm_eps > 0, "must be > 0")
+  check("config.model.num_kv_heads", m.num_kv_heads >= 0, "must be >= 0 (0: num_heads)")
+  if m.module:
+    from diloco_jax import model as model_lib  # noqa: PLC0415 -- imports flax
+    try:
+      model_lib.import_factory(m.module)
+    except model_lib.ModuleError as e:
+      check("config.model.module", False, str(e).partition(": ")[2])
+    return
+  defaults = get_default_config().model
+  if m.family == "gpt":
+    for key in ("num_kv_heads", "rope_base", "norm_eps"):
+      check(f"config.model.{key}", m[key] == defaults[key],
+            f"applies to config.model.family = 'llama' only; leave it at {defaults[key]}")
+  elif m.family == "llama" and m.num_heads >= 1 and m.d_model % m.num_heads == 0:
+    check("config.model.d_model", m.d_model // m.num_heads % 2 == 0,
+          f"/ config.model.num_heads = {m.d_model // m.num_heads} must be even (rotary "
+          "embeddings turn pairs of a head's dimensions)")
+    if m.num_kv_heads >= 1:
+      check("config.model.num_kv_heads", m.num_heads % m.num_kv_heads == 0,
+            f"must divide config.model.num_heads = {m.num_heads}")
 
 
 def _check_streaming(c: ml_collections.ConfigDict, check) -> None:

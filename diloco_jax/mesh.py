@@ -64,7 +64,7 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   after `validate` and `distributed.initialize`, before anything is allocated."""
   ddp, r, accum = config.mode == "ddp", config.replicas_per_host, config.grad_accum_steps
   sets = 1 if ddp else r  # sets of params and AdamW moments on every local device
-  cfg = model_lib.GPTConfig.from_config(config.model, vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
   device, host = model_lib.memory_estimate(
       cfg, param_sets=sets,
       # ddp keeps all R replicas' gradients of a step before summing them; DiLoCo steps one
@@ -76,14 +76,14 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
     host["data"] = (4 * 8 * d.vocab_size ** d.markov_order * d.vocab_size
                     + 4 * (d.num_sequences + d.num_eval_sequences) * (cfg.seq_len + 1))
   n = model_lib.num_params_of(cfg)
-  embed = 2 * vocab_size * cfg.d_model
+  embed = (1 if cfg.tie_embeddings else 2) * vocab_size * cfg.d_model
   model = ["config.model", *(["config.data.vocab_size"] if embed > n / 2 else [])]
   causes = {"state": [*model, *(["config.replicas_per_host"] if sets > 1 else [])],
             "step": model, "outer": [*model, "config.replicas_per_host"],
             "activations": ["config.model", "config.batch_size / config.grad_accum_steps"],
             "logits": ["config.data.vocab_size", "config.batch_size / config.grad_accum_steps"],
             "data": ["config.data.vocab_size / markov_order", "config.data.num_sequences"]}
-  figures = (f"{n:,} params ({embed / n:.0%} in the embedding and head, 2 x vocab_size "
+  figures = (f"{n:,} params ({embed / n:.0%} in the embedding and head, vocab_size "
              f"{vocab_size:,} x d_model {cfg.d_model}); per device: state "
              f"{metrics.format_bytes(device['state'])} ({sets} x params + 2 AdamW moments, float32), step "
              f"{metrics.format_bytes(device['step'])} (gradients, update, eval copy), activations "

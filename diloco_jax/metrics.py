@@ -365,13 +365,15 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
 
 
 def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,
-                  mode: str, num_params: int, num_rounds: int, inner_steps: int,
-                  tokens: int, floor: float | None, unigram: float) -> None:
+                  mode: str, model: str, num_params: int, flops_per_token: float,
+                  num_rounds: int, inner_steps: int, tokens: int, floor: float | None,
+                  unigram: float) -> None:
   print(f"host {host}/{num_hosts}: {len(devices)} local device(s) {devices}, "
         f"{replicas_per_host} replica(s), mode {mode}", flush=True)
   if host == 0:
     floor_text = f"{floor:.4f}" if floor is not None else "unknown (not synthetic)"
-    print(f"model {num_params / 1e6:.2f}M params; {num_hosts * replicas_per_host} replicas "
+    print(f"model {model}: {num_params / 1e6:.2f}M params, {flops_per_token / 1e6:,.1f} "
+          f"MFLOPs per token; {num_hosts * replicas_per_host} replicas "
           f"({num_hosts} host(s) x {replicas_per_host}); {num_rounds} rounds x "
           f"{inner_steps} inner steps; {tokens:,} tokens; loss floor {floor_text}, best "
           f"unigram loss {unigram:.4f}", flush=True)

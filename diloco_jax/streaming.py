@@ -10,8 +10,9 @@ A mean still in flight after the last step is applied at the end. The model to e
 is θᵍ; fragment p ≥ 1 holds the replicas' work up to its last send.
 
 Fragments are lists of leaves (in `jax.tree.leaves` order); `fragment_ids` maps each leaf
-to its fragment. For the GPT, `model_fragment_ids` puts block l in fragment l mod P
-(strided) or l·P // L (sequential), and the embeddings, final norm and head in fragment 0.
+to its fragment. `model_fragment_ids` puts block l (the top-level params named `block_<l>`,
+in every model family and in your own module) in fragment l mod P (strided) or l·P // L
+(sequential), and everything else (embeddings, final norm, head) in fragment 0.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ LAYOUTS = ("strided", "sequential")
 
 
 def model_fragment_ids(params: Params, num_fragments: int, layout: str = "strided") -> Params:
-  """Per leaf of the GPT's params: its fragment."""
+  """Per leaf of the model's params: its fragment."""
   if layout not in LAYOUTS:
     raise ValueError(f"fragment layout {layout!r}: one of {LAYOUTS}")
   blocks = {int(m.group(1)) for m in map(lambda k: re.fullmatch(r"block_(\d+)", k),
                                           params) if m}
   num_layers = max(blocks) + 1 if blocks else 0
   if num_layers < num_fragments:
-    raise ValueError(f"{num_fragments} fragments but only {num_layers} transformer blocks")
+    raise ValueError(f"{num_fragments} fragments but the model has {num_layers} blocks "
+                     "(top-level params named block_0, block_1, ...; a fragment is made of "
+                     "whole blocks)")
 
   def fragment(path, _):
     key = getattr(path[0], "key", None)

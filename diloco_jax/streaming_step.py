@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from diloco_jax import config as config_lib
 from diloco_jax import diloco
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import optim
@@ -53,8 +54,12 @@ class StreamingOuterStep(outer_lib.HostSide):
                max_skipped_rounds=o.max_skipped_rounds, **kw)
 
   def init(self, anchor: Params) -> outer_lib.Outer:
-    self.ids = jax.tree.leaves(streaming.model_fragment_ids(anchor, self.num_fragments,
-                                                            self.layout))
+    try:
+      ids = streaming.model_fragment_ids(anchor, self.num_fragments, self.layout)
+    except ValueError as e:  # your own module, with fewer blocks than fragments
+      raise config_lib.ConfigError(f"config.outer.fragments = {self.num_fragments}: {e}"
+                                   ) from None
+    self.ids = jax.tree.leaves(ids)
     self.rule = streaming.Fragments(tuple(self.ids), jax.tree.structure(anchor))
     states = jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
                                                    self.num_fragments), self.host)

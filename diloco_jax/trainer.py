@@ -90,7 +90,7 @@ class Trainer:
         replicas_per_host=self.replicas_per_host, num_eval_batches=config.eval_batches,
         host_index=self.host, num_hosts=self.num_hosts)
     self.spec = self.data.spec
-    self.model_cfg = model_lib.GPTConfig.from_config(config.model, self.spec.vocab_size)
+    self.model_cfg = model_lib.ModelConfig.from_config(config.model, self.spec.vocab_size)
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh()
@@ -219,6 +219,8 @@ class Trainer:
         host=self.host, num_hosts=self.num_hosts, mode=self.config.mode,
         devices=[str(d) for d in self.mesh.devices.flat],
         replicas_per_host=self.replicas_per_host, num_params=self.num_params,
+        model=self.model_cfg.module or self.model_cfg.family,
+        flops_per_token=model_lib.flops_per_token(self.model_cfg, self.num_params),
         num_rounds=self.num_rounds, inner_steps=self.h,
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)

@@ -116,7 +116,7 @@ def trainer_batches(config):
 def simulate_trainer(config):
   """`simulate` on the model, optimizers and batches the trainer would use for `config`."""
   batches, spec = trainer_batches(config)
-  cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, spec.vocab_size)
   total = config.num_rounds * config.inner_steps
   params = model_lib.init_params(cfg, jax.random.key(config.seed))
   o, streaming_kw = config.outer, {}

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from diloco_jax import state as state_lib
 
     def run(grad_accum_steps):
-      cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=1, d_model=16,
+      cfg = model_lib.ModelConfig(vocab_size=11, seq_len=8, num_layers=1, d_model=16,
                                 num_heads=2, mlp_dim=32)
       opt = optim.inner_optimizer(config_lib.get_default_config().inner, 10)
       mesh = inner.local_mesh()

@@ -79,7 +79,7 @@ def test_schedule_and_bad_settings():
 
 
 def test_model_fragments():
-  cfg = model_lib.GPTConfig(vocab_size=16, num_layers=4, d_model=8, num_heads=2, mlp_dim=16,
+  cfg = model_lib.ModelConfig(vocab_size=16, num_layers=4, d_model=8, num_heads=2, mlp_dim=16,
                             seq_len=8)
   params = model_lib.init_params(cfg, jax.random.key(0))
   strided = streaming.model_fragment_ids(params, 2)
@@ -134,7 +134,7 @@ def test_trainer_robust_aggregation_ignores_a_poisoned_replica(tmp_path, monkeyp
   monkeypatch.setattr(outer.HostSide, "pseudo_gradients", multihost.poisoned(
       outer.HostSide.pseudo_gradients, replica=4, value=1e6))
   poisoned = trainer.train_and_evaluate(config, str(tmp_path / "poisoned"))
-  init = model_lib.init_params(model_lib.GPTConfig.from_config(config.model, 16),
+  init = model_lib.init_params(model_lib.ModelConfig.from_config(config.model, 16),
                                jax.random.key(config.seed))
   norm = lambda tree: np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
                                   for x in jax.tree.leaves(tree)))

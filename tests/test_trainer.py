@@ -79,7 +79,7 @@ def test_run_json_says_what_the_run_is(sync_run):
   assert run["local_devices"] == [str(d) for d in jax.local_devices()]
   params = sum(x.size for x in jax.tree.leaves(result.params))
   assert run["num_params"] == params
-  cfg = model_lib.GPTConfig.from_config(config.model, config.data.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
   assert run["flops_per_token"] == model_lib.flops_per_token(cfg, params)
   assert run["versions"]["jax"] == jax.__version__ and run["versions"]["diloco_jax"]
 
@@ -88,7 +88,7 @@ def test_ddp_equals_mean_gradient_adamw(tmp_path):
   config = small_config(mode="ddp", num_rounds=2)
   result = trainer.train_and_evaluate(config, str(tmp_path))
   batches, spec = trainer_batches(config)  # [T, K, H, B, L+1]
-  cfg = model_lib.GPTConfig.from_config(config.model, spec.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(config.model, spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(cfg)
   opt = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
   params = model_lib.init_params(cfg, jax.random.key(config.seed))
