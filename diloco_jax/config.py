@@ -248,7 +248,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     check("config.model.d_model", m.d_model % m.num_heads == 0,
           f"must be divisible by config.model.num_heads = {m.num_heads}")
   check("config.model.dtype", m.dtype in COMPUTE_DTYPES, f"must be one of {COMPUTE_DTYPES}")
-  _check_model_family(m, check)
+  _check_model_family(m, check, errors)
 
   check("config.data.source", d.source in DATA_SOURCES, f"must be one of {DATA_SOURCES}")
   check("config.data.sharding", d.sharding in SHARDINGS, f"must be one of {SHARDINGS}")
@@ -310,18 +310,18 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     raise ConfigError("\n".join(errors))
 
 
-def _check_model_family(m: ml_collections.ConfigDict, check) -> None:
+def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) -> None:
   check("config.model.family", m.family in MODEL_FAMILIES, f"must be one of {MODEL_FAMILIES}")
   check("config.model.remat", m.remat in REMAT, f"must be one of {REMAT}")
   check("config.model.rope_base", m.rope_base > 0, "must be > 0")
   check("config.model.norm_eps", m.norm_eps > 0, "must be > 0")
   check("config.model.num_kv_heads", m.num_kv_heads >= 0, "must be >= 0 (0: num_heads)")
   if m.module:
-    from diloco_jax import model as model_lib  # noqa: PLC0415 -- imports flax
+    from diloco_jax import model as model_lib  # noqa: PLC0415 -- model imports config
     try:
       model_lib.import_factory(m.module)
     except model_lib.ModuleError as e:
-      check("config.model.module", False, str(e).partition(": ")[2])
+      errors.append(str(e))
     return
   defaults = get_default_config().model
   if m.family == "gpt":

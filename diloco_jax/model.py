@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from diloco_jax import config as config_lib
 from diloco_jax import gpt, llama
 
 Params = Any
@@ -33,7 +34,7 @@ FAMILIES = {"gpt": gpt.GPT, "llama": llama.Llama}
 REMAT = ("none", "block")
 
 
-class ModuleError(ValueError):
+class ModuleError(config_lib.ConfigError):
   """`config.model.module` cannot be imported or does not build a usable module."""
 
 
@@ -74,14 +75,15 @@ def import_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
   """The factory named by "package.module:factory" (a ModuleError naming what is wrong)."""
   path, _, name = spec.partition(":")
   if not path or not name:
-    raise ModuleError(f"{spec!r}: must be 'package.module:factory'")
+    raise ModuleError(f"config.model.module = {spec!r}: must be 'package.module:factory'")
   try:
     mod = importlib.import_module(path)
   except Exception as e:  # noqa: BLE001 -- any failure of the user's import is reported
-    raise ModuleError(f"{spec!r}: cannot import {path}: {type(e).__name__}: {e}") from None
+    raise ModuleError(f"config.model.module = {spec!r}: cannot import {path}: "
+                      f"{type(e).__name__}: {e}") from None
   factory = getattr(mod, name, None)
   if not callable(factory):
-    raise ModuleError(f"{spec!r}: {path} has no callable {name!r}")
+    raise ModuleError(f"config.model.module = {spec!r}: {path} has no callable {name!r}")
   return factory
 
 
@@ -90,8 +92,8 @@ def build(cfg: ModelConfig, decode: bool = False) -> nn.Module:
   if cfg.module:
     module = import_factory(cfg.module)(cfg)
     if not isinstance(module, nn.Module):
-      raise ModuleError(f"{cfg.module!r} returned {type(module).__name__}, not a "
-                        "flax.linen.Module")
+      raise ModuleError(f"config.model.module = {cfg.module!r}: returned "
+                        f"{type(module).__name__}, not a flax.linen.Module")
     return module
   return FAMILIES[cfg.family](cfg, decode=decode)
 
@@ -100,6 +102,15 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
   """Initial params, always through the same jit, so every caller gets the same bits."""
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
   return jax.jit(build(cfg).init)(rng, tokens)["params"]
+
+
+def load_exported(path: str) -> tuple[nn.Module, Params]:
+  """(module, params) of a model written by `python -m diloco_jax.export`: the
+  .safetensors file at `path` and the config.json beside it (export.py says what they
+  hold); params are float32 numpy arrays in the module's tree."""
+  from diloco_jax import export  # pylint: disable=import-outside-toplevel
+  # Imported here: export imports trained, which imports this module.
+  return export.load(path)
 
 
 def param_shapes(cfg: ModelConfig) -> Params:

@@ -17,7 +17,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("checkpoint", "data", "linkdrop", "outer_step", "overhead", "poison", "wan")
+BENCHES = ("checkpoint", "data", "linkdrop", "models", "outer_step", "overhead", "poison",
+           "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -42,6 +43,9 @@ DATA_DEMAND_KEYS = {"flops_per_token", "mfu", "model", "params", "peak_flops",
 LINKDROP_KEYS = {"drop_s", "env", "heartbeat_timeout", "reference_completed", "rounds", "side",
                  "train_args", "trial"}
 LINKDROP_TRIAL_KEYS = {"attempts", "comparison", "completed", "name"}
+MODELS_KEYS = {"config", "device", "ratio_llama_vs_gpt", "rounds_timed", "rows", "samples"}
+MODELS_ROW_KEYS = {"family", "flops_per_sec", "flops_per_token", "mlp_dim", "params",
+                   "tokens_per_sec"}
 OUTER_STEP_ROW_KEYS = {
     "bytes_sent_per_round", "hosts", "model", "outer_d2h", "outer_h2d", "outer_mean",
     "outer_time", "outer_update", "params_millions"}
@@ -90,6 +94,16 @@ def check_linkdrop(result: dict) -> None:
   assert result["trial"]["comparison"]["equal"]  # nothing dropped: the same run twice
 
 
+def check_models(result: dict) -> None:
+  has(result, MODELS_KEYS)
+  assert [row["family"] for row in result["rows"]] == ["gpt", "llama"]
+  for row in result["rows"]:
+    has(row, MODELS_ROW_KEYS)
+    assert row["tokens_per_sec"] > 0
+  gpt, llama = (row["params"] for row in result["rows"])
+  assert abs(llama - gpt) <= 3 * result["config"]["d_model"] * result["config"]["num_layers"]
+
+
 def check_outer_step(result: dict) -> None:
   has(result, {"rows", "rounds_timed"})
   assert result["rows"]
@@ -124,6 +138,7 @@ def check_wan(result: dict, out: str) -> None:
 
 
 CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "linkdrop": check_linkdrop,
+          "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "poison": check_poison,
           "wan": check_wan}
 

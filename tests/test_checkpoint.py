@@ -47,9 +47,11 @@ STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps":
     ("sync", {"outer.compression": "topk", "outer.topk_fraction": 0.1}),
     ("delayed", {"outer.compression": "4bit", "outer.aggregation": "trimmed_mean",
                  "outer.trim": 0.34, "replicas_per_host": 3}),
-    ("streaming", {**STREAMING, "outer.compression": "int8"})],
+    ("streaming", {**STREAMING, "outer.compression": "int8"}),
+    ("delayed", {"model.family": "llama", "model.num_kv_heads": 1}),
+    ("streaming", {**STREAMING, "model.module": "tests.custom_model:make"})],
     ids=["sync", "delayed", "eager", "sync-topk", "delayed-4bit-trimmed",
-         "streaming-int8"])
+         "streaming-int8", "delayed-llama", "streaming-own-module"])
 def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode, overrides):
   """Stop after round 2 of 4 (checkpoint, clean return), run again: the same final params,
   and the same metrics for every round, as a run never stopped. In async modes the sum in

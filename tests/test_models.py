@@ -1,0 +1,128 @@
+"""Model families and your own module: the llama family and a module from this test suite
+train through the trainer exactly as `simulate` trains them; their configs are checked."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diloco_jax import config as config_lib
+from diloco_jax import model as model_lib
+from diloco_jax import trainer
+from tests.multihost import simulate_trainer, small_config
+
+OWN = "tests.custom_model:make"
+
+
+def max_anchor_diff(result, expected) -> float:
+  return max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                                          result.outer_state.anchor, expected.params)))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.family": "llama", "model.num_kv_heads": 1},
+    {"model.family": "llama", "model.tie_embeddings": True, "model.remat": "block"},
+    {"model.module": OWN, "model.num_layers": 2}],
+    ids=["llama-gqa", "llama-tied-remat", "own-module"])
+def test_trainer_equals_simulate(tmp_path, overrides):
+  """The bound and its reason: tests/test_trainer.py::test_trainer_equals_simulate."""
+  config = small_config(**overrides)
+  result = trainer.train_and_evaluate(config, str(tmp_path))
+  assert max_anchor_diff(result, simulate_trainer(config)) <= 2e-5
+  names = set(result.outer_state.anchor)
+  if "model.module" in overrides:
+    assert names == {"embed", "block_0", "block_1", "head"}
+  else:
+    assert {"attn_norm", "q", "k", "v", "attn_out", "mlp_norm", "gate", "up", "down"} == set(
+        result.outer_state.anchor["block_0"])
+    assert ("head" in names) != overrides.get("model.tie_embeddings", False)
+
+
+def test_llama_shapes_and_counts():
+  cfg = model_lib.ModelConfig(vocab_size=50, seq_len=8, num_layers=2, d_model=32, num_heads=4,
+                              mlp_dim=48, family="llama", num_kv_heads=2)
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  block = params["block_0"]
+  assert block["q"]["kernel"].shape == (32, 32) and block["k"]["kernel"].shape == (32, 16)
+  assert block["gate"]["kernel"].shape == (32, 48) and block["down"]["kernel"].shape == (48, 32)
+  assert all("bias" not in layer for layer in block.values())
+  n = 50 * 32 + 2 * (2 * 32 + 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 48) + 32 + 32 * 50
+  assert model_lib.count_params(params) == model_lib.num_params_of(cfg) == n
+  assert model_lib.flops_per_token(cfg, n) == 6 * (n - 50 * 32) + 6 * 2 * 8 * 32
+
+
+def test_gqa_equals_attention_with_repeated_heads():
+  """Grouped-query attention with K key/value heads is full attention whose key and value
+  heads are each repeated N/K times: an independent check of the head grouping."""
+  base = dict(vocab_size=20, seq_len=8, num_layers=1, d_model=32, num_heads=4, mlp_dim=16,
+              family="llama")
+  grouped = model_lib.ModelConfig(**base, num_kv_heads=2)
+  full = model_lib.ModelConfig(**base)
+  params = model_lib.init_params(grouped, jax.random.key(1))
+
+  def repeat(kernel_DxKH):  # heads [k0, k1] -> [k0, k0, k1, k1], as query heads are grouped
+    return jnp.repeat(kernel_DxKH.reshape(32, 2, 8), 2, axis=1).reshape(32, 32)
+
+  block = dict(params["block_0"])
+  block.update({name: {"kernel": repeat(block[name]["kernel"])} for name in ("k", "v")})
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 20)
+  a = model_lib.build(grouped).apply({"params": params}, tokens)
+  b = model_lib.build(full).apply({"params": {**params, "block_0": block}}, tokens)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_remat_changes_no_loss_or_gradient():
+  cfg = model_lib.ModelConfig(vocab_size=20, seq_len=8, num_layers=2, d_model=16, num_heads=2,
+                              mlp_dim=32, family="llama")
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  batch = jax.random.randint(jax.random.key(3), (2, 9), 0, 20)
+  plain = jax.value_and_grad(model_lib.make_loss_fn(cfg))(params, batch)
+  remat = jax.value_and_grad(model_lib.make_loss_fn(
+      model_lib.ModelConfig(**{**cfg.__dict__, "remat": "block"})))(params, batch)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
+
+
+def errors(**overrides) -> str:
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(small_config(**overrides))
+  return str(e.value)
+
+
+def test_bad_model_configs_name_the_field():
+  assert errors(**{"model.family": "mamba"}) == (
+      "config.model.family = 'mamba': must be one of ('gpt', 'llama')")
+  assert errors(**{"model.num_kv_heads": 2}) == (
+      "config.model.num_kv_heads = 2: applies to config.model.family = 'llama' only; "
+      "leave it at 0")
+  assert errors(**{"model.family": "llama", "model.num_heads": 4, "model.num_kv_heads": 3}
+                ) == "config.model.num_kv_heads = 3: must divide config.model.num_heads = 4"
+  assert errors(**{"model.family": "llama", "model.d_model": 30, "model.num_heads": 2}) == (
+      "config.model.d_model = 30: / config.model.num_heads = 15 must be even (rotary "
+      "embeddings turn pairs of a head's dimensions)")
+  assert errors(**{"model.remat": "all"}) == (
+      "config.model.remat = 'all': must be one of ('none', 'block')")
+  assert errors(**{"model.module": "tests.no_such_module:make"}) == (
+      "config.model.module = 'tests.no_such_module:make': cannot import "
+      "tests.no_such_module: ModuleNotFoundError: No module named 'tests.no_such_module'")
+  assert errors(**{"model.module": "tests.custom_model"}) == (
+      "config.model.module = 'tests.custom_model': must be 'package.module:factory'")
+  assert errors(**{"model.module": "tests.custom_model:nothing"}) == (
+      "config.model.module = 'tests.custom_model:nothing': tests.custom_model has no "
+      "callable 'nothing'")
+
+
+def test_own_module_that_is_not_a_module(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="returned str, not a flax.linen.Module"):
+    trainer.train_and_evaluate(small_config(**{"model.module": "tests.custom_model:not_a_module"}),
+                               str(tmp_path))
+
+
+def test_more_fragments_than_the_modules_blocks(tmp_path):
+  """Streaming fragments are made of whole blocks: a module with one block (whatever
+  config.model.num_layers says) cannot be cut into two."""
+  config = small_config(mode="streaming", **{"model.module": "tests.custom_model:make_one_block",
+                                             "model.num_layers": 2, "outer.fragments": 2})
+  with pytest.raises(config_lib.ConfigError, match=r"config.outer.fragments = 2: 2 fragments "
+                     r"but the model has 1 blocks \(top-level params named block_0"):
+    trainer.train_and_evaluate(config, str(tmp_path))
