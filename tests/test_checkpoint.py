@@ -16,6 +16,7 @@ import pytest
 
 from diloco_jax import checkpoint
 from diloco_jax import distributed
+from diloco_jax import trained
 from diloco_jax import trainer
 from tests import multihost
 
@@ -319,3 +320,15 @@ def test_sigterm_on_one_host_run(tmp_path):
   assert proc.returncode == 0, text[-3000:]
   stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
   assert stopped < 200 and os.path.isdir(tmp_path / checkpoint.CHECKPOINTS / str(stopped))
+
+
+@pytest.mark.parametrize("mode", ["sync", "eager"])
+def test_trained_model_of_a_two_host_run(references, mode):
+  """trained.load in one process reads a 2-host checkpoint (eager: both hosts' replicas,
+  averaged): the model it returns scores the run's final eval loss."""
+  from tests import test_trained
+  workdir = references(mode)
+  model = trained.load(str(workdir))
+  assert model.finished and model.config.mode == mode
+  assert test_trained.eval_loss(model) == pytest.approx(test_trained.final_eval_loss(workdir),
+                                                        rel=1e-5)

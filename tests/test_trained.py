@@ -1,0 +1,61 @@
+"""trained.load: the model a run evaluates, read back from its workdir in one process, in
+every mode (what sample and export start from)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diloco_jax import data as data_lib
+from diloco_jax import model as model_lib
+from diloco_jax import trained
+from diloco_jax import trainer
+from tests.multihost import small_config
+
+
+@pytest.mark.parametrize("mode,overrides", [
+    ("sync", {}), ("delayed", {}), ("eager", {}), ("ddp", {}),
+    ("streaming", {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps": 1})])
+def test_the_final_model_of_every_mode(tmp_path, mode, overrides):
+  config = small_config(mode=mode, **overrides)
+  result = trainer.train_and_evaluate(config, str(tmp_path))
+  model = trained.load(str(tmp_path))
+  assert (model.round, model.finished, model.model.family) == (config.num_rounds, True, "gpt")
+  for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(result.params), strict=True):
+    if mode == "eager":  # the mean over K: here in numpy, there a sum on the wire / K
+      np.testing.assert_allclose(a, np.asarray(b), rtol=0, atol=1e-6)
+    else:
+      np.testing.assert_array_equal(a, np.asarray(b))
+  assert jax.tree.structure(model.params) == jax.tree.structure(result.params)
+
+
+def test_an_earlier_checkpoint_and_bad_workdirs(tmp_path):
+  config = small_config(num_rounds=3)
+  config.checkpoint.keep = 5
+  trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  second = trained.load(str(tmp_path / "run"), step=2)
+  assert (second.round, second.finished) == (2, False)
+  with pytest.raises(trained.LoadError, match=r"no checkpoint 7; there are \[1, 2, 3\]"):
+    trained.load(str(tmp_path / "run"), step=7)
+  with pytest.raises(trained.LoadError, match="no checkpoints/ directory; is it the --workdir"):
+    trained.load(str(tmp_path / "nothing"))
+  (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(trained.LoadError, match="no finished checkpoint yet"):
+    trained.load(str(tmp_path / "empty"))
+
+
+def eval_loss(model: trained.Trained) -> float:
+  """The run's eval loss, recomputed from the loaded params on its eval batches."""
+  c = model.config
+  data = data_lib.make_host_data(c.data, seq_len=c.model.seq_len, batch_size=c.batch_size,
+                                 replicas_per_host=c.replicas_per_host,
+                                 num_eval_batches=c.eval_batches)
+  loss_fn = jax.jit(model_lib.make_loss_fn(model.model))
+  return float(np.mean([loss_fn(model.params, jnp.asarray(b)) for b in data.eval_batches]))
+
+
+def final_eval_loss(workdir) -> float:
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f][-1]["eval_loss"]
