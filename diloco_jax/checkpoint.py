@@ -37,7 +37,6 @@ import uuid
 from typing import Any, Callable
 
 import jax
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -120,7 +119,7 @@ def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: i
         f"(each replica's inner state, data iterator and in-flight pseudo-gradient belong "
         f"to one host and replica): restart with {saved[0]} host(s) and "
         f"--config.replicas_per_host={saved[1]}, or use a new --workdir")
-  before = config_lib.flatten(ml_collections.ConfigDict(meta["config"]))
+  before = config_lib.flatten(config_lib.from_saved(meta["config"]))
   now = config_lib.flatten(config)
   changed = sorted(k for k in before.keys() | now.keys()
                    if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))

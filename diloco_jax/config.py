@@ -133,6 +133,21 @@ def flatten(c: ml_collections.ConfigDict, prefix: str = "config") -> dict[str, A
   return out
 
 
+def from_saved(saved: dict) -> ml_collections.ConfigDict:
+  """The config a checkpoint recorded, with the fields added to the schema since it was
+  written at their defaults: the behaviour of the version that wrote it (a run started
+  before `model.family` existed trained the gpt family)."""
+  def merge(into: ml_collections.ConfigDict, values: dict) -> None:
+    for key, value in values.items():
+      if isinstance(value, dict) and isinstance(into.get(key), ml_collections.ConfigDict):
+        merge(into[key], value)
+      else:
+        into[key] = value
+  config = get_default_config()
+  merge(config, saved)
+  return config
+
+
 def known_names() -> set[str]:
   """Every field of get_default_config() and every group of fields ("config.outer")."""
   fields = flatten(get_default_config())

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax import checkpoint as checkpoint_lib
+from diloco_jax import config as config_lib
 from diloco_jax import diloco
 from diloco_jax import model as model_lib
 from diloco_jax import optim
@@ -131,7 +132,7 @@ def load(workdir: str, step: int | None = None) -> Trained:
     raise LoadError(f"{directory}: no checkpoint {step}; there are {steps}")
   try:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    config = ml_collections.ConfigDict(meta["config"])
+    config = config_lib.from_saved(meta["config"])
     cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
     template = model_lib.param_shapes(cfg)
     params = model_params(config, meta, template, lambda items: _read(manager, step, items))

@@ -136,6 +136,21 @@ def test_changed_config_is_refused_but_eval_settings_may_change(tmp_path):
                              str(tmp_path))
 
 
+def test_a_checkpoint_older_than_a_field_takes_its_default():
+  """A checkpoint written before a field existed ran with its default: it resumes with
+  the default, and is refused with any other value."""
+  config = multihost.small_config()
+  saved = config.to_dict()
+  for field in ("family", "num_kv_heads", "rope_base", "remat", "module"):
+    del saved["model"][field]
+  meta = {"num_hosts": 1, "replicas_per_host": 2, "config": saved}
+  checkpoint.check_compatible(meta, config, num_hosts=1, replicas_per_host=2, where="old")
+  config.model.family = "llama"
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"config.model.family: checkpoint 'gpt', now 'llama'"):
+    checkpoint.check_compatible(meta, config, num_hosts=1, replicas_per_host=2, where="old")
+
+
 def test_unwritable_workdir_is_a_clear_error_at_start(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("")
