@@ -1,0 +1,312 @@
+"""Export: the safetensors file and config.json hold the model. A numpy forward pass written
+here from those two files alone (Hugging Face's Llama conventions for the llama family)
+gives the trainer's logits, for a trained llama run and for perturbed initial params of a
+tied llama and a gpt; load_exported gives the params back bit for bit; bad inputs stop
+the CLI with one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from diloco_jax import export as export_lib
+from diloco_jax import model as model_lib
+from diloco_jax import trained as trained_lib
+from diloco_jax import trainer
+from tests.multihost import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5  # max |logit difference|: float64 here vs float32 in flax
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "diloco_jax.export", *args], check=False,
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def _train(tmp_path_factory, name: str, **model) -> str:
+  """A tiny run of 2 rounds (vocab 32, 2 layers, d_model 32, 4 heads, seq_len 16)."""
+  config = small_config(num_rounds=2, inner_steps=2, eval_batches=1,
+                        **{"data.vocab_size": 32, "model.num_layers": 2,
+                           "model.num_heads": 4, **{f"model.{k}": v for k, v in model.items()}})
+  workdir = str(tmp_path_factory.mktemp(name))
+  trainer.train_and_evaluate(config, workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+  """Grouped-query (4 heads, 2 kv heads), untied, exported through the CLI."""
+  workdir = _train(tmp_path_factory, "llama", family="llama", num_kv_heads=2)
+  output = str(tmp_path_factory.mktemp("llama_out") / "model.safetensors")
+  result = _cli(f"--workdir={workdir}", f"--output={output}")
+  assert result.returncode == 0, result.stderr
+  return workdir, output
+
+
+def _read(output: str) -> tuple[dict[str, np.ndarray], dict]:
+  with open(os.path.join(os.path.dirname(output), "config.json")) as f:
+    return safetensors.numpy.load_file(output), json.load(f)
+
+
+def _tokens(vocab: int) -> np.ndarray:
+  return np.random.default_rng(0).integers(0, vocab, (2, 16))
+
+
+def _perturbed_init(cfg: model_lib.ModelConfig):
+  """Initial params plus noise: no norm weight is 1 and no bias 0, so that every tensor's
+  name and layout shows in the logits."""
+  rng = np.random.default_rng(1)
+  return jax.tree.map(lambda x: np.asarray(x + rng.normal(0, 0.1, x.shape), np.float32),
+                      model_lib.init_params(cfg, jax.random.key(0)))
+
+
+def _trainer_logits(cfg: model_lib.ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
+  return np.asarray(model_lib.build(cfg).apply({"params": params}, tokens))
+
+
+# The reference forward passes: numpy, float64, from the exported files only.
+
+def _softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH):
+  h, l = q_BxLxNxH.shape[-1], q_BxLxNxH.shape[1]
+  scores = np.einsum("bqnh,bknh->bnqk", q_BxLxNxH, k_BxLxNxH) / np.sqrt(h)
+  scores = np.where(np.tril(np.ones((l, l), bool)), scores, -np.inf)
+  return np.einsum("bnqk,bknh->bqnh", _softmax(scores), v_BxLxNxH)
+
+
+def _hf_llama_forward(t: dict[str, np.ndarray], c: dict, tokens: np.ndarray) -> np.ndarray:
+  """LlamaForCausalLM's forward as modeling_llama computes it: RMSNorm (weight times the
+  normalised state), rotary embedding with rotate_half, k/v heads repeated for GQA, causal
+  softmax attention, SwiGLU, final norm, lm_head (or the tied embeddings)."""
+  w = {k: v.astype(np.float64) for k, v in t.items()}
+  n, kv = c["num_attention_heads"], c["num_key_value_heads"]
+  h = c["hidden_size"] // n
+  b, l = tokens.shape
+
+  def rms(x, weight):
+    return weight * x / np.sqrt((x * x).mean(-1, keepdims=True) + c["rms_norm_eps"])
+
+  inv_freq = 1.0 / c["rope_theta"] ** (np.arange(0, h, 2) / h)
+  emb = np.concatenate([np.outer(np.arange(l), inv_freq)] * 2, -1)[None, :, None, :]
+
+  def rotate(x):  # x [B, L, heads, H]
+    rotated = np.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1)
+    return x * np.cos(emb) + rotated * np.sin(emb)
+
+  x = w["model.embed_tokens.weight"][tokens]
+  for i in range(c["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    y = rms(x, w[p + "input_layernorm.weight"])
+    q = rotate((y @ w[p + "self_attn.q_proj.weight"].T).reshape(b, l, n, h))
+    k = rotate((y @ w[p + "self_attn.k_proj.weight"].T).reshape(b, l, kv, h))
+    v = (y @ w[p + "self_attn.v_proj.weight"].T).reshape(b, l, kv, h)
+    k, v = np.repeat(k, n // kv, axis=2), np.repeat(v, n // kv, axis=2)
+    x = x + _attention(q, k, v).reshape(b, l, n * h) @ w[p + "self_attn.o_proj.weight"].T
+    y = rms(x, w[p + "post_attention_layernorm.weight"])
+    gate, up = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
+    x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+  x = rms(x, w["model.norm.weight"])
+  head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
+  return x @ head.T
+
+
+def _gpt_forward(t: dict[str, np.ndarray], c: dict, tokens: np.ndarray) -> np.ndarray:
+  """gpt.py's forward from the flax-named tensors: LayerNorm (flax's eps 1e-6), learned
+  positions, fused qkv as [3, N, H], tanh-approximated GELU, head with bias."""
+  w = {k: v.astype(np.float64) for k, v in t.items()}
+  m = c["diloco_jax"]["model"]
+  n, d = m["num_heads"], m["d_model"]
+  b, l = tokens.shape
+
+  def ln(x, name):
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-6) * w[name + ".scale"] + w[name + ".bias"]
+
+  def dense(x, name):
+    return x @ w[name + ".kernel"] + w[name + ".bias"]
+
+  x = w["embed.embedding"][tokens] + w["pos_embed"][:l]
+  for i in range(m["num_layers"]):
+    p = f"block_{i}."
+    qkv = dense(ln(x, p + "ln_attn"), p + "qkv").reshape(b, l, 3, n, d // n)
+    x = x + dense(_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, l, d),
+                  p + "attn_out")
+    y = dense(ln(x, p + "ln_mlp"), p + "mlp_in")
+    y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    x = x + dense(y, p + "mlp_out")
+  return dense(ln(x, "ln_final"), "head")
+
+
+def _max_diff(a, b) -> float:
+  return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def test_llama_names_shapes_and_config(llama_run):
+  workdir, output = llama_run
+  tensors, config = _read(output)
+  layer = {"self_attn.q_proj.weight": (32, 32), "self_attn.k_proj.weight": (16, 32),
+           "self_attn.v_proj.weight": (16, 32), "self_attn.o_proj.weight": (32, 32),
+           "mlp.gate_proj.weight": (64, 32), "mlp.up_proj.weight": (64, 32),
+           "mlp.down_proj.weight": (32, 64), "input_layernorm.weight": (32,),
+           "post_attention_layernorm.weight": (32,)}
+  expected = {"model.embed_tokens.weight": (32, 32), "model.norm.weight": (32,),
+              "lm_head.weight": (32, 32),
+              **{f"model.layers.{i}.{k}": s for i in range(2) for k, s in layer.items()}}
+  assert {k: v.shape for k, v in tensors.items()} == expected
+  assert {v.dtype for v in tensors.values()} == {np.dtype(np.float32)}
+  hf = {k: config[k] for k in ("architectures", "model_type", "hidden_size",
+                               "intermediate_size", "num_attention_heads",
+                               "num_hidden_layers", "num_key_value_heads", "vocab_size",
+                               "max_position_embeddings", "tie_word_embeddings",
+                               "hidden_act", "attention_bias", "mlp_bias", "torch_dtype")}
+  assert hf == {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 32,
+                "max_position_embeddings": 16, "tie_word_embeddings": False,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "torch_dtype": "float32"}
+  assert (config["rms_norm_eps"], config["rope_theta"]) == (1e-5, 10000.0)
+  ours = config["diloco_jax"]
+  assert (ours["mode"], ours["round"], ours["finished"]) == ("sync", 2, True)
+  assert ours["workdir"] == os.path.abspath(workdir)
+  assert ours["model"]["dtype"] == "float32" and ours["model"]["num_kv_heads"] == 2
+
+
+def test_llama_numpy_forward_equals_trainer(llama_run):
+  workdir, output = llama_run
+  tensors, config = _read(output)
+  trained = trained_lib.load(workdir)
+  tokens = _tokens(32)
+  diff = _max_diff(_hf_llama_forward(tensors, config, tokens),
+                   _trainer_logits(trained.model, trained.params, tokens))
+  print(f"llama (GQA, untied, trained): max |numpy - trainer| = {diff:.2e}")
+  assert diff <= TOL
+
+
+def test_tied_llama_numpy_forward_tokenizer_and_round_trip(tmp_path):
+  """Tied embeddings, other rope_theta and eps, perturbed initial params; with a corpus's
+  tokenizer and EOS id."""
+  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+                              num_heads=4, mlp_dim=64, family="llama", num_kv_heads=2,
+                              rope_base=500.0, norm_eps=1e-6, tie_embeddings=True)
+  params = _perturbed_init(cfg)
+  (tmp_path / "corpus").mkdir()
+  (tmp_path / "out").mkdir()
+  tokenizer = tmp_path / "corpus" / "tokenizer.json"
+  tokenizer.write_text('{"model": {}}')
+  output = str(tmp_path / "out" / "model.safetensors")
+  export_lib.write(output, cfg, params, tokenizer=str(tokenizer), eos_id=3)
+  tensors, config = _read(output)
+  assert "lm_head.weight" not in tensors and config["tie_word_embeddings"] is True
+  assert (config["bos_token_id"], config["eos_token_id"]) == (3, 3)
+  assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": {}}'
+  tokens = _tokens(32)
+  diff = _max_diff(_hf_llama_forward(tensors, config, tokens),
+                   _trainer_logits(cfg, params, tokens))
+  print(f"llama (GQA, tied, perturbed init): max |numpy - trainer| = {diff:.2e}")
+  assert diff <= TOL
+  module, loaded = model_lib.load_exported(output)
+  assert module.cfg == cfg
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+  os.remove(output)
+  os.remove(tmp_path / "out" / "config.json")
+  with pytest.raises(export_lib.ExportError, match="tokenizer.json exists"):
+    export_lib.write(output, cfg, params, tokenizer=str(tokenizer), overwrite=False)
+
+
+def test_gpt_numpy_forward_and_round_trip(tmp_path):
+  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+                              num_heads=4, mlp_dim=64, family="gpt")
+  params = _perturbed_init(cfg)
+  output = str(tmp_path / "gpt.safetensors")
+  export_lib.write(output, cfg, params)
+  tensors, config = _read(output)
+  assert config["format"] == config["diloco_jax"]["format"] == export_lib.FLAX
+  assert "architectures" not in config
+  umask = os.umask(0)
+  os.umask(umask)
+  for name in ("gpt.safetensors", "config.json"):  # as any file written here would be
+    assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "gpt.safetensors"]
+  assert {"block_0.qkv.kernel", "block_0.qkv.bias", "embed.embedding", "pos_embed",
+          "ln_final.scale", "head.bias"} <= set(tensors)
+  assert tensors["block_1.qkv.kernel"].shape == (32, 96)  # flax's [in, out]
+  tokens = _tokens(32)
+  diff = _max_diff(_gpt_forward(tensors, config, tokens),
+                   _trainer_logits(cfg, params, tokens))
+  print(f"gpt (perturbed init): max |numpy - trainer| = {diff:.2e}")
+  assert diff <= TOL
+  module, loaded = model_lib.load_exported(output)
+  assert module.cfg == cfg and type(module).__name__ == "GPT"
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_load_exported_names_what_is_wrong(tmp_path):
+  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=1, d_model=32,
+                              num_heads=4, mlp_dim=64, family="llama")
+  output = str(tmp_path / "model.safetensors")
+  export_lib.write(output, cfg, model_lib.init_params(cfg, jax.random.key(0)))
+  tensors = safetensors.numpy.load_file(output)
+  del tensors["model.layers.0.mlp.up_proj.weight"]
+  safetensors.numpy.save_file(tensors, output)
+  with pytest.raises(export_lib.ExportError, match="'model.layers.0.mlp.up_proj.weight' is "
+                     "missing"):
+    model_lib.load_exported(output)
+  os.remove(tmp_path / "config.json")
+  with pytest.raises(export_lib.ExportError, match="not the config.json of an export"):
+    model_lib.load_exported(output)
+
+
+def test_load_exported_gives_the_trained_params(llama_run):
+  workdir, output = llama_run
+  trained = trained_lib.load(workdir)
+  module, params = model_lib.load_exported(output)
+  assert module.cfg == trained.model and type(module).__name__ == "Llama"
+  assert jax.tree.structure(params) == jax.tree.structure(trained.params)
+  jax.tree.map(np.testing.assert_array_equal, params, trained.params)
+
+
+def test_corpus_files_from_the_manifest(tmp_path):
+  config = small_config(**{"data.source": "prepared", "data.path": str(tmp_path)})
+  (tmp_path / "manifest.json").write_text(json.dumps(
+      {"eos_id": 7, "tokenizer": {"kind": "sentencepiece", "file": "tokenizer.model"}}))
+  assert export_lib.corpus_files(config) == (None, 7)  # the file is not there
+  (tmp_path / "tokenizer.model").write_bytes(b"sp")
+  assert export_lib.corpus_files(config) == (str(tmp_path / "tokenizer.model"), 7)
+  assert export_lib.corpus_files(small_config()) == (None, None)
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+  assert result.returncode == 1, (result.returncode, result.stderr)
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+  return lines[0]
+
+
+def test_cli_errors(llama_run, tmp_path):
+  workdir, output = llama_run
+  assert _cli("--help").returncode == 0
+  line = _one_line_error(_cli(f"--workdir={tmp_path}",
+                              f"--output={tmp_path / 'model.safetensors'}"))
+  assert "no checkpoints/ directory" in line
+  assert output in _one_line_error(_cli(f"--workdir={workdir}", f"--output={output}"))
+  line = _one_line_error(_cli(f"--workdir={workdir}", f"--output={tmp_path / 'model.bin'}"))
+  assert "must end in .safetensors" in line
+  missing = tmp_path / "nowhere" / "model.safetensors"
+  with pytest.raises(export_lib.ExportError, match="nowhere does not exist"):
+    export_lib.export(workdir, str(missing))
+  (tmp_path / "config.json").write_text("{}")  # config.json is not replaced either
+  with pytest.raises(export_lib.ExportError, match="config.json exists"):
+    export_lib.export(workdir, str(tmp_path / "other.safetensors"))
