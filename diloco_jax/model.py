@@ -19,7 +19,8 @@ import dataclasses
 import functools
 import importlib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -70,7 +71,7 @@ class ModelConfig:
                remat=model.remat, module=model.module)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def import_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
   """The factory named by "package.module:factory" (a ModuleError naming what is wrong)."""
   path, _, name = spec.partition(":")

@@ -60,7 +60,7 @@ def _read(manager: ocp.CheckpointManager, step: int, items: tuple[str, ...]) -> 
   the hosts that wrote them are not needed: every array lands on the first device)."""
   device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   metadata = manager.item_metadata(step)
-  is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+  is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
   args = {item: ocp.args.StandardRestore(jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), metadata[item],
       is_leaf=is_leaf)) for item in items}

@@ -19,6 +19,7 @@ from diloco_jax import distributed
 from diloco_jax import trained
 from diloco_jax import trainer
 from tests import multihost
+from tests import test_trained
 
 
 def final_leaves(result):
@@ -72,6 +73,8 @@ def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode, over
   assert resumed.preempted_at is None
   for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):
     np.testing.assert_array_equal(a, b)
+  # The final model, read back in one process as sample and export read it.
+  test_trained.same_params(trained.load(str(tmp_path / "run")), resumed)
   assert losses(resumed) == losses(reference)
   with open(tmp_path / "run" / "metrics.jsonl") as f:  # every round logged exactly once
     assert [json.loads(line)["round"] for line in f] == [1, 2, 3, 4]
@@ -341,7 +344,6 @@ def test_sigterm_on_one_host_run(tmp_path):
 def test_trained_model_of_a_two_host_run(references, mode):
   """trained.load in one process reads a 2-host checkpoint (eager: both hosts' replicas,
   averaged): the model it returns scores the run's final eval loss."""
-  from tests import test_trained
   workdir = references(mode)
   model = trained.load(str(workdir))
   assert model.finished and model.config.mode == mode

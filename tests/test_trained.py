@@ -1,5 +1,6 @@
-"""trained.load: the model a run evaluates, read back from its workdir in one process, in
-every mode (what sample and export start from)."""
+"""trained.load: the model a run evaluates, read back from its workdir in one process (what
+sample and export start from). Every mode's final model is checked on the runs of the
+resume tests (`same_params`); here, earlier checkpoints and workdirs without one."""
 
 import json
 
@@ -15,20 +16,17 @@ from diloco_jax import trainer
 from tests.multihost import small_config
 
 
-@pytest.mark.parametrize("mode,overrides", [
-    ("sync", {}), ("delayed", {}), ("eager", {}), ("ddp", {}),
-    ("streaming", {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps": 1})])
-def test_the_final_model_of_every_mode(tmp_path, mode, overrides):
-  config = small_config(mode=mode, **overrides)
-  result = trainer.train_and_evaluate(config, str(tmp_path))
-  model = trained.load(str(tmp_path))
-  assert (model.round, model.finished, model.model.family) == (config.num_rounds, True, "gpt")
+def same_params(model: trained.Trained, result) -> None:
+  """`model` holds the run's final params, in their tree: bit for bit, except eager's
+  mean over K (there a sum on the wire / K, here numpy's mean). Called on the runs of
+  other tests: every mode's resume test (tests/test_checkpoint.py) and ddp's."""
+  assert model.finished and model.round == model.config.num_rounds
+  assert jax.tree.structure(model.params) == jax.tree.structure(result.params)
   for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(result.params), strict=True):
-    if mode == "eager":  # the mean over K: here in numpy, there a sum on the wire / K
+    if model.config.mode == "eager":
       np.testing.assert_allclose(a, np.asarray(b), rtol=0, atol=1e-6)
     else:
       np.testing.assert_array_equal(a, np.asarray(b))
-  assert jax.tree.structure(model.params) == jax.tree.structure(result.params)
 
 
 def test_an_earlier_checkpoint_and_bad_workdirs(tmp_path):

@@ -14,7 +14,9 @@ import pytest
 
 from diloco_jax import model as model_lib
 from diloco_jax import optim
+from diloco_jax import trained
 from diloco_jax import trainer
+from tests import test_trained
 from tests.multihost import simulate_trainer, small_config, trainer_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,6 +106,7 @@ def test_ddp_equals_mean_gradient_adamw(tmp_path):
   # Python sum), and AdamW turns an ulp on a near-zero gradient into a ~lr-sized step.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, atol=2e-5),
                result.replicas.params, params)
+  test_trained.same_params(trained.load(str(tmp_path)), result)  # read back: its one set
 
 
 def run_cli(*args, timeout=300):
