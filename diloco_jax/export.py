@@ -56,13 +56,18 @@ FLAX = "diloco_jax.flax/1"  # tensor names: flax paths joined with "."
 HF_LLAMA = "huggingface.llama/1"  # tensor names: Hugging Face's LlamaForCausalLM
 SUFFIX = ".safetensors"
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Required: the training run's --workdir.")
-_OUTPUT = flags.DEFINE_string(
-    "output", None, "Required: the file to write, ending in .safetensors (name it "
-    "model.safetensors for Hugging Face's from_pretrained); config.json goes beside it.")
-_STEP = flags.DEFINE_integer("step", None, "The checkpoint (round) to export; default: the "
-                             "newest.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace files that exist already.")
+
+def define_flags() -> None:
+  """The command's flags, defined when it runs as a command (not on import: sample and
+  export share flag names, and a process may import both)."""
+  global _WORKDIR, _OUTPUT, _STEP, _OVERWRITE
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Required: the training run's --workdir.")
+  _OUTPUT = flags.DEFINE_string(
+      "output", None, "Required: the file to write, ending in .safetensors (name it "
+      "model.safetensors for Hugging Face's from_pretrained); config.json goes beside it.")
+  _STEP = flags.DEFINE_integer("step", None, "The checkpoint (round) to export; default: the "
+                               "newest.")
+  _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace files that exist already.")
 
 
 class ExportError(ValueError):
@@ -334,4 +339,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main, flags_parser=_parse)

@@ -38,24 +38,30 @@ from diloco_jax import trained as trained_lib
 
 Params = Any
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Required: the --workdir of a training run.")
-_PROMPT = flags.DEFINE_string(
-    "prompt", "", "The text to continue; for synthetic or tokens data, space-separated token "
-    "ids. Empty: prepared data starts a new document (from EOS); other data needs a prompt.")
-_MAX_NEW_TOKENS = flags.DEFINE_integer(
-    "max_new_tokens", 100, "Tokens to generate; with the prompt's, at most model.seq_len.",
-    lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float(
-    "temperature", 1.0, "Divides the logits before sampling; 0: greedy (the likeliest token).",
-    lower_bound=0.0)
-_TOP_K = flags.DEFINE_integer(
-    "top_k", 0, "Sample among the k likeliest tokens only; 0: among all.", lower_bound=0)
-_SEED = flags.DEFINE_integer("seed", 0, "Seeds the sampling: the same seed, the same text.")
-_STEP = flags.DEFINE_integer(
-    "step", None, "The checkpoint (round) to read; default: the newest.", lower_bound=0)
-_NUM_SAMPLES = flags.DEFINE_integer(
-    "num_samples", 1, "Samples to draw from the prompt (in one batch), printed one after "
-    "another.", lower_bound=1)
+
+def define_flags() -> None:
+  """The command's flags, defined when it runs as a command (not on import: sample and
+  export share flag names, and a process may import both)."""
+  global _WORKDIR, _PROMPT, _MAX_NEW_TOKENS, _TEMPERATURE, _TOP_K, _SEED, _STEP, _NUM_SAMPLES
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Required: the --workdir of a training run.")
+  _PROMPT = flags.DEFINE_string(
+      "prompt", "", "The text to continue; for synthetic or tokens data, space-separated token "
+      "ids. Empty: prepared data starts a new document (from EOS); other data needs a prompt.")
+  _MAX_NEW_TOKENS = flags.DEFINE_integer(
+      "max_new_tokens", 100, "Tokens to generate; with the prompt's, at most model.seq_len.",
+      lower_bound=1)
+  _TEMPERATURE = flags.DEFINE_float(
+      "temperature", 1.0, "Divides the logits before sampling; 0: greedy (the likeliest token).",
+      lower_bound=0.0)
+  _TOP_K = flags.DEFINE_integer(
+      "top_k", 0, "Sample among the k likeliest tokens only; 0: among all.", lower_bound=0)
+  _SEED = flags.DEFINE_integer("seed", 0, "Seeds the sampling: the same seed, the same text.")
+  _STEP = flags.DEFINE_integer(
+      "step", None, "The checkpoint (round) to read; default: the newest.", lower_bound=0)
+  _NUM_SAMPLES = flags.DEFINE_integer(
+      "num_samples", 1, "Samples to draw from the prompt (in one batch), printed one after "
+      "another.", lower_bound=1)
+
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
 
@@ -346,4 +352,5 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main, flags_parser=parse_flags)
