@@ -50,7 +50,8 @@ STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps":
     ("delayed", {"outer.compression": "4bit", "outer.aggregation": "trimmed_mean",
                  "outer.trim": 0.34, "replicas_per_host": 3}),
     ("streaming", {**STREAMING, "outer.compression": "int8"}),
-    ("delayed", {"model.family": "llama", "model.num_kv_heads": 1}),
+    ("delayed", {"model.family": "llama", "model.num_kv_heads": 1,
+                 "model.tie_embeddings": True, "model.remat": "block"}),
     ("streaming", {**STREAMING, "model.module": "tests.custom_model:make"})],
     ids=["sync", "delayed", "eager", "sync-topk", "delayed-4bit-trimmed",
          "streaming-int8", "delayed-llama", "streaming-own-module"])
