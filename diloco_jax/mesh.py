@@ -28,6 +28,20 @@ def local_mesh() -> Mesh:
   return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
 
 
+# Dense bf16 peak FLOP/s per device, from the vendors' data sheets (without sparsity), by a
+# substring of `device.device_kind`; the first match wins (PCIe before the SXM default).
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12),
+                   ("A100", 312e12))
+
+
+def peak_flops(device: jax.Device) -> float | None:
+  """The device's dense bf16 peak FLOP/s, or None where the table has none (CPUs): MFU is
+  then not reported, only FLOP/s. MFU is against the bf16 peak whatever model.dtype is
+  (the usual convention: a float32 run shows how far it is from what bf16 would allow)."""
+  kind = getattr(device, "device_kind", "")
+  return next((peak for name, peak in PEAK_BF16_FLOPS if name in kind), None)
+
+
 def host_memory_available() -> int:
   """Bytes of host memory this process can still take: /proc/meminfo's MemAvailable (or
   all physical memory where there is none), less if a cgroup limit leaves less."""

@@ -37,7 +37,7 @@ def format_duration(seconds: float) -> str:
 
 
 def format_count(x: float) -> str:
-  for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
     if abs(x) >= scale:
       return f"{x / scale:.1f}{unit}"
   return f"{x:.0f}"
@@ -62,8 +62,10 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
   if "replicas" in r:  # elastic mode: the replicas in this round's mean
     parts.append(f"{int(r['replicas'])} replicas")
-  parts += [f"{format_count(r['tokens_per_sec'])} tok/s",
-            f"outer {1e3 * r['outer_time']:.0f} ms"]
+  parts.append(f"{format_count(r['tokens_per_sec'])} tok/s" + (
+      f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else
+      f" ({format_count(r['flops_per_sec'])}FLOP/s)" if "flops_per_sec" in r else ""))
+  parts.append(f"outer {1e3 * r['outer_time']:.0f} ms")
   if "collective_time" in r:  # how long the cross-host sum took, and how much of it the
     # next inner phase hid (async modes; 0% in sync, which waits for all of it)
     parts.append(f"comm {1e3 * r['collective_time']:.0f} ms ({100 * r['overlap']:.0f}% hidden)")
@@ -248,11 +250,15 @@ class RoundLog:
 
   def __init__(self, writer: MetricsWriter, bar: ProgressBar, *, num_rounds: int,
                inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
-               bytes_per_token: Mapping[str, float] | None = None):
+               bytes_per_token: Mapping[str, float] | None = None,
+               flops_per_token: float | None = None, peak_flops: float | None = None):
     self.writer, self.bar, self.printing = writer, bar, printing
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
     self.tokens_per_round = tokens_per_round
     self.bytes_per_token = bytes_per_token  # per split; None: no bits per byte
+    # Model FLOPs per token, and the peak of every device of every host together (None:
+    # devices without a known peak, such as CPUs: FLOP/s only, no MFU).
+    self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self._open: dict[int, dict[str, Any]] = {}
     self._round_times: list[float] = []
 
@@ -267,8 +273,13 @@ class RoundLog:
     times.append(seconds)
     # The first round includes compilation; later rounds predict the rest better.
     typical = np.mean(times[1:] if len(times) > 1 else times)
-    self.add(r, round_time=seconds, tokens_per_sec=self.tokens_per_round / seconds,
+    speed = self.tokens_per_round / seconds
+    self.add(r, round_time=seconds, tokens_per_sec=speed,
              elapsed=self.elapsed, eta=float(typical * (self.num_rounds - r)))
+    if self.flops_per_token:  # over the whole round: inner steps, outer step, eval, saves
+      self.add(r, flops_per_sec=speed * self.flops_per_token)
+      if self.peak_flops:
+        self.add(r, mfu=speed * self.flops_per_token / self.peak_flops)
 
   def open(self, r: int, **figures) -> None:
     self._open[r] = {"round": r, **figures}
@@ -344,7 +355,8 @@ class RoundLog:
 
 
 def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
-                   num_params: int, flops_per_token: float, tokens_per_step: int) -> str:
+                   num_params: int, flops_per_token: float, tokens_per_step: int,
+                   peak_flops: float | None = None) -> str:
   """workdir/run.json: what this run is (the resolved config, the world, the model size,
   the software), written at start so a workdir always says how it was made."""
   run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
@@ -352,6 +364,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          "replicas": hosts * config.replicas_per_host,
          "local_devices": [str(d) for d in devices], "num_params": num_params,
          "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
+         "peak_flops": peak_flops,  # all hosts' devices together (bf16 table); None: CPU
          "versions": {"diloco_jax": diloco_jax.__version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,
                       "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,

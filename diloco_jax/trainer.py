@@ -115,6 +115,8 @@ class Trainer:
     with jax.default_device(self.exchange.host_device):
       anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
     self.num_params = model_lib.count_params(anchor)
+    peak = mesh_lib.peak_flops(self.mesh.devices.flat[0])  # every host has the same devices
+    self.peak_flops = peak and peak * self.mesh.devices.size * self.num_hosts
     self.outer = self.outer_step.init(anchor)
     self._init_replicas = jax.jit(
         functools.partial(state_lib.init_replica_state, inner_optimizer,
@@ -127,7 +129,9 @@ class Trainer:
     self.log = metrics.RoundLog(
         metrics.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
         inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
-        tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token)
+        tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token,
+        flops_per_token=model_lib.flops_per_token(self.model_cfg, self.num_params),
+        peak_flops=self.peak_flops)
     self.finished_before = False  # resumed from the checkpoint of a finished run
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
@@ -230,7 +234,7 @@ class Trainer:
                              devices=self.mesh.devices.flat, num_params=self.num_params,
                              flops_per_token=model_lib.flops_per_token(self.model_cfg,
                                                                        self.num_params),
-                             tokens_per_step=self.tokens_per_step)
+                             tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops)
     first = done if self.outer.inflight else done + 1  # the first round logged from now on
     self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
                                             first_round=first,

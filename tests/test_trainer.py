@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import metrics
 from diloco_jax import model as model_lib
 from diloco_jax import optim
 from diloco_jax import trained
@@ -66,6 +68,11 @@ def test_workdir_outputs(sync_run):
   assert [r["round"] for r in records] == list(range(1, config.num_rounds + 1))
   for key in ("train_loss", "eval_loss", "floor", "tokens_per_sec", "outer_time", "eta"):
     assert all(np.isfinite(r[key]) for r in records), key
+  with open(os.path.join(workdir, "run.json")) as f:
+    flops_per_token = json.load(f)["flops_per_token"]
+  for r in records:  # CPU: FLOP/s of the whole round, and no MFU (no peak to compare with)
+    assert r["flops_per_sec"] == pytest.approx(r["tokens_per_sec"] * flops_per_token)
+    assert "mfu" not in r
   events = os.listdir(os.path.join(workdir, "tensorboard"))
   assert any(name.startswith("events.out.tfevents") for name in events)
   with open(os.path.join(workdir, "loss.png"), "rb") as f:
@@ -83,6 +90,7 @@ def test_run_json_says_what_the_run_is(sync_run):
   assert run["num_params"] == params
   cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
   assert run["flops_per_token"] == model_lib.flops_per_token(cfg, params)
+  assert run["peak_flops"] is None  # CPU devices have no entry in the peak table
   assert run["versions"]["jax"] == jax.__version__ and run["versions"]["diloco_jax"]
 
 
@@ -184,3 +192,25 @@ def test_async_modes_overlap_the_collective(tmp_path):
     round_time = np.median([r["round_time"] for r in records])
     # Theory: max(C, S) = S vs. C + S = 2S; a wide margin for a shared machine.
     assert round_time < 0.8 * sync_round, (mode, round_time, sync_round, compute)
+
+
+def test_round_line_reports_mfu_against_the_peak_table():
+  class Device:  # what jax.Device says of itself, for the table's lookup
+    def __init__(self, kind):
+      self.device_kind = kind
+  assert mesh_lib.peak_flops(Device("NVIDIA H100 80GB HBM3")) == 989e12
+  assert mesh_lib.peak_flops(Device("NVIDIA H100 PCIe")) == 756e12
+  assert mesh_lib.peak_flops(Device("NVIDIA H200")) == 989e12
+  assert mesh_lib.peak_flops(Device("NVIDIA A100-SXM4-80GB")) == 312e12
+  assert mesh_lib.peak_flops(Device("cpu")) is None
+  log = metrics.RoundLog(metrics.MetricsWriter("", enabled=False),
+                         metrics.ProgressBar(10, enabled=False), num_rounds=1, inner_steps=10,
+                         num_replicas=1, printing=False, tokens_per_round=1000,
+                         flops_per_token=1e9, peak_flops=4e12)
+  log.open(1, inner_step=10, tokens=1000, train_loss=1.0, outer_time=0.01)
+  log.timed(1, 0.5)  # 2,000 tokens/s x 1 GFLOP = 2 TFLOP/s of a 4 TFLOP/s peak
+  record = log._open[1]  # noqa: SLF001 -- the record as it will be written
+  assert record["mfu"] == pytest.approx(0.5)
+  assert "2.0k tok/s (MFU 50.0%)" in metrics.round_line(record, 1, 10)
+  del record["mfu"]
+  assert "2.0k tok/s (2.0TFLOP/s)" in metrics.round_line(record, 1, 10)
