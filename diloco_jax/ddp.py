@@ -63,6 +63,11 @@ class DDPStep(inner.Step):
     self._apply = jax.jit(apply, in_shardings=self.state_sharding,
                           out_shardings=self.state_sharding, donate_argnums=0)
 
+  def _compile(self, state, batch) -> dict[str, int] | None:
+    # The gradient program is the larger: the update's memory is the state's, in place.
+    self._grad_sum = self._grad_sum.lower(state.params, batch).compile()
+    return inner.memory_per_device(self._grad_sum)
+
   def _run(self, state: state_lib.ReplicaState, batch):
     grad_sum, loss_R = self._grad_sum(state.params, batch)
     if self._reduce is not None:

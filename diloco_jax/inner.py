@@ -118,6 +118,17 @@ class Step:
   def _run(self, state, batch):
     raise NotImplementedError
 
+  def compile(self, state: state_lib.ReplicaState, batch_shape: tuple[int, ...]
+              ) -> dict[str, int] | None:
+    """Compiles the step for `state` and int32 batches of `batch_shape` before its first
+    call, which then runs this executable (compiling is not paid twice), and returns what
+    XLA says one device holds while it runs (`memory_per_device`)."""
+    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
+    return self._compile(state, batch)
+
+  def _compile(self, state, batch) -> dict[str, int] | None:
+    raise NotImplementedError
+
 
 class ReplicaStep(Step):
   """The jitted inner step of all this host's replicas: ReplicaState, batch -> state, loss_R.
@@ -139,6 +150,23 @@ class ReplicaStep(Step):
     self._run = jax.jit(traced, in_shardings=(self.state_sharding, self.batch_sharding),
                         out_shardings=(self.state_sharding, self.state_sharding),
                         donate_argnums=0)
+
+  def _compile(self, state, batch) -> dict[str, int] | None:
+    self._run = self._run.lower(state, batch).compile()
+    return memory_per_device(self._run)
+
+
+def memory_per_device(compiled: jax.stages.Compiled) -> dict[str, int] | None:
+  """Bytes one device holds while `compiled` runs, as XLA planned them: its arguments
+  (params, optimizer state, the batch), outputs and temporaries (activations, gradients),
+  less the outputs written into donated arguments. None where the backend does not say."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  parts = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+           "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}
+  return {"total": parts["arguments"] + parts["outputs"] + parts["temporaries"]
+          - parts["aliased"], **parts}
 
 
 def _must_block(mesh: Mesh) -> bool:

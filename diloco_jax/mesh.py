@@ -28,6 +28,13 @@ def local_mesh() -> Mesh:
   return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
 
 
+def layout(mesh: Mesh) -> dict:
+  """How the inner step uses the host's devices (run.json's "layout")."""
+  return {"mesh": dict(mesh.shape), "replicas": "one after another, on every device",
+          "params_and_optimizer_state": "replicated on every device",
+          "batch": f"split over '{DATA_AXIS}'"}
+
+
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets (without sparsity), by a
 # substring of `device.device_kind`; the first match wins (PCIe before the SXM default).
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12),

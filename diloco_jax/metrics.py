@@ -356,7 +356,8 @@ class RoundLog:
 
 def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
                    num_params: int, flops_per_token: float, tokens_per_step: int,
-                   peak_flops: float | None = None) -> str:
+                   peak_flops: float | None = None, memory: Mapping[str, int] | None = None,
+                   layout: Mapping[str, Any] | None = None) -> str:
   """workdir/run.json: what this run is (the resolved config, the world, the model size,
   the software), written at start so a workdir always says how it was made."""
   run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
@@ -365,6 +366,9 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          "local_devices": [str(d) for d in devices], "num_params": num_params,
          "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
          "peak_flops": peak_flops,  # all hosts' devices together (bf16 table); None: CPU
+         # XLA's plan for the compiled inner step on one device (None: the backend has none)
+         "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
+         "layout": layout,
          "versions": {"diloco_jax": diloco_jax.__version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,
                       "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,
@@ -375,6 +379,16 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
     json.dump(run, f, indent=2, sort_keys=True, default=str)
   os.replace(path + ".tmp", path)
   return path
+
+
+def print_memory(memory: Mapping[str, int] | None, mesh) -> None:
+  """The compiled inner step's memory on one device, as XLA planned it."""
+  if memory is None:
+    return
+  print(f"inner step: {format_bytes(memory['total'])} per device (XLA's plan: arguments "
+        f"{format_bytes(memory['arguments'])}, temporaries {format_bytes(memory['temporaries'])}"
+        f", outputs {format_bytes(memory['outputs'])} of which {format_bytes(memory['aliased'])}"
+        f" in donated buffers) on {mesh.devices.size} local device(s)", flush=True)
 
 
 def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,

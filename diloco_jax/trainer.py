@@ -229,12 +229,17 @@ class Trainer:
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)
     done = self.resume()
+    memory = self.train_step.compile(self.replicas, (self.replicas_per_host,
+                                                     self.config.batch_size,
+                                                     self.config.model.seq_len + 1))
     if self.is_host0:  # once the workdir is known to be this run's
+      metrics.print_memory(memory, self.mesh)
       metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,
                              devices=self.mesh.devices.flat, num_params=self.num_params,
                              flops_per_token=model_lib.flops_per_token(self.model_cfg,
                                                                        self.num_params),
-                             tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops)
+                             tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
+                             memory=memory, layout=mesh_lib.layout(self.mesh))
     first = done if self.outer.inflight else done + 1  # the first round logged from now on
     self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
                                             first_round=first,

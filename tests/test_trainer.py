@@ -91,6 +91,13 @@ def test_run_json_says_what_the_run_is(sync_run):
   cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
   assert run["flops_per_token"] == model_lib.flops_per_token(cfg, params)
   assert run["peak_flops"] is None  # CPU devices have no entry in the peak table
+  # XLA's plan for the compiled inner step: the state (params + 2 AdamW moments, float32,
+  # both replicas) is among its arguments, donated into its outputs.
+  memory = run["memory_per_device"]
+  assert run["memory_per_device_bytes"] == memory["total"] == (
+      memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"])
+  assert memory["arguments"] >= 2 * 3 * 4 * params and memory["aliased"] >= 2 * 3 * 4 * params
+  assert run["layout"]["mesh"] == {"data": jax.local_device_count()}
   assert run["versions"]["jax"] == jax.__version__ and run["versions"]["diloco_jax"]
 
 
