@@ -47,18 +47,11 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     cfg = self.cfg
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.float32,
-                     embedding_init=nn.initializers.normal(0.02), name="embed")
+    embed = layers.token_embedding(cfg)
     pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
     positions_L = layers.positions(self, tokens_BxL.shape[1], self.decode)
     pos_LxD = jnp.take(pos, positions_L, axis=0) if self.decode else pos[: tokens_BxL.shape[1]]
     x_BxLxD = (embed(tokens_BxL) + pos_LxD).astype(cfg.dtype)
-    block = nn.remat(Block) if cfg.remat == "block" else Block
-    for i in range(cfg.num_layers):
-      x_BxLxD = block(cfg, self.decode, name=f"block_{i}")(x_BxLxD, positions_L)
+    x_BxLxD = layers.blocks(Block, cfg, self.decode, x_BxLxD, positions_L)
     x_BxLxD = nn.LayerNorm(dtype=cfg.dtype, param_dtype=jnp.float32, name="ln_final")(x_BxLxD)
-    if cfg.tie_embeddings:
-      logits_BxLxV = embed.attend(x_BxLxD.astype(jnp.float32))
-    else:
-      logits_BxLxV = layers.dense(cfg.vocab_size, cfg.dtype, name="head")(x_BxLxD)
-    return logits_BxLxV.astype(jnp.float32)
+    return layers.head(cfg, embed, x_BxLxD, use_bias=True)

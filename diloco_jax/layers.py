@@ -85,3 +85,30 @@ def positions(module: nn.Module, length: int, decode: bool) -> jax.Array:
   if ready:
     count.value = start + length
   return start + jnp.arange(length)
+
+
+# The decoder trunk both families share: called inside a module's compact __call__, so the
+# submodules they create are that module's (embed, block_<i>, head).
+
+
+def token_embedding(cfg: Any) -> nn.Embed:
+  return nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.float32,
+                  embedding_init=nn.initializers.normal(0.02), name="embed")
+
+
+def blocks(block: type[nn.Module], cfg: Any, decode: bool, x_BxLxD: jax.Array,
+           positions_L: jax.Array) -> jax.Array:
+  """`cfg.num_layers` blocks named block_<i> (streaming fragments are cut by these
+  names), each rematerialised in the backward pass when cfg.remat is "block"."""
+  block = nn.remat(block) if cfg.remat == "block" else block
+  for i in range(cfg.num_layers):
+    x_BxLxD = block(cfg, decode, name=f"block_{i}")(x_BxLxD, positions_L)
+  return x_BxLxD
+
+
+def head(cfg: Any, embed: nn.Embed, x_BxLxD: jax.Array, *, use_bias: bool) -> jax.Array:
+  """float32 logits: the embedding table transposed when tied, else a "head" Dense."""
+  if cfg.tie_embeddings:
+    return embed.attend(x_BxLxD.astype(jnp.float32)).astype(jnp.float32)
+  logits_BxLxV = dense(cfg.vocab_size, cfg.dtype, use_bias=use_bias, name="head")(x_BxLxD)
+  return logits_BxLxV.astype(jnp.float32)

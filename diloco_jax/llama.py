@@ -12,7 +12,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from diloco_jax import layers
 
@@ -56,17 +55,9 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     cfg = self.cfg
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=jnp.float32,
-                     embedding_init=nn.initializers.normal(0.02), name="embed")
+    embed = layers.token_embedding(cfg)
     positions_L = layers.positions(self, tokens_BxL.shape[1], self.decode)
-    x_BxLxD = embed(tokens_BxL).astype(cfg.dtype)
-    block = nn.remat(Block) if cfg.remat == "block" else Block
-    for i in range(cfg.num_layers):
-      x_BxLxD = block(cfg, self.decode, name=f"block_{i}")(x_BxLxD, positions_L)
+    x_BxLxD = layers.blocks(Block, cfg, self.decode, embed(tokens_BxL).astype(cfg.dtype),
+                            positions_L)
     x_BxLxD = layers.RMSNorm(cfg.norm_eps, cfg.dtype, name="final_norm")(x_BxLxD)
-    if cfg.tie_embeddings:
-      logits_BxLxV = embed.attend(x_BxLxD.astype(jnp.float32))
-    else:
-      logits_BxLxV = layers.dense(cfg.vocab_size, cfg.dtype, use_bias=False,
-                                  name="head")(x_BxLxD)
-    return logits_BxLxV.astype(jnp.float32)
+    return layers.head(cfg, embed, x_BxLxD, use_bias=False)

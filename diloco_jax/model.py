@@ -137,6 +137,7 @@ def count_params(params: Params) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
+@functools.cache  # start-up asks it more than once (memory check, estimate); it traces init
 def num_params_of(cfg: ModelConfig) -> int:
   """The number of params of build(cfg), from the shapes alone (for checks before
   anything is allocated)."""

@@ -215,14 +215,20 @@ def test_tied_llama_numpy_forward_tokenizer_and_round_trip(tmp_path):
                    _trainer_logits(cfg, params, tokens))
   print(f"llama (GQA, tied, perturbed init): max |numpy - trainer| = {diff:.2e}")
   assert diff <= TOL
-  module, loaded = model_lib.load_exported(output)
-  assert module.cfg == cfg
-  assert jax.tree.structure(loaded) == jax.tree.structure(params)
-  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+  assert_round_trip(output, cfg, params)
   os.remove(output)
   os.remove(tmp_path / "out" / "config.json")
   with pytest.raises(export_lib.ExportError, match="tokenizer.json exists"):
     export_lib.write(output, cfg, params, tokenizer=str(tokenizer), overwrite=False)
+
+
+def assert_round_trip(output: str, cfg, params):
+  """load_exported gives back `cfg` and `params` bit for bit; returns the module."""
+  module, loaded = model_lib.load_exported(output)
+  assert module.cfg == cfg
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+  return module
 
 
 def test_gpt_numpy_forward_and_round_trip(tmp_path):
@@ -247,10 +253,7 @@ def test_gpt_numpy_forward_and_round_trip(tmp_path):
                    _trainer_logits(cfg, params, tokens))
   print(f"gpt (perturbed init): max |numpy - trainer| = {diff:.2e}")
   assert diff <= TOL
-  module, loaded = model_lib.load_exported(output)
-  assert module.cfg == cfg and type(module).__name__ == "GPT"
-  assert jax.tree.structure(loaded) == jax.tree.structure(params)
-  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+  assert type(assert_round_trip(output, cfg, params)).__name__ == "GPT"
 
 
 def test_load_exported_names_what_is_wrong(tmp_path):
