@@ -103,6 +103,12 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.aggregation = "mean"  # Over the K replicas: 'mean', 'trimmed_mean' or 'median'.
   c.outer.trim = 0.2  # 'trimmed_mean': fraction of the K values dropped at each end.
 
+  # How the inner step uses this host's devices (docs/layout.md): mesh.replicas x mesh.fsdp
+  # must divide the local devices; the rest are data-parallel within a replica.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.replicas = 1  # Device groups training replicas side by side (1: one after another).
+  c.mesh.fsdp = 1  # Devices a replica's params and AdamW state are sharded over (1: copies).
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
   c.checkpoint.keep = 3  # Newest checkpoints kept in workdir/checkpoints.
@@ -113,10 +119,12 @@ def get_default_config() -> ml_collections.ConfigDict:
 
 # Fields a resumed run may change; every other field must equal the checkpoint's, since it
 # changes the math (a resumed run is bit-identical to one never interrupted).
+# The device layout (`mesh.*`) may change too: the state is saved whole, so it resumes with
+# the same numbers, though later steps then add up in another order (float32 rounding).
 RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
                      "config.checkpoint.every", "config.checkpoint.keep",
                      "config.outer.max_skipped_rounds", "config.elastic",
-                     "config.elastic_timeout")
+                     "config.elastic_timeout", "config.mesh.replicas", "config.mesh.fsdp")
 
 
 class ConfigError(ValueError):
@@ -254,11 +262,26 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     check(f"config.{key}", c[key] >= 1, "must be >= 1")
   for key in ("num_layers", "d_model", "num_heads", "mlp_dim", "seq_len"):
     check(f"config.model.{key}", m[key] >= 1, "must be >= 1")
+  mesh = c.mesh
+  for key in ("replicas", "fsdp"):
+    check(f"config.mesh.{key}", mesh[key] >= 1, "must be >= 1")
+  group = num_local_devices  # the devices one replica's batch is split over
+  if mesh.replicas >= 1 and mesh.fsdp >= 1:
+    check("config.mesh.fsdp", num_local_devices % (mesh.replicas * mesh.fsdp) == 0,
+          f"mesh.replicas x mesh.fsdp = {mesh.replicas} x {mesh.fsdp} must divide the "
+          f"{num_local_devices} local device(s)")
+    check("config.mesh.replicas", c.replicas_per_host % mesh.replicas == 0,
+          f"must divide config.replicas_per_host = {c.replicas_per_host} (each device group "
+          f"trains the same number of replicas)")
+    check("config.mesh.replicas", mesh.replicas == 1 or c.mode != "ddp",
+          "must be 1 in mode 'ddp' (one set of params; use mesh.fsdp to shard it)")
+    group = max(num_local_devices // mesh.replicas, 1)
   if c.batch_size >= 1 and c.grad_accum_steps >= 1:
-    split = c.grad_accum_steps * num_local_devices
+    split = c.grad_accum_steps * group
     check("config.batch_size", c.batch_size % split == 0,
-          f"must be divisible by grad_accum_steps ({c.grad_accum_steps}) x local devices "
-          f"({num_local_devices}) = {split}, so every device gets whole micro-batches")
+          f"must be divisible by grad_accum_steps ({c.grad_accum_steps}) x a replica's "
+          f"devices ({group}: local devices / mesh.replicas) = {split}, so every device "
+          f"gets whole micro-batches")
   if m.num_heads >= 1:
     check("config.model.d_model", m.d_model % m.num_heads == 0,
           f"must be divisible by config.model.num_heads = {m.num_heads}")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import inner
@@ -58,20 +58,32 @@ class DDPStep(inner.Step):
       params = optax.apply_updates(params, updates)
       return jax.tree.map(lambda x: x[None], state_lib.ReplicaState(params, opt_state))
 
-    self._grad_sum = jax.jit(grad_sum, in_shardings=(self.state_sharding, self.batch_sharding),
-                             out_shardings=self.state_sharding)
-    self._apply = jax.jit(apply, in_shardings=self.state_sharding,
-                          out_shardings=self.state_sharding, donate_argnums=0)
+    self._traced = grad_sum, apply
 
-  def _compile(self, state, batch) -> dict[str, int] | None:
+  def _jit(self, state: state_lib.ReplicaState):
+    """(the gradient program, the update program) for a state of these shapes; the
+    gradient sum comes out sharded as one replica's params."""
+    grad_sum, apply = self._traced
+    shardings = self.state_shardings(state)
+    self._grad_sharding = self.layout.params(jax.tree.map(lambda x: x[0], state.params))
+    grads = jax.jit(grad_sum, in_shardings=(shardings.params, self.batch_sharding),
+                    out_shardings=(self._grad_sharding, self.layout.per_replica))
+    self._apply = jax.jit(apply, in_shardings=(shardings, self._grad_sharding),
+                          out_shardings=shardings, donate_argnums=0)
+    return grads
+
+  def compile(self, state, batch_shape) -> dict[str, int] | None:
     # The gradient program is the larger: the update's memory is the state's, in place.
-    self._grad_sum = self._grad_sum.lower(state.params, batch).compile()
-    return inner.memory_per_device(self._grad_sum)
+    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
+    self._compiled = self._jit(state).lower(state.params, batch).compile()
+    return inner.memory_per_device(self._compiled)
 
   def _run(self, state: state_lib.ReplicaState, batch):
-    grad_sum, loss_R = self._grad_sum(state.params, batch)
+    if self._compiled is None:
+      self._compiled = self._jit(state)
+    grad_sum, loss_R = self._compiled(state.params, batch)
     if self._reduce is not None:
-      grad_sum = jax.device_put(self._reduce(grad_sum), self.state_sharding)
+      grad_sum = jax.device_put(self._reduce(grad_sum), self._grad_sharding)
     return self._apply(state, grad_sum), loss_R
 
 
@@ -82,7 +94,6 @@ class DDPRound:
 
   def __init__(self, *, mesh: Mesh, exchange: exchange_lib.Exchange):
     self.exchange = exchange
-    self.on_mesh = NamedSharding(mesh, P())
 
   @classmethod
   def from_config(cls, config, *, mesh: Mesh, exchange: exchange_lib.Exchange) -> DDPRound:

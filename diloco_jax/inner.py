@@ -1,10 +1,11 @@
 """The inner train step, knowing nothing about DiLoCo, and its jitted multi-replica forms.
 
 `make_train_step` is one replica's plain optimizer step (with gradient accumulation).
-`ReplicaStep` maps it over this host's replicas and jits it over the host's local
-devices: the batch is sharded over a `data` mesh axis, params and optimizer state are
-replicated, so XLA averages gradients over `data` only and never talks to another host.
-`EvalStep` evaluates one set of params (`ddp.py` has the data-parallel baseline's step).
+`ReplicaStep` maps it over this host's replicas and jits it over the host's local mesh
+(`mesh.Layout`): replicas over the `replica` device groups, the batch over `data` and
+`fsdp`, params and optimizer state sharded over `fsdp`, so XLA's collectives stay within
+a replica's devices and never reach another host. `EvalStep` evaluates one set of params
+(`ddp.py` has the data-parallel baseline's step).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import state as state_lib
@@ -25,7 +26,6 @@ from diloco_jax import state as state_lib
 Params = Any
 LossFn = Callable[[Params, jax.Array], jax.Array]
 
-DATA_AXIS = mesh_lib.DATA_AXIS
 local_mesh = mesh_lib.local_mesh  # where the inner step runs
 
 
@@ -77,6 +77,22 @@ def map_replicas(step):
   return lambda *args: jax.lax.map(lambda a: step(*a), args)
 
 
+def map_replica_groups(step, groups: int):
+  """`map_replicas(step)` on each of `groups` device groups side by side: [R, ...] is
+  reshaped to [groups, R / groups, ...] (R is split over the `replica` mesh axis in
+  contiguous blocks, so this moves no data) and the groups are vmapped over that axis,
+  which XLA partitions over the groups' devices."""
+  if groups == 1:
+    return map_replicas(step)
+  mapped = jax.vmap(map_replicas(step), spmd_axis_name=mesh_lib.REPLICA_AXIS)
+
+  def run(*args):
+    split = jax.tree.map(lambda x: x.reshape(groups, x.shape[0] // groups, *x.shape[1:]),
+                         args)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), mapped(*split))
+  return run
+
+
 class Step:
   """What every jitted inner step over the local mesh shares: the shardings, a trace
   counter (tests use it to catch retracing), and a count of finished steps.
@@ -88,16 +104,20 @@ class Step:
 
   def __init__(self, mesh: Mesh):
     self.traces = 0
-    self.state_sharding = NamedSharding(mesh, P())  # params, optimizer state: every device
-    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [R, B, L+1]: B split
+    self.layout = mesh_lib.Layout(mesh)
+    self.batch_sharding = self.layout.batch  # [R, B, L+1]
     self._block = _must_block(mesh)
     self._lock = threading.Lock()
     self._running: collections.deque = collections.deque()  # losses of unfinished steps
     self._finished = 0
 
+  def state_shardings(self, state: state_lib.ReplicaState) -> Any:
+    """The shardings the step takes and returns `state` (or its shapes) with."""
+    return self.layout.replicas(state)
+
   def place(self, state: state_lib.ReplicaState) -> state_lib.ReplicaState:
-    """Puts a state on the mesh as the step expects it (else the first call retraces)."""
-    return jax.device_put(state, self.state_sharding)
+    """Puts a state on the mesh as the step expects it."""
+    return jax.device_put(state, self.state_shardings(state))
 
   def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
     out = self._run(state, jax.device_put(batch_RxBxL1, self.batch_sharding))
@@ -116,7 +136,15 @@ class Step:
       return self._finished
 
   def _run(self, state, batch):
+    if self._compiled is None:  # not compiled ahead (`compile`): on its first call
+      self._compiled = self._jit(state)
+    return self._compiled(state, batch)
+
+  def _jit(self, state):
+    """The step jitted for a state of this structure and shapes."""
     raise NotImplementedError
+
+  _compiled = None
 
   def compile(self, state: state_lib.ReplicaState, batch_shape: tuple[int, ...]
               ) -> dict[str, int] | None:
@@ -124,36 +152,35 @@ class Step:
     call, which then runs this executable (compiling is not paid twice), and returns what
     XLA says one device holds while it runs (`memory_per_device`)."""
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
-    return self._compile(state, batch)
-
-  def _compile(self, state, batch) -> dict[str, int] | None:
-    raise NotImplementedError
+    self._compiled = self._jit(state).lower(state, batch).compile()
+    return memory_per_device(self._compiled)
 
 
 class ReplicaStep(Step):
   """The jitted inner step of all this host's replicas: ReplicaState, batch -> state, loss_R.
 
-  Compiled once for the whole run; the state is donated so no second copy of the params
+  Compiled once for the whole run, with the state's shardings in and out (so the next
+  call takes its output as it is); the state is donated so no second copy of the params
   or optimizer state is ever alive.
   """
 
   def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                mesh: Mesh, grad_accum_steps: int = 1):
     super().__init__(mesh)
-    replica_step = map_replicas(make_train_step(loss_fn, optimizer, grad_accum_steps))
+    replica_step = map_replica_groups(make_train_step(loss_fn, optimizer, grad_accum_steps),
+                                      self.layout.groups)
 
     def traced(state: state_lib.ReplicaState, batch_RxBxL1):
       self.traces += 1  # Runs at trace time only.
       params, opt_state, loss_R = replica_step(state.params, state.opt_state, batch_RxBxL1)
       return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_R
 
-    self._run = jax.jit(traced, in_shardings=(self.state_sharding, self.batch_sharding),
-                        out_shardings=(self.state_sharding, self.state_sharding),
-                        donate_argnums=0)
+    self._traced = traced
 
-  def _compile(self, state, batch) -> dict[str, int] | None:
-    self._run = self._run.lower(state, batch).compile()
-    return memory_per_device(self._run)
+  def _jit(self, state):
+    shardings = self.state_shardings(state)
+    return jax.jit(self._traced, in_shardings=(shardings, self.batch_sharding),
+                   out_shardings=(shardings, self.layout.per_replica), donate_argnums=0)
 
 
 def memory_per_device(compiled: jax.stages.Compiled) -> dict[str, int] | None:
@@ -186,10 +213,10 @@ class EvalStep:
       self.traces += 1
       return jnp.mean(jax.lax.map(lambda b: loss_fn(params, b), batches_ExBxL1))
 
-    replicated = NamedSharding(mesh, P())
-    self.batch_sharding = NamedSharding(mesh, P(None, DATA_AXIS))  # [E, B, L+1]: B split
-    self._eval = jax.jit(traced, in_shardings=(replicated, self.batch_sharding),
-                         out_shardings=replicated)
+    layout = mesh_lib.Layout(mesh)
+    self.batch_sharding = layout.eval_batch  # [E, B, L+1]: B split
+    # The params come as the outer step places them (`Layout.params`).
+    self._eval = jax.jit(traced, out_shardings=layout.replicated)
 
   def __call__(self, params, batches_ExBxL1):
     return self._eval(params, batches_ExBxL1)

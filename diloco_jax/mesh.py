@@ -1,38 +1,102 @@
-"""The host's devices: the local mesh the inner step runs on, and whether a run fits in
-their memory.
+"""The host's devices: the local mesh the inner step runs on, how state and batches are
+laid out on it, and whether a run fits in their memory.
 
-Today's layout: every local device holds every replica's params and AdamW state, and a
-replica's batch is split over the devices (the `data` axis); replicas run one after
-another. `check_memory` refuses, before anything is allocated, a config whose estimate
+The local mesh has three named axes over this host's devices, outermost first:
+
+  replica  `config.mesh.replicas` device groups; the host's R replicas are split over them
+           (R / groups per group, run one after another within a group)
+  data     the rest of the devices: a replica's batch is split over them too
+  fsdp     `config.mesh.fsdp` devices over which a replica's params and AdamW state are
+           sharded; its batch is split over them as well (FSDP, ZeRO-3 style)
+
+`Layout` gives every leaf its `NamedSharding` by one rule on its shape: a leaf of a
+replica's params or optimizer state is split over `fsdp` along its largest dimension
+that `fsdp` divides (the first such if several are as large), and replicated over
+`data` and where no dimension divides; a leaf of all R replicas ([R, ...]) is also split
+over `replica` along R. Batches [R, B, L+1] split R over `replica` and B over
+(`data`, `fsdp`). `mesh.replicas = mesh.fsdp = 1` is a 1-D data-parallel mesh: every
+device holds every replica.
+
+`check_memory` refuses, before anything is allocated, a config whose estimate
 (`model.memory_estimate`) exceeds what the devices or the host have, with the figures.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diloco_jax import config as config_lib
 from diloco_jax import metrics
 from diloco_jax import model as model_lib
 
-DATA_AXIS = "data"
+REPLICA_AXIS, DATA_AXIS, FSDP_AXIS = "replica", "data", "fsdp"
 
 
-def local_mesh() -> Mesh:
-  """A 1-D mesh over this host's devices only: inner steps never cross hosts."""
-  return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
+def local_mesh(replicas: int = 1, fsdp: int = 1) -> Mesh:
+  """A mesh over this host's devices only (inner steps never cross hosts), shaped
+  [replicas, data, fsdp]: the devices of one FSDP group are neighbours in
+  `jax.local_devices()` order."""
+  devices = np.array(jax.local_devices())
+  if devices.size % (replicas * fsdp):
+    raise config_lib.ConfigError(
+        f"config.mesh: replicas x fsdp = {replicas} x {fsdp} must divide the "
+        f"{devices.size} local devices")
+  return Mesh(devices.reshape(replicas, devices.size // (replicas * fsdp), fsdp),
+              (REPLICA_AXIS, DATA_AXIS, FSDP_AXIS))
 
 
-def layout(mesh: Mesh) -> dict:
-  """How the inner step uses the host's devices (run.json's "layout")."""
-  return {"mesh": dict(mesh.shape), "replicas": "one after another, on every device",
-          "params_and_optimizer_state": "replicated on every device",
-          "batch": f"split over '{DATA_AXIS}'"}
+def sharded_dim(shape: tuple[int, ...], fsdp: int) -> int | None:
+  """The dimension of a leaf split over `fsdp` devices: its largest that `fsdp` divides
+  (the first of equals), or None (replicated: fsdp = 1, a scalar, no dimension divides)."""
+  fits = [d for d in range(len(shape)) if fsdp > 1 and shape[d] % fsdp == 0]
+  return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+class Layout:
+  """The shardings of the inner step's state and batches on a local mesh (the module
+  docstring has the rule)."""
+
+  def __init__(self, mesh: Mesh):
+    self.mesh = mesh
+    self.groups, self.fsdp = mesh.shape[REPLICA_AXIS], mesh.shape[FSDP_AXIS]
+    self.data = mesh.shape[DATA_AXIS]
+    self._replica = REPLICA_AXIS if self.groups > 1 else None
+    self.batch = NamedSharding(mesh, P(self._replica, (DATA_AXIS, FSDP_AXIS)))  # [R, B, L+1]
+    self.eval_batch = NamedSharding(mesh, P(None, (DATA_AXIS, FSDP_AXIS)))  # [E, B, L+1]
+    self.per_replica = NamedSharding(mesh, P(self._replica))  # [R]: a loss per replica
+    self.replicated = NamedSharding(mesh, P())
+
+  def spec(self, shape: tuple[int, ...]) -> tuple[str | None, ...]:
+    """The partition of one replica's leaf of this shape: `fsdp` on `sharded_dim`."""
+    dim = sharded_dim(shape, self.fsdp)
+    return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
+
+  def params(self, tree: Any) -> Any:
+    """Shardings for one replica's params (or anything shaped like them: the anchor)."""
+    return jax.tree.map(lambda x: NamedSharding(self.mesh, P(*self.spec(np.shape(x)))), tree)
+
+  def replicas(self, tree: Any) -> Any:
+    """Shardings for a tree of all R replicas' leaves, [R, ...] each."""
+    return jax.tree.map(lambda x: NamedSharding(
+        self.mesh, P(self._replica, *self.spec(np.shape(x)[1:]))), tree)
+
+  def describe(self) -> dict:
+    """How the inner step uses the host's devices (run.json's "layout")."""
+    sharded = (f"sharded over '{FSDP_AXIS}' ({self.fsdp} devices) along each leaf's "
+               f"largest dimension {self.fsdp} divides, else replicated" if self.fsdp > 1
+               else "replicated on every device of a replica's group")
+    return {"mesh": dict(self.mesh.shape),
+            "replicas": (f"split over '{REPLICA_AXIS}' ({self.groups} device groups), one "
+                         f"after another within a group" if self.groups > 1 else
+                         "one after another, on every device"),
+            "params_and_optimizer_state": sharded,
+            "batch": f"split over ('{DATA_AXIS}', '{FSDP_AXIS}')"}
 
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets (without sparsity), by a
@@ -84,14 +148,15 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   `host_memory_available()`; with CPU devices, everything against the host's. Call it
   after `validate` and `distributed.initialize`, before anything is allocated."""
   ddp, r, accum = config.mode == "ddp", config.replicas_per_host, config.grad_accum_steps
-  sets = 1 if ddp else r  # sets of params and AdamW moments on every local device
+  groups, fsdp = config.mesh.replicas, config.mesh.fsdp
+  sets = 1 if ddp else r // groups  # sets of params and AdamW moments on every local device
   cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
   device, host = model_lib.memory_estimate(
-      cfg, param_sets=sets,
+      cfg, param_sets=sets, fsdp=fsdp,
       # ddp keeps all R replicas' gradients of a step before summing them; DiLoCo steps one
       # replica at a time; accumulation adds the running sum.
       grad_copies=(r + 1 if ddp else 1) + (accum > 1), host_copies=0 if ddp else 2 * r + 3,
-      micro_batch=max(config.batch_size // (accum * num_local_devices), 1))
+      micro_batch=max(config.batch_size * groups // (accum * num_local_devices), 1))
   d = config.data
   if d.source == "synthetic":  # the chain's tables (probs, cdf, sort scratch) and samples
     host["data"] = (4 * 8 * d.vocab_size ** d.markov_order * d.vocab_size
@@ -99,14 +164,16 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   n = model_lib.num_params_of(cfg)
   embed = (1 if cfg.tie_embeddings else 2) * vocab_size * cfg.d_model
   model = ["config.model", *(["config.data.vocab_size"] if embed > n / 2 else [])]
-  causes = {"state": [*model, *(["config.replicas_per_host"] if sets > 1 else [])],
-            "step": model, "outer": [*model, "config.replicas_per_host"],
+  layout = ["config.mesh.fsdp"] if fsdp < num_local_devices // groups else []
+  causes = {"state": [*model, *(["config.replicas_per_host"] if sets > 1 else []), *layout],
+            "step": [*model, *layout], "outer": [*model, "config.replicas_per_host"],
             "activations": ["config.model", "config.batch_size / config.grad_accum_steps"],
             "logits": ["config.data.vocab_size", "config.batch_size / config.grad_accum_steps"],
             "data": ["config.data.vocab_size / markov_order", "config.data.num_sequences"]}
   figures = (f"{n:,} params ({embed / n:.0%} in the embedding and head, vocab_size "
              f"{vocab_size:,} x d_model {cfg.d_model}); per device: state "
-             f"{metrics.format_bytes(device['state'])} ({sets} x params + 2 AdamW moments, float32), step "
+             f"{metrics.format_bytes(device['state'])} ({sets} x params + 2 AdamW moments, float32"
+             f"{f', sharded {fsdp} ways' if fsdp > 1 else ''}), step "
              f"{metrics.format_bytes(device['step'])} (gradients, update, eval copy), activations "
              f"{metrics.format_bytes(device['activations'])}, logits {metrics.format_bytes(device['logits'])}; host: "
              + ", ".join(f"{k} {metrics.format_bytes(v)}" for k, v in host.items()))

@@ -388,7 +388,8 @@ def print_memory(memory: Mapping[str, int] | None, mesh) -> None:
   print(f"inner step: {format_bytes(memory['total'])} per device (XLA's plan: arguments "
         f"{format_bytes(memory['arguments'])}, temporaries {format_bytes(memory['temporaries'])}"
         f", outputs {format_bytes(memory['outputs'])} of which {format_bytes(memory['aliased'])}"
-        f" in donated buffers) on {mesh.devices.size} local device(s)", flush=True)
+        f" in donated buffers) on {mesh.devices.size} local device(s), mesh "
+        + " x ".join(f"{n} {axis}" for axis, n in mesh.shape.items()), flush=True)
 
 
 def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,

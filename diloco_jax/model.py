@@ -170,10 +170,11 @@ def _activation_floats(cfg: ModelConfig) -> int:
 
 
 def memory_estimate(cfg: ModelConfig, *, param_sets: int, grad_copies: int, host_copies: int,
-                    micro_batch: int) -> tuple[dict[str, int], dict[str, int]]:
+                    micro_batch: int, fsdp: int = 1) -> tuple[dict[str, int], dict[str, int]]:
   """Bytes of a training run's pieces: ({part: bytes} on every local device, {part: bytes}
   in host memory), in this trainer's layout (params and optimizer state replicated on
-  every local device, the batch split over them, the outer state on the host).
+  every device of a replica's group, or sharded `fsdp` ways, the batch split over the
+  group, the outer state on the host).
 
   With N = num_params_of(cfg), s the compute dtype's bytes, b = `micro_batch` sequences
   per device, and L, D, M, V, H, layers from `cfg`:
@@ -190,7 +191,8 @@ def memory_estimate(cfg: ModelConfig, *, param_sets: int, grad_copies: int, host
     host        outer        host_copies x 4N  anchor, outer momentum, the pseudo-gradients
                              and the copies they are computed from
 
-  The state figures are exact; activations and logits are an estimate of what cannot be
+  With `fsdp` > 1, state and step are divided by `fsdp` (what XLA gathers for one layer
+  at a time is left out). The state figures are exact; activations and logits are an estimate of what cannot be
   avoided (XLA may fuse some intermediates away, keep others longer; `remat` = block keeps
   less), meant to tell a config that cannot fit from one that might. Evaluation runs
   `batch_size` sequences per device at once, not micro-batches: its logits are not counted.
@@ -198,7 +200,7 @@ def memory_estimate(cfg: ModelConfig, *, param_sets: int, grad_copies: int, host
   n = 4 * num_params_of(cfg)  # float32 bytes of one copy of the params
   s = jnp.dtype(cfg.dtype).itemsize
   tokens = micro_batch * cfg.seq_len
-  device = {"state": param_sets * 3 * n, "step": (grad_copies + 2) * n,
+  device = {"state": param_sets * 3 * n // fsdp, "step": (grad_copies + 2) * n // fsdp,
             "activations": tokens * cfg.num_layers * s * _activation_floats(cfg),
             "logits": tokens * cfg.vocab_size * (s + 4)}
   return device, {"outer": host_copies * n}

@@ -36,14 +36,14 @@ class StreamingOuterStep(outer_lib.HostSide):
   def __init__(self, optimizer, *, num_fragments: int, layout: str, overlap_steps: int,
                merge_alpha: float, num_rounds: int, inner_steps: int, **kw):
     super().__init__(**kw)
-    self.num_fragments, self.layout, self.alpha = num_fragments, layout, merge_alpha
+    self.num_fragments, self.fragment_layout = num_fragments, layout
+    self.alpha = merge_alpha
     self.optimizer, self.h = optimizer, inner_steps
     self.fragment_rule = diloco.Sync(optimizer, self.num_replicas)  # a fragment's outer step
     self.events = streaming.events(num_rounds, inner_steps, num_fragments, overlap_steps)
     self._apply = jax.jit(self.fragment_rule.apply, donate_argnums=0)
     self._merge = jax.jit(functools.partial(streaming.merge, alpha=merge_alpha,
-                                            num_replicas=self.replicas_per_host),
-                          out_shardings=self.on_mesh)
+                                            num_replicas=self.replicas_per_host))
 
   @classmethod
   def from_config(cls, config, **kw) -> StreamingOuterStep:
@@ -55,7 +55,7 @@ class StreamingOuterStep(outer_lib.HostSide):
 
   def init(self, anchor: Params) -> outer_lib.Outer:
     try:
-      ids = streaming.model_fragment_ids(anchor, self.num_fragments, self.layout)
+      ids = streaming.model_fragment_ids(anchor, self.num_fragments, self.fragment_layout)
     except ValueError as e:  # your own module, with fewer blocks than fragments
       raise config_lib.ConfigError(f"config.outer.fragments = {self.num_fragments}: {e}"
                                    ) from None
@@ -106,8 +106,11 @@ class StreamingOuterStep(outer_lib.HostSide):
   def _merge_in(self, replicas, p: int, anchor_p: list):
     """θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p on the local devices (α = 0: the sync broadcast)."""
     placed = self.place(anchor_p)
-    new = (self._broadcast(placed) if self.alpha == 0 else
-           self._merge(self._fragment(replicas.params, p), placed))
+    if self.alpha == 0:
+      new = self._broadcast(placed)
+    else:
+      new = self._merge(self._fragment(replicas.params, p), placed)
+      new = jax.device_put(new, self.layout.replicas(new))  # as the inner step holds it
     parts = streaming.split(replicas.params, self.ids, self.num_fragments)
     parts[p] = jax.block_until_ready(new)
     return replicas.replace(params=streaming.join(parts, self.ids, self.rule.treedef))

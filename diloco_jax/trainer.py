@@ -93,7 +93,7 @@ class Trainer:
     self.model_cfg = model_lib.ModelConfig.from_config(config.model, self.spec.vocab_size)
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
-    self.mesh = inner.local_mesh()
+    self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
     checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
     self.elastic = config.elastic and self.num_hosts > 1
     self.collective = (elastic.ElasticCollective(config.elastic_timeout) if self.elastic
@@ -118,11 +118,13 @@ class Trainer:
     peak = mesh_lib.peak_flops(self.mesh.devices.flat[0])  # every host has the same devices
     self.peak_flops = peak and peak * self.mesh.devices.size * self.num_hosts
     self.outer = self.outer_step.init(anchor)
-    self._init_replicas = jax.jit(
-        functools.partial(state_lib.init_replica_state, inner_optimizer,
-                          num_replicas=self.outer_step.param_sets),
-        out_shardings=self.train_step.state_sharding)
-    self.replicas = self._init_replicas(jax.device_put(anchor, self.train_step.state_sharding))
+    init = functools.partial(state_lib.init_replica_state, inner_optimizer,
+                             num_replicas=self.outer_step.param_sets)
+    init = jax.jit(init, out_shardings=self.train_step.state_shardings(
+        jax.eval_shape(init, anchor)))  # created sharded: never whole on one device
+    layout = self.train_step.layout
+    self._init_replicas = lambda params: init(jax.device_put(params, layout.params(params)))
+    self.replicas = self._init_replicas(anchor)
     self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
     self.bar = metrics.ProgressBar(self.num_rounds * self.h, enabled=self.is_host0)
@@ -206,7 +208,7 @@ class Trainer:
                                                  self.data, self.h)
     else:
       self.outer = self.outer_step.join(snap.shared, snap.own)
-      self.replicas = jax.device_put(snap.own["replicas"], self.train_step.state_sharding)
+      self.replicas = self.train_step.place(snap.own["replicas"])
       self.data.set_state(checkpoint_lib.decode_json(snap.own["data"]))
     if self.is_host0:
       metrics.print_resumed(r, self.checkpointer.directory, replicas=self.num_replicas,
@@ -239,7 +241,7 @@ class Trainer:
                              flops_per_token=model_lib.flops_per_token(self.model_cfg,
                                                                        self.num_params),
                              tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
-                             memory=memory, layout=mesh_lib.layout(self.mesh))
+                             memory=memory, layout=self.train_step.layout.describe())
     first = done if self.outer.inflight else done + 1  # the first round logged from now on
     self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
                                             first_round=first,

@@ -65,8 +65,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(cmd: list[str], **kw) -> subprocess.Popen:
-  return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+def start(cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+  return subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 

@@ -17,8 +17,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("checkpoint", "data", "linkdrop", "models", "outer_step", "overhead", "poison",
-           "wan")
+BENCHES = ("checkpoint", "data", "linkdrop", "memory", "models", "outer_step", "overhead",
+           "poison", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -43,6 +43,9 @@ DATA_DEMAND_KEYS = {"flops_per_token", "mfu", "model", "params", "peak_flops",
 LINKDROP_KEYS = {"drop_s", "env", "heartbeat_timeout", "reference_completed", "rounds", "side",
                  "train_args", "trial"}
 LINKDROP_TRIAL_KEYS = {"attempts", "comparison", "completed", "name"}
+MEMORY_ROW_KEYS = {"config", "data", "estimate", "estimate_bytes", "fsdp", "layout",
+                   "memory_per_device_bytes", "params", "replicas", "sequences_per_device",
+                   "xla"}
 MODELS_KEYS = {"config", "device", "ratio_llama_vs_gpt", "rounds_timed", "rows", "samples"}
 MODELS_ROW_KEYS = {"family", "flops_per_sec", "flops_per_token", "mlp_dim", "params",
                    "tokens_per_sec"}
@@ -94,6 +97,17 @@ def check_linkdrop(result: dict) -> None:
   assert result["trial"]["comparison"]["equal"]  # nothing dropped: the same run twice
 
 
+def check_memory(result: dict) -> None:
+  has(result, {"devices", "rows"})
+  rows = {row["layout"]: row for row in result["rows"]}
+  assert list(rows) == ["1x4", "2x2", "4x1"]  # --smoke: configs/tiny.py on 4 devices
+  for row in rows.values():
+    has(row, MEMORY_ROW_KEYS)
+  # Fewer devices per replica, more bytes on each.
+  sizes = [rows[k]["memory_per_device_bytes"] for k in ("1x4", "2x2", "4x1")]
+  assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
+
+
 def check_models(result: dict) -> None:
   has(result, MODELS_KEYS)
   assert [row["family"] for row in result["rows"]] == ["gpt", "llama"]
@@ -138,7 +152,7 @@ def check_wan(result: dict, out: str) -> None:
 
 
 CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "linkdrop": check_linkdrop,
-          "models": check_models,
+          "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "poison": check_poison,
           "wan": check_wan}
 

@@ -182,10 +182,15 @@ TINY = ["--config=configs/tiny.py", "--config.replicas_per_host=1", "--config.nu
         "--config.debug_checks=True", "--heartbeat_timeout=20"]
 
 
+# Each host with 2 CPU devices, its replica's params and AdamW state sharded over them.
+FSDP = ["--config.mesh.fsdp=2"]
+TWO_DEVICES = {**multihost.ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
 def launch(workdir, *extra, hosts=2, max_restarts=0):
   return multihost.start([sys.executable, "launch/local.py", f"--hosts={hosts}",
                           f"--max_restarts={max_restarts}", "--", f"--workdir={workdir}",
-                          *TINY, *extra])
+                          *TINY, *extra], env=TWO_DEVICES if FSDP[0] in extra else None)
 
 
 def records(workdir):
@@ -225,24 +230,28 @@ def references(tmp_path_factory):
   """Uninterrupted 2-host runs, one per mode, computed once."""
   out = {}
 
-  def get(mode):
-    if mode not in out:
+  def get(mode, *extra):
+    key = (mode, *extra)
+    if key not in out:
       workdir = tmp_path_factory.mktemp(f"reference_{mode}")
-      text = launch(workdir, f"--config.mode={mode}").communicate(timeout=300)[0]
+      text = launch(workdir, f"--config.mode={mode}", *extra).communicate(timeout=300)[0]
       assert "final eval loss" in text, text[-4000:]
-      out[mode] = workdir
-    return out[mode]
+      out[key] = workdir
+    return out[key]
 
   return get
 
 
-@pytest.mark.parametrize("mode,victim", [("sync", 1), ("sync", 0), ("eager", 1)])
-def test_sigkill_restart_resumes_bit_identically(tmp_path, references, mode, victim):
+@pytest.mark.parametrize("mode,victim,extra", [("sync", 1, []), ("sync", 0, FSDP),
+                                               ("eager", 1, [])],
+                         ids=["sync", "sync-coordinator-fsdp", "eager"])
+def test_sigkill_restart_resumes_bit_identically(tmp_path, references, mode, victim, extra):
   """SIGKILL of one host at a random moment after checkpoint 3; the launcher restarts
   every host, which resume from the newest checkpoint and end where an uninterrupted run
-  ends, every round's anchor hash included."""
-  reference = references(mode)
-  launcher = launch(tmp_path, f"--config.mode={mode}", max_restarts=1)
+  ends, every round's anchor hash included. With FSDP: each host's replica sharded over
+  its 2 devices, and the coordinator killed."""
+  reference = references(mode, *extra)
+  launcher = launch(tmp_path, f"--config.mode={mode}", *extra, max_restarts=1)
   wait_for_checkpoint(tmp_path, 3, launcher)
   time.sleep(random.uniform(0, 0.5))
   os.kill(host_pid(launcher, victim), signal.SIGKILL)
@@ -251,6 +260,16 @@ def test_sigkill_restart_resumes_bit_identically(tmp_path, references, mode, vic
   assert f"host {victim} killed by signal 9" in text and "restart 1/1" in text
   assert "resumed from checkpoint" in text, text[-4000:]
   same_run(tmp_path, reference)
+
+
+def test_fsdp_layout_trains_to_the_default_layouts_losses(references):
+  """2 hosts x 1 replica: each replica on 2 devices, sharded, or on 1 device; equal but
+  for float32 summation order (tests/test_layout.py), the anchors identical on every host
+  each round (debug_checks in both runs)."""
+  fsdp, default = records(references("sync", *FSDP)), records(references("sync"))
+  assert all("anchor_hash" in r for r in fsdp)
+  for key in ("train_loss", "eval_loss"):
+    assert [r[key] for r in fsdp] == pytest.approx([r[key] for r in default], rel=1e-5)
 
 
 def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):

@@ -97,7 +97,7 @@ def test_run_json_says_what_the_run_is(sync_run):
   assert run["memory_per_device_bytes"] == memory["total"] == (
       memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"])
   assert memory["arguments"] >= 2 * 3 * 4 * params and memory["aliased"] >= 2 * 3 * 4 * params
-  assert run["layout"]["mesh"] == {"data": jax.local_device_count()}
+  assert run["layout"]["mesh"] == {"replica": 1, "data": jax.local_device_count(), "fsdp": 1}
   assert run["versions"]["jax"] == jax.__version__ and run["versions"]["diloco_jax"]
 
 
