@@ -2,7 +2,7 @@
 
   python bench/memory.py [--configs=configs/llama_150m.py,configs/llama_1b.py]
                          [--devices=8] [--layouts=1x8,2x4,8x1]
-  python bench/memory.py --smoke  # seconds: configs/tiny.py on 4 devices
+  python bench/memory.py --smoke  # seconds: configs/tiny.py on 2 devices
 
 A layout GxF is `mesh.replicas = G` device groups with `mesh.fsdp = F`, on a host of
 `--devices` devices emulated on the CPU (--xla_force_host_platform_device_count), with one
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _smoke  # noqa: E402
 
-SMOKE = {"configs": "configs/tiny.py", "devices": 4, "layouts": "1x4,2x2,4x1"}
+SMOKE = {"configs": "configs/tiny.py", "devices": 2, "layouts": "1x2,2x1"}
 
 
 def layout_memory(config, replicas: int, fsdp: int) -> dict:

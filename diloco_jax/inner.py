@@ -11,6 +11,7 @@ a replica's devices and never reach another host. `EvalStep` evaluates one set o
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Any, Callable
 
@@ -119,6 +120,17 @@ class Step:
     """Puts a state on the mesh as the step expects it."""
     return jax.device_put(state, self.state_shardings(state))
 
+  def init_replicas(self, optimizer: optax.GradientTransformation, params: Params,
+                    num_replicas: int) -> state_lib.ReplicaState:
+    """`num_replicas` replicas at `params` with fresh optimizer states, created sharded on
+    the mesh (never whole on one device). Jitted once per Step."""
+    if self._init is None:
+      init = functools.partial(state_lib.init_replica_state, optimizer,
+                               num_replicas=num_replicas)
+      self._init = jax.jit(init, out_shardings=self.state_shardings(
+          jax.eval_shape(init, params)))
+    return self._init(jax.device_put(params, self.layout.params(params)))
+
   def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
     out = self._run(state, jax.device_put(batch_RxBxL1, self.batch_sharding))
     if self._block:
@@ -145,6 +157,7 @@ class Step:
     raise NotImplementedError
 
   _compiled = None
+  _init = None
 
   def compile(self, state: state_lib.ReplicaState, batch_shape: tuple[int, ...]
               ) -> dict[str, int] | None:

@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -49,6 +50,11 @@ def local_mesh(replicas: int = 1, fsdp: int = 1) -> Mesh:
         f"{devices.size} local devices")
   return Mesh(devices.reshape(replicas, devices.size // (replicas * fsdp), fsdp),
               (REPLICA_AXIS, DATA_AXIS, FSDP_AXIS))
+
+
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+_broadcast = jax.jit(lambda tree, r: jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *x.shape)),
+                                                  tree), static_argnums=1)
 
 
 def sharded_dim(shape: tuple[int, ...], fsdp: int) -> int | None:
@@ -85,6 +91,23 @@ class Layout:
     """Shardings for a tree of all R replicas' leaves, [R, ...] each."""
     return jax.tree.map(lambda x: NamedSharding(
         self.mesh, P(self._replica, *self.spec(np.shape(x)[1:]))), tree)
+
+  def put(self, tree: Any, per_replica: bool = False) -> Any:
+    """A private copy of one replica's params (`per_replica`: all R replicas' leaves) on
+    the mesh, as the inner step holds them: each device receives only its shards. Private:
+    the outer state it comes from must survive the inner step's donation."""
+    shardings = (self.replicas if per_replica else self.params)(tree)
+    if self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu":
+      # device_put(may_alias=False) to several devices still aliases the shard on the
+      # source device (jax 0.10.2, measured): a jitted copy is the private copy.
+      tree = _copy(tree)
+    return jax.device_put(tree, shardings, may_alias=False)
+
+  def broadcast(self, params: Any, num_replicas: int) -> Any:
+    """[R, ...] copies of params `put` on the mesh, sharded as the replicas are (with
+    replica groups, each group keeps its own replicas' rows: no data moves)."""
+    out = _broadcast(params, num_replicas)
+    return jax.device_put(out, self.replicas(out))
 
   def describe(self) -> dict:
     """How the inner step uses the host's devices (run.json's "layout")."""

@@ -14,12 +14,10 @@ share `HostSide`'s pieces. Every call returns an `Update`: new values, never a m
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -71,14 +69,9 @@ class HostSide:
     self.num_replicas = exchange.num_replicas
     self.host = jax.sharding.SingleDeviceSharding(exchange.host_device)
     self.layout = mesh_lib.Layout(mesh)  # how the inner step holds params on the devices
-    self._host_computes = (exchange.host_device in mesh.devices.flat
-                           and mesh.devices.size > 1)
-    self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     self._deltas = jax.jit(diloco.pseudo_gradients)
     self._finite = jax.jit(diloco.finite_replicas)
     self._zero_nonfinite = jax.jit(diloco.zero_nonfinite)
-    self._broadcast_to = jax.jit(functools.partial(state_lib.broadcast_to_replicas,
-                                                   num_replicas=self.replicas_per_host))
 
   @staticmethod
   def inner_step(loss_fn, optimizer, *, mesh: Mesh, grad_accum_steps: int,
@@ -92,22 +85,12 @@ class HostSide:
     return Update(outer, replicas, {})
 
   def place(self, tree: Params, per_replica: bool = False) -> Params:
-    """A copy of one replica's params (`per_replica`: of all R, [R, ...]) on the local
-    devices, sharded as the inner step holds them: each device receives only its shards.
-    Never an alias: on a CPU host, the host device is also the compute device, and the
-    outer state must survive the inner step's donation."""
-    shardings = (self.layout.replicas if per_replica else self.layout.params)(tree)
-    if self._host_computes:
-      # device_put(may_alias=False) to several devices still aliases the shard on the
-      # source device (jax 0.10.2, measured): a jitted copy is the private copy.
-      tree = self._copy(tree)
-    return jax.device_put(tree, shardings, may_alias=False)
+    """A private copy on the local devices, sharded as the inner step holds params
+    (`mesh.Layout.put`)."""
+    return self.layout.put(tree, per_replica)
 
   def _broadcast(self, params: Params) -> Params:
-    """[R, ...] copies of placed params, as the inner step holds its replicas (with
-    replica groups, each group keeps its own replicas' rows: no data moves)."""
-    out = self._broadcast_to(params)
-    return jax.device_put(out, self.layout.replicas(out))
+    return self.layout.broadcast(params, self.replicas_per_host)
 
   def to_host(self, params_R: Params) -> tuple[Params, float]:
     jax.block_until_ready(params_R)  # the inner phase is done: time the outer step alone

@@ -115,15 +115,12 @@ class Trainer:
     with jax.default_device(self.exchange.host_device):
       anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
     self.num_params = model_lib.count_params(anchor)
+    self.flops_per_token = model_lib.flops_per_token(self.model_cfg, self.num_params)
     peak = mesh_lib.peak_flops(self.mesh.devices.flat[0])  # every host has the same devices
     self.peak_flops = peak and peak * self.mesh.devices.size * self.num_hosts
     self.outer = self.outer_step.init(anchor)
-    init = functools.partial(state_lib.init_replica_state, inner_optimizer,
-                             num_replicas=self.outer_step.param_sets)
-    init = jax.jit(init, out_shardings=self.train_step.state_shardings(
-        jax.eval_shape(init, anchor)))  # created sharded: never whole on one device
-    layout = self.train_step.layout
-    self._init_replicas = lambda params: init(jax.device_put(params, layout.params(params)))
+    self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
+                                            num_replicas=self.outer_step.param_sets)
     self.replicas = self._init_replicas(anchor)
     self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
@@ -132,8 +129,7 @@ class Trainer:
         metrics.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
         inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
         tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token,
-        flops_per_token=model_lib.flops_per_token(self.model_cfg, self.num_params),
-        peak_flops=self.peak_flops)
+        flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
     self.finished_before = False  # resumed from the checkpoint of a finished run
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
@@ -226,20 +222,17 @@ class Trainer:
         devices=[str(d) for d in self.mesh.devices.flat],
         replicas_per_host=self.replicas_per_host, num_params=self.num_params,
         model=self.model_cfg.module or self.model_cfg.family,
-        flops_per_token=model_lib.flops_per_token(self.model_cfg, self.num_params),
-        num_rounds=self.num_rounds, inner_steps=self.h,
+        flops_per_token=self.flops_per_token, num_rounds=self.num_rounds, inner_steps=self.h,
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)
     done = self.resume()
-    memory = self.train_step.compile(self.replicas, (self.replicas_per_host,
-                                                     self.config.batch_size,
-                                                     self.config.model.seq_len + 1))
+    memory = self.train_step.compile(self.replicas, (
+        self.replicas_per_host, self.config.batch_size, self.config.model.seq_len + 1))
     if self.is_host0:  # once the workdir is known to be this run's
       metrics.print_memory(memory, self.mesh)
       metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,
                              devices=self.mesh.devices.flat, num_params=self.num_params,
-                             flops_per_token=model_lib.flops_per_token(self.model_cfg,
-                                                                       self.num_params),
+                             flops_per_token=self.flops_per_token,
                              tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
                              memory=memory, layout=self.train_step.layout.describe())
     first = done if self.outer.inflight else done + 1  # the first round logged from now on

@@ -100,12 +100,11 @@ def check_linkdrop(result: dict) -> None:
 def check_memory(result: dict) -> None:
   has(result, {"devices", "rows"})
   rows = {row["layout"]: row for row in result["rows"]}
-  assert list(rows) == ["1x4", "2x2", "4x1"]  # --smoke: configs/tiny.py on 4 devices
+  assert list(rows) == ["1x2", "2x1"]  # --smoke: configs/tiny.py on 2 devices
   for row in rows.values():
     has(row, MEMORY_ROW_KEYS)
-  # Fewer devices per replica, more bytes on each.
-  sizes = [rows[k]["memory_per_device_bytes"] for k in ("1x4", "2x2", "4x1")]
-  assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
+  # A replica on one device holds more than one sharded over two.
+  assert rows["1x2"]["memory_per_device_bytes"] < rows["2x1"]["memory_per_device_bytes"]
 
 
 def check_models(result: dict) -> None:

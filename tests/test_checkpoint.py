@@ -242,14 +242,13 @@ def references(tmp_path_factory):
   return get
 
 
-@pytest.mark.parametrize("mode,victim,extra", [("sync", 1, []), ("sync", 0, FSDP),
-                                               ("eager", 1, [])],
-                         ids=["sync", "sync-coordinator-fsdp", "eager"])
+@pytest.mark.parametrize("mode,victim,extra", [("sync", 0, FSDP), ("eager", 1, [])],
+                         ids=["sync-coordinator-fsdp", "eager"])
 def test_sigkill_restart_resumes_bit_identically(tmp_path, references, mode, victim, extra):
   """SIGKILL of one host at a random moment after checkpoint 3; the launcher restarts
   every host, which resume from the newest checkpoint and end where an uninterrupted run
-  ends, every round's anchor hash included. With FSDP: each host's replica sharded over
-  its 2 devices, and the coordinator killed."""
+  ends, every round's anchor hash included. Sync: the coordinator killed, each host's
+  replica sharded over its 2 devices (FSDP); eager: another host, the default layout."""
   reference = references(mode, *extra)
   launcher = launch(tmp_path, f"--config.mode={mode}", *extra, max_restarts=1)
   wait_for_checkpoint(tmp_path, 3, launcher)
