@@ -61,6 +61,11 @@ _LINK_TIMEOUT = flags.DEFINE_integer(
     "(launch/local.py --max_restarts) to resume from the newest checkpoint; shorter "
     "outages are survived. Default: 40% of --heartbeat_timeout; 0: off "
     "(env DILOCO_LINK_TIMEOUT).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None, "Directory of JAX's persistent compilation cache, so that a "
+    "run started again (after a preemption, a failure) loads its compiled programs instead "
+    "of compiling them: default WORKDIR/compilation_cache; 'none': off. The environment's "
+    "JAX_COMPILATION_CACHE_DIR, if set, is used instead.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config field with its value and what it means "
     "(with --config and its overrides), then exit; --workdir is not needed.")
@@ -214,6 +219,7 @@ def main(argv):
     sys.exit("Missing --workdir: the directory for checkpoints, metrics and plots, e.g. "
              "--workdir=/tmp/diloco_tiny")
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
+  _use_compilation_cache(_COMPILATION_CACHE.value, _WORKDIR.value)
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
     logging.set_verbosity(logging.WARNING)
   cluster = distributed.Cluster(
@@ -255,6 +261,17 @@ def main(argv):
     _exit(1)
   except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
+
+
+def _use_compilation_cache(path: str | None, workdir: str) -> None:
+  """JAX's persistent compilation cache in `path` (None: in the workdir), for every
+  program whatever its compile time: a restart then skips compiling. JAX writes entries
+  from host 0 only, and an unreadable entry is compiled again (with a warning)."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR") or path == "none":
+    return
+  jax.config.update("jax_compilation_cache_dir",
+                    path or os.path.join(workdir, "compilation_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _fail(message: str, code: int = 1) -> None:

@@ -124,20 +124,31 @@ def test_ddp_equals_mean_gradient_adamw(tmp_path):
   test_trained.same_params(trained.load(str(tmp_path)), result)  # read back: its one set
 
 
-def run_cli(*args, timeout=300):
+def run_cli(*args, timeout=300, env=None):
   return subprocess.run([sys.executable, "-m", "diloco_jax.train", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                        env=env or {**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def test_cli_runs_and_prints_round_lines(tmp_path):
-  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}",
-                 "--config.num_rounds=2", "--config.inner_steps=3",
-                 "--config.model.d_model=32", "--config.model.mlp_dim=64",
-                 "--config.inner.warmup_steps=2")
+  """...and keeps its compiled programs in workdir/compilation_cache (without the test
+  session's cache in the environment), where running the command again finds them all."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  args = ("--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.num_rounds=2",
+          "--config.inner_steps=3", "--config.model.d_model=32", "--config.model.mlp_dim=64",
+          "--config.inner.warmup_steps=2")
+  proc = run_cli(*args, env={**env, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "round 1/2" in proc.stdout and "round 2/2" in proc.stdout
   assert "loss floor" in proc.stdout and "best unigram loss" in proc.stdout
+  cached = set(os.listdir(tmp_path / "compilation_cache"))
+  assert cached
+  again = run_cli(*args, env={**env, "JAX_PLATFORMS": "cpu"})  # the finished run: no training
+  assert again.returncode == 0 and "final eval loss" in again.stdout, again.stderr[-3000:]
+  assert set(os.listdir(tmp_path / "compilation_cache")) == cached  # nothing compiled anew
+  off = run_cli(*args[:1], f"--workdir={tmp_path / 'off'}", *args[2:], "--compilation_cache=none",
+                env={**env, "JAX_PLATFORMS": "cpu"})
+  assert off.returncode == 0 and not os.path.exists(tmp_path / "off" / "compilation_cache")
 
 
 @pytest.mark.parametrize("override, field", [
