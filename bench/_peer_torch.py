@@ -2,6 +2,7 @@
 
   VENV/bin/python bench/_peer_torch.py --spec=SPEC.json --replica=0 --lighthouse=http://... \
       --out=RESULT.json
+  VENV/bin/python bench/_peer_torch.py --spec=SPEC.json --check=PARAMS.npz --out=RESULT.json
 
 The PyTorch twin of diloco_jax's `gpt` family with `use_bias=False` (the same shapes,
 tanh GELU, LayerNorm eps 1e-6, N(0, 0.02) init, residual projections scaled by depth),
@@ -12,7 +13,8 @@ windows of seq_len + 1 bytes from the first 1 − eval_fraction of the data (the
 diloco_jax trains on). Writes, as JSON: per-round times and losses, the time spent in
 DiLoCo's step hook on sync steps (quorum, allreduce of the pseudo-gradients, outer step,
 commit), the time of the first inner step, the params and the peak RSS. Imports nothing
-from diloco_jax: it runs where jax is not installed.
+from diloco_jax: it runs where jax is not installed. With --check it only compares its
+logits with diloco_jax's for the same params (bench/peer.py does, before timing anything).
 """
 
 from __future__ import annotations
@@ -78,6 +80,34 @@ class GPT(nn.Module):
     return self.head(self.ln_final(x))
 
 
+def from_flax(model: GPT, arrays: dict[str, np.ndarray]) -> None:
+  """Loads diloco_jax's params, flattened as {"block_0.qkv.kernel": array, ...}, into
+  `model` (Dense kernels [in, out] become Linear weights [out, in]; the fused qkv output
+  is [3, N, H] on both sides)."""
+  state = {"embed.weight": arrays["embed.embedding"], "pos_embed": arrays["pos_embed"],
+           "ln_final.weight": arrays["ln_final.scale"], "head.weight": arrays["head.kernel"].T}
+  for i in range(len(model.blocks)):
+    for name in ("qkv", "attn_out", "mlp_in", "mlp_out"):
+      state[f"blocks.{i}.{name}.weight"] = arrays[f"block_{i}.{name}.kernel"].T
+    for name in ("ln_attn", "ln_mlp"):
+      state[f"blocks.{i}.{name}.weight"] = arrays[f"block_{i}.{name}.scale"]
+  model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
+                         for k, v in state.items()}, strict=True)
+
+
+def check_logits(s: dict, path: str) -> dict:
+  """The largest difference between diloco_jax's logits (in the .npz at `path`, with its
+  params and tokens) and this model's with the same params."""
+  arrays = dict(np.load(path))
+  tokens, logits = arrays.pop("tokens"), arrays.pop("logits")
+  model = GPT(256, s["seq_len"], s["d_model"], s["num_heads"], s["mlp_dim"], s["num_layers"])
+  from_flax(model, arrays)
+  with torch.no_grad():
+    ours = model(torch.from_numpy(tokens.astype(np.int64))).numpy()
+  return {"max_abs_logit_diff": float(np.abs(ours - logits).max()),
+          "max_abs_logit": float(np.abs(logits).max())}
+
+
 def read_bytes(path: str) -> np.ndarray:
   """The bytes of a file, or of every file under a directory in sorted order (the
   directories bench/peer.py makes hold only text files, so nothing is skipped)."""
@@ -92,14 +122,20 @@ def read_bytes(path: str) -> np.ndarray:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--spec", required=True, help="JSON: shapes, recipe, rounds")
-  parser.add_argument("--replica", type=int, required=True)
-  parser.add_argument("--lighthouse", required=True, help="http://host:port")
+  parser.add_argument("--replica", type=int, default=0)
+  parser.add_argument("--lighthouse", default="", help="http://host:port")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--check", default="", help="an .npz of diloco_jax's params, tokens and "
+                      "logits: compare this model's logits with them and exit")
   args = parser.parse_args()
   with open(args.spec) as f:
     s = json.load(f)
   torch.set_num_threads(1)
   torch.set_num_interop_threads(1)
+  if args.check:
+    with open(args.out, "w") as f:
+      json.dump(check_logits(s, args.check), f)
+    return
 
   data = read_bytes(s["data_path"])
   num_windows = (len(data) - 1) // s["seq_len"]

@@ -21,6 +21,9 @@ outer Nesterov SGD lr 0.7, momentum 0.9, on the bytes of CPython's standard libr
               `torchft_lighthouse` process (not pinned; it only forms quorums). It runs in
               a virtualenv of its own (--venv; created with torch and torchft on first use,
               never by --smoke: a smoke run skips torchft where that venv does not exist).
+Before timing anything, diloco_jax's initial params are loaded into the torch model: its
+logits on random tokens must match diloco_jax's (to 1e-4), and the parameter counts of the
+runs must be equal, or the bench stops.
 What differs: diloco_jax's lr is its warmup + cosine schedule set flat (warmup 0, final
 lr fraction 1.0: the same constant lr); it reads shuffled non-overlapping windows of the
 first 95% of the bytes, the torch loop random windows of the same 95%; torch's first
@@ -252,21 +255,69 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> Non
   raise RuntimeError(f"torchft_lighthouse did not open port {port} (exit {proc.poll()})")
 
 
+def write_spec(args, data: str, directory: str) -> str:
+  """bench/_peer_torch.py's spec: configs/peer.py's recipe with this run's sizes."""
+  c = args.config
+  spec = {"data_path": data, "eval_fraction": c.data.eval_fraction, "seed": c.seed,
+          "batch_size": args.batch_size, "inner_steps": args.inner_steps,
+          "rounds": args.rounds, **{k: getattr(args, k) for k in SHAPE},
+          "lr": c.inner.lr, "b1": c.inner.b1, "b2": c.inner.b2, "eps": c.inner.eps,
+          "weight_decay": c.inner.weight_decay, "clip_norm": c.inner.clip_norm,
+          "outer_lr": c.outer.lr, "outer_momentum": c.outer.momentum,
+          "nesterov": c.outer.nesterov}
+  path = os.path.join(directory, "spec.json")
+  with open(path, "w") as f:
+    json.dump(spec, f)
+  return path
+
+
+def torch_env() -> dict[str, str]:
+  env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+  env.pop("PYTHONPATH", None)  # the venv's own packages only
+  return env
+
+
+def check_same_model(args, python: str) -> dict:
+  """diloco_jax's initial params and its logits on random tokens, loaded into the torch
+  model: the same architecture gives the same logits, up to float32 rounding."""
+  import jax  # noqa: PLC0415 -- only this check needs jax in this process
+  import numpy as np  # noqa: PLC0415
+
+  from diloco_jax import model as model_lib  # noqa: PLC0415
+
+  config = peer_config.get_config()
+  for k in SHAPE:
+    config.model[k] = getattr(args, k)
+  cfg = model_lib.ModelConfig.from_config(config.model, vocab_size=256)
+  params = model_lib.init_params(cfg, jax.random.key(config.seed))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, args.seq_len))
+  logits = model_lib.build(cfg).apply({"params": params}, tokens)
+  arrays = {".".join(str(k.key) for k in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  with tempfile.TemporaryDirectory(prefix="bench_peer_check_") as tmp:
+    npz, out = os.path.join(tmp, "params.npz"), os.path.join(tmp, "check.json")
+    np.savez(npz, tokens=tokens, logits=np.asarray(logits), **arrays)
+    proc = subprocess.run([python, os.path.join(REPO, "bench", "_peer_torch.py"),
+                           f"--spec={write_spec(args, '', tmp)}", f"--check={npz}",
+                           f"--out={out}"], env=torch_env(), capture_output=True, text=True,
+                          check=False)
+    if proc.returncode:
+      raise RuntimeError(f"the torch model could not take diloco_jax's params:\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    with open(out) as f:
+      check = json.load(f)
+  check["params"] = model_lib.count_params(params)
+  if check["max_abs_logit_diff"] > 1e-4:
+    raise RuntimeError(f"the two models differ: with diloco_jax's params, the torch model's "
+                       f"logits are off by up to {check['max_abs_logit_diff']:.3g}")
+  return check
+
+
 def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -> dict:
   """One torchft run: a lighthouse and two replica processes pinned to `cpus`."""
   tmp = tempfile.mkdtemp(prefix="bench_peer_torch_")
-  spec = {"data_path": data, "eval_fraction": args.config.data.eval_fraction,
-          "seed": args.config.seed, "batch_size": args.batch_size,
-          "inner_steps": args.inner_steps, "rounds": args.rounds,
-          **{k: getattr(args, k) for k in SHAPE},
-          "lr": args.config.inner.lr, "b1": args.config.inner.b1, "b2": args.config.inner.b2,
-          "eps": args.config.inner.eps, "weight_decay": args.config.inner.weight_decay,
-          "clip_norm": args.config.inner.clip_norm, "outer_lr": args.config.outer.lr,
-          "outer_momentum": args.config.outer.momentum, "nesterov": args.config.outer.nesterov}
-  with open(os.path.join(tmp, "spec.json"), "w") as f:
-    json.dump(spec, f)
-  env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-  env.pop("PYTHONPATH", None)
+  spec = write_spec(args, data, tmp)
+  env = torch_env()
   procs, logs = [], []
   try:
     port = free_port()
@@ -287,7 +338,7 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
       logs.append(open(os.path.join(tmp, f"replica{i}.log"), "w"))
       procs.append(subprocess.Popen(
           [python, os.path.join(REPO, "bench", "_peer_torch.py"),
-           f"--spec={os.path.join(tmp, 'spec.json')}", f"--replica={i}",
+           f"--spec={spec}", f"--replica={i}",
            f"--lighthouse=http://127.0.0.1:{port}", f"--out={os.path.join(tmp, f'r{i}.json')}"],
           env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
           preexec_fn=_pin_and_die_with_parent(cpus[i])))
@@ -411,6 +462,11 @@ def main(argv=None):
       python = os.path.join(args.venv, "bin", "python")
     else:
       print(f"--smoke: no torchft venv at {args.venv}: diloco_jax only", flush=True)
+  same_model = check_same_model(args, python) if python else None
+  if same_model:
+    print(f"the same model: with diloco_jax's initial params ({same_model['params']:,}), "
+          f"the torch model's logits differ by at most {same_model['max_abs_logit_diff']:.1e}",
+          flush=True)
   data = args.data or stdlib_dir()
   tokens_per_round = args.inner_steps * args.batch_size * args.seq_len
   watcher = Watcher()
@@ -445,7 +501,7 @@ def main(argv=None):
                  "batch_size": args.batch_size, **{k: getattr(args, k) for k in SHAPE},
                  "replicas": 2, "cpus": cpus, "data": args.data or "stdlib *.py",
                  "tokens_per_round_per_replica": tokens_per_round},
-      "params": params, "summary": summary, "ratio_tokens_per_sec": ratio,
+      "params": params, "same_model": same_model, "summary": summary, "ratio_tokens_per_sec": ratio,
       "pair_ratios": pair_ratios, "runs": runs, "torchft_skipped": python is None,
       "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "smoke": args.smoke}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -57,8 +57,8 @@ OVERHEAD_KEYS = {"config", "device", "jax", "ratio_diloco_vs_local", "ratio_dilo
 OVERHEAD_CONFIG_KEYS = {"batch_size", "d_model", "inner_steps", "num_layers", "replicas",
                         "rounds_timed", "seq_len"}
 LOOPS = {"diloco", "plain", "plain_big", "local"}
-PEER_KEYS = {"config", "pair_ratios", "params", "ratio_tokens_per_sec", "runs", "summary",
-             "torchft_skipped"}
+PEER_KEYS = {"config", "pair_ratios", "params", "ratio_tokens_per_sec", "runs", "same_model",
+             "summary", "torchft_skipped"}
 PEER_FIGURES = {"first_round_s", "max_peak_rss_mib", "outer_time_s", "round_time_s",
                 "startup_s", "tokens_per_sec_per_replica"}
 POISON_KEYS = {"poisoned_replica", "replicas", "rounds", "rows"}
@@ -147,6 +147,8 @@ def check_peer(result: dict) -> None:
     assert result["summary"][side]["tokens_per_sec_per_replica"] > 0
   assert set(result["params"]) == set(sides) and len(set(result["params"].values())) == 1
   assert (result["ratio_tokens_per_sec"] is None) == result["torchft_skipped"]
+  if not result["torchft_skipped"]:  # the torch model, given diloco_jax's params
+    assert result["same_model"]["max_abs_logit_diff"] <= 1e-4
 
 
 def check_poison(result: dict) -> None:
