@@ -3,46 +3,48 @@
   python bench/peer.py [--pairs=3] [--rounds=4] [--venv=~/.cache/diloco_jax/peer_venv]
   python bench/peer.py --smoke  # seconds: a one-block width-32 model, 1 pair of 2 rounds
 
-Two replicas, one process each, each process pinned to its own CPU core with one compute
-thread, K = 2, H = 50: the 3.3M-param byte-level GPT of configs/peer.py (vocab 256, width
-256, 4 blocks of 4 heads, MLP 1024, 128 tokens, batch 8, no biases, untied head), AdamW lr
-1e-3 (betas .9/.95, weight decay .1 on matrices and embeddings, global-norm clip 1),
-outer Nesterov SGD lr 0.7, momentum 0.9, on the bytes of CPython's standard library (its
-~170 top-level modules, linked into a temporary directory that both sides read).
-  diloco_jax: `launch/local.py --hosts=2 -- --config=configs/peer.py`, one CPU device and
+The setup: 2 replicas, one process each, each process pinned to its own CPU core and
+computing on one thread; H = 50; configs/peer.py's 3.3M-param byte-level GPT (vocab 256,
+width 256, 4 blocks of 4 heads, MLP 1024, 128 tokens, batch 8, no biases, untied head);
+AdamW lr 1e-3, betas .9/.95, weight decay .1 (matrices and embeddings), global-norm clip 1;
+outer Nesterov SGD lr 0.7, momentum 0.9; the bytes of CPython's standard library (its ~170
+top-level modules, linked into a temporary directory that both sides read).
+
+  diloco_jax  `launch/local.py --hosts=2 -- --config=configs/peer.py`: one CPU device and
               one replica per host, XLA_FLAGS=--xla_cpu_multi_thread_eigen=false. The
-              launcher starts both hosts, so this script pins them: it finds each host
-              process (a child of the launcher with --host_id=i) and sets the affinity of
-              every thread in /proc/PID/task to core i, as soon as the process exists and
-              again every 0.1 s (threads then start with the core of their creator).
-  torchft:    bench/_peer_torch.py, the same model in PyTorch under torchft's `DiLoCo`,
-              `Manager` and `ProcessGroupGloo`, one replica group of one process per core
-              (pinned before exec, torch.set_num_threads(1), OMP_NUM_THREADS=1), and a
-              `torchft_lighthouse` process (not pinned; it only forms quorums). It runs in
-              a virtualenv of its own (--venv; created with torch and torchft on first use,
-              never by --smoke: a smoke run skips torchft where that venv does not exist).
-Before timing anything, diloco_jax's initial params are loaded into the torch model: its
-logits on random tokens must match diloco_jax's (to 1e-4), and the parameter counts of the
-runs must be equal, or the bench stops.
-What differs: diloco_jax's lr is its warmup + cosine schedule set flat (warmup 0, final
-lr fraction 1.0: the same constant lr); it reads shuffled non-overlapping windows of the
-first 95% of the bytes, the torch loop random windows of the same 95%; torch's first
-quorum happens at the end of round 1 (no initial sync: both sides start from their own
-seed), diloco_jax's hosts meet at start-up. The runs alternate A B A B ... (--pairs), each
---rounds rounds; round 1 (compiling, first quorum) is reported apart. Per run: tokens/s
-per replica (B x L x H over the median steady round time), the outer step (diloco_jax: its
-metrics' outer_time, d2h + mean + update + h2d; torchft: the time in DiLoCo's optimizer
-hook on sync steps: quorum, allreduce, outer SGD, commit), peak RSS of each replica
-process (VmHWM, sampled every 0.1 s) and of the lighthouse, start-up (process start to the
-first inner step: for diloco_jax, the moment host 0 writes run.json, after compiling, just
-before round 1; for torchft, the later replica's first step). Writes bench/results/peer.json
-and prints a markdown table of medians over the runs.
+              launcher starts both hosts, so this script pins them: it finds host i (the
+              launcher's child with --host_id=i) and sets every thread in /proc/PID/task
+              to core i, at once and again every 0.1 s (new threads inherit their
+              creator's core).
+  torchft     bench/_peer_torch.py: the same model in PyTorch under torchft's `DiLoCo`
+              with a `Manager` and `ProcessGroupGloo`, one replica group of one process per
+              core (pinned from its exec, torch.set_num_threads(1), OMP_NUM_THREADS=1), and a
+              `torchft_lighthouse` process (not pinned: it only forms quorums). It runs in
+              a virtualenv of its own (--venv), created with torch and torchft on first use
+              (never by --smoke, which skips torchft where that venv does not exist).
+
+Before timing anything, diloco_jax's initial params are loaded into the torch model, whose
+logits on random tokens must equal diloco_jax's (to 1e-4); the two runs' parameter counts
+must be equal too, or the bench stops. What still differs: diloco_jax's lr is its warmup +
+cosine schedule made flat (warmup 0, final lr fraction 1.0); it reads shuffled whole
+windows of the first 95% of the bytes, the torch loop random windows of the same 95%; the
+torch replicas first meet at the end of round 1 (a quorum; no initial sync, as each side's
+replicas start from one seed), diloco_jax's hosts at start-up.
+
+The runs alternate, diloco_jax then torchft, --pairs times, each --rounds rounds; round 1
+(compilation, the first quorum) is reported apart. Per run: tokens/s per replica (B x L x
+H over the median round time of rounds 2..R); the outer step (diloco_jax: its metrics'
+outer_time, d2h + mean + update + h2d; torchft: the time inside DiLoCo's optimizer hook on
+sync steps: quorum, allreduce, outer SGD, commit); the peak RSS of each replica process
+(VmHWM, read every 0.1 s) and of the lighthouse; start-up, from starting the processes to
+the first inner step (diloco_jax: when host 0 writes run.json, after compiling, just
+before round 1; torchft: the later replica's first step). Writes bench/results/peer.json
+and prints a markdown table of the medians over runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import json
 import os
@@ -86,21 +88,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-try:  # loaded here, not in a forked child (which must not take the loader's locks)
-  _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:
-  _LIBC = None
+# Runs a command pinned to a core (-1: any) and killed when this script dies (as
+# launch/local.py's hosts are when it dies): `python -c _EXEC CPU COMMAND...` sets both,
+# then becomes COMMAND. Not a preexec_fn, which would fork this threaded process.
+_EXEC = ("import ctypes, os, signal, sys; cpu = int(sys.argv[1]); "
+         "cpu >= 0 and os.sched_setaffinity(0, {cpu}); "
+         "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
+         "os.execv(sys.argv[2], sys.argv[2:])")
 
 
-def _pin_and_die_with_parent(cpu: int | None):
-  """preexec_fn: this core only (None: unchanged), and SIGKILL when this script dies (as
-  launch/local.py does for its hosts), so that no lighthouse or replica outlives a run."""
-  def preexec():
-    if cpu is not None:
-      os.sched_setaffinity(0, {cpu})
-    if _LIBC is not None:
-      _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  return preexec
+def pinned(command: list[str], cpu: int | None) -> list[str]:
+  return [sys.executable, "-c", _EXEC, str(-1 if cpu is None else cpu), *command]
 
 
 class Watcher(threading.Thread):
@@ -195,8 +193,8 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
   try:
     with open(log_path, "w") as log:
       t0 = time.time()
-      proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True, preexec_fn=_pin_and_die_with_parent(None))
+      proc = subprocess.Popen(pinned(cmd, None), cwd=REPO, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
       while len(pids) < 2 and proc.poll() is None and time.time() - t0 < 60:
         for host, pid in host_pids(proc.pid, 2).items():
           if host not in pids:
@@ -324,11 +322,10 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
     lighthouse_log = open(os.path.join(tmp, "lighthouse.log"), "w")
     logs.append(lighthouse_log)
     t = time.time()
-    lighthouse = subprocess.Popen(
+    lighthouse = subprocess.Popen(pinned(
         [os.path.join(os.path.dirname(python), "torchft_lighthouse"), "--min_replicas=2",
          f"--bind=127.0.0.1:{port}", "--quorum_tick_ms=100", "--join_timeout_ms=10000"],
-        env=env, stdout=lighthouse_log, stderr=subprocess.STDOUT,
-        preexec_fn=_pin_and_die_with_parent(None))
+        None), env=env, stdout=lighthouse_log, stderr=subprocess.STDOUT)
     procs.append(lighthouse)
     wait_for_port(port, lighthouse)
     lighthouse_startup = time.time() - t
@@ -336,12 +333,11 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
     t0 = time.time()
     for i in range(2):
       logs.append(open(os.path.join(tmp, f"replica{i}.log"), "w"))
-      procs.append(subprocess.Popen(
-          [python, os.path.join(REPO, "bench", "_peer_torch.py"),
-           f"--spec={spec}", f"--replica={i}",
-           f"--lighthouse=http://127.0.0.1:{port}", f"--out={os.path.join(tmp, f'r{i}.json')}"],
-          env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
-          preexec_fn=_pin_and_die_with_parent(cpus[i])))
+      procs.append(subprocess.Popen(pinned(
+          [python, os.path.join(REPO, "bench", "_peer_torch.py"), f"--spec={spec}",
+           f"--replica={i}", f"--lighthouse=http://127.0.0.1:{port}",
+           f"--out={os.path.join(tmp, f'r{i}.json')}"], cpus[i]),
+          env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
       watcher.watch(procs[-1].pid, cpus[i])
     deadline = time.time() + RUN_TIMEOUT_S
     codes = [p.wait(timeout=max(deadline - time.time(), 1)) for p in procs[1:]]
