@@ -88,16 +88,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-# Runs a command pinned to a core (-1: any) and killed when this script dies (as
-# launch/local.py's hosts are when it dies): `python -c _EXEC CPU COMMAND...` sets both,
-# then becomes COMMAND. Not a preexec_fn, which would fork this threaded process.
+# Every process this script starts runs through `python -c _EXEC CPU COMMAND...`: pinned
+# to core CPU (-1: any) and killed when this script dies (as launch/local.py's hosts are
+# when it dies), then COMMAND by exec. Not a preexec_fn: that forks this threaded process.
 _EXEC = ("import ctypes, os, signal, sys; cpu = int(sys.argv[1]); "
          "cpu >= 0 and os.sched_setaffinity(0, {cpu}); "
          "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
          "os.execv(sys.argv[2], sys.argv[2:])")
 
 
-def pinned(command: list[str], cpu: int | None) -> list[str]:
+def shim(command: list[str], cpu: int | None = None) -> list[str]:
   return [sys.executable, "-c", _EXEC, str(-1 if cpu is None else cpu), *command]
 
 
@@ -193,7 +193,7 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
   try:
     with open(log_path, "w") as log:
       t0 = time.time()
-      proc = subprocess.Popen(pinned(cmd, None), cwd=REPO, env=env, stdout=log,
+      proc = subprocess.Popen(shim(cmd), cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
       while len(pids) < 2 and proc.poll() is None and time.time() - t0 < 60:
         for host, pid in host_pids(proc.pid, 2).items():
@@ -322,10 +322,10 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
     lighthouse_log = open(os.path.join(tmp, "lighthouse.log"), "w")
     logs.append(lighthouse_log)
     t = time.time()
-    lighthouse = subprocess.Popen(pinned(
+    lighthouse = subprocess.Popen(shim(
         [os.path.join(os.path.dirname(python), "torchft_lighthouse"), "--min_replicas=2",
-         f"--bind=127.0.0.1:{port}", "--quorum_tick_ms=100", "--join_timeout_ms=10000"],
-        None), env=env, stdout=lighthouse_log, stderr=subprocess.STDOUT)
+         f"--bind=127.0.0.1:{port}", "--quorum_tick_ms=100", "--join_timeout_ms=10000"]),
+        env=env, stdout=lighthouse_log, stderr=subprocess.STDOUT)
     procs.append(lighthouse)
     wait_for_port(port, lighthouse)
     lighthouse_startup = time.time() - t
@@ -333,7 +333,7 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
     t0 = time.time()
     for i in range(2):
       logs.append(open(os.path.join(tmp, f"replica{i}.log"), "w"))
-      procs.append(subprocess.Popen(pinned(
+      procs.append(subprocess.Popen(shim(
           [python, os.path.join(REPO, "bench", "_peer_torch.py"), f"--spec={spec}",
            f"--replica={i}", f"--lighthouse=http://127.0.0.1:{port}",
            f"--out={os.path.join(tmp, f'r{i}.json')}"], cpus[i]),
