@@ -61,6 +61,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.rope_base = 10000.0  # 'llama': base (theta) of the rotary position embedding.
   c.model.norm_eps = 1e-5  # 'llama': RMSNorm epsilon.
   c.model.tie_embeddings = False  # The head is the token embedding table, transposed.
+  c.model.use_bias = True  # 'gpt': biases in Dense layers, LayerNorms and the head (llama: none).
   c.model.remat = "none"  # One of REMAT: 'block' recomputes blocks in the backward pass.
 
   c.data = ml_collections.ConfigDict()

@@ -1,5 +1,6 @@
-"""The `gpt` family: a GPT-2-style decoder (pre-norm LayerNorm with biases, learned
-positions, fused QKV, GELU MLP, untied head unless `tie_embeddings`)."""
+"""The `gpt` family: a GPT-2-style decoder (pre-norm LayerNorm, learned positions, fused
+QKV, GELU MLP, untied head unless `tie_embeddings`), with biases in its Dense layers,
+LayerNorms and head unless `use_bias` is False."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax import layers
+
+
+def layer_norm(cfg: Any, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=jnp.float32,
+                      name=name)
+
+
+def dense(cfg: Any, features: int, std: float = 0.02, *, name: str) -> nn.Dense:
+  return layers.dense(features, cfg.dtype, std, use_bias=cfg.use_bias, name=name)
 
 
 class Block(nn.Module):
@@ -26,17 +36,15 @@ class Block(nn.Module):
     # does not grow with the number of blocks.
     out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
 
-    h = nn.LayerNorm(dtype=cfg.dtype, param_dtype=jnp.float32, name="ln_attn")(x_BxLxD)
-    qkv = layers.dense(3 * d, cfg.dtype, name="qkv")(h).reshape(b, l, 3, cfg.num_heads,
-                                                                head_dim)
+    h = layer_norm(cfg, "ln_attn")(x_BxLxD)
+    qkv = dense(cfg, 3 * d, name="qkv")(h).reshape(b, l, 3, cfg.num_heads, head_dim)
     attn = layers.causal_attention(self, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
                                    positions_L, decode=self.decode, cache_len=cfg.seq_len)
-    x_BxLxD = x_BxLxD + layers.dense(d, cfg.dtype, out_std, name="attn_out")(
-        attn.reshape(b, l, d))
+    x_BxLxD = x_BxLxD + dense(cfg, d, out_std, name="attn_out")(attn.reshape(b, l, d))
 
-    h = nn.LayerNorm(dtype=cfg.dtype, param_dtype=jnp.float32, name="ln_mlp")(x_BxLxD)
-    h = nn.gelu(layers.dense(cfg.mlp_dim, cfg.dtype, name="mlp_in")(h))
-    return x_BxLxD + layers.dense(d, cfg.dtype, out_std, name="mlp_out")(h)
+    h = layer_norm(cfg, "ln_mlp")(x_BxLxD)
+    h = nn.gelu(dense(cfg, cfg.mlp_dim, name="mlp_in")(h))
+    return x_BxLxD + dense(cfg, d, out_std, name="mlp_out")(h)
 
 
 class GPT(nn.Module):
@@ -53,5 +61,5 @@ class GPT(nn.Module):
     pos_LxD = jnp.take(pos, positions_L, axis=0) if self.decode else pos[: tokens_BxL.shape[1]]
     x_BxLxD = (embed(tokens_BxL) + pos_LxD).astype(cfg.dtype)
     x_BxLxD = layers.blocks(Block, cfg, self.decode, x_BxLxD, positions_L)
-    x_BxLxD = nn.LayerNorm(dtype=cfg.dtype, param_dtype=jnp.float32, name="ln_final")(x_BxLxD)
-    return layers.head(cfg, embed, x_BxLxD, use_bias=True)
+    x_BxLxD = layer_norm(cfg, "ln_final")(x_BxLxD)
+    return layers.head(cfg, embed, x_BxLxD, use_bias=cfg.use_bias)

@@ -54,6 +54,7 @@ class ModelConfig:
   rope_base: float = 10000.0
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  use_bias: bool = True  # gpt: biases in Dense layers, LayerNorms and the head
   remat: str = "none"
   module: str = ""  # "package.module:factory", instead of the family
 
@@ -68,7 +69,7 @@ class ModelConfig:
                dtype=jnp.dtype(model.dtype), family=model.family,
                num_kv_heads=model.num_kv_heads, rope_base=float(model.rope_base),
                norm_eps=float(model.norm_eps), tie_embeddings=model.tie_embeddings,
-               remat=model.remat, module=model.module)
+               use_bias=model.use_bias, remat=model.remat, module=model.module)
 
 
 @functools.cache

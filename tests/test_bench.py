@@ -18,7 +18,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("checkpoint", "data", "linkdrop", "memory", "models", "outer_step", "overhead",
-           "poison", "wan")
+           "peer", "poison", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -57,6 +57,10 @@ OVERHEAD_KEYS = {"config", "device", "jax", "ratio_diloco_vs_local", "ratio_dilo
 OVERHEAD_CONFIG_KEYS = {"batch_size", "d_model", "inner_steps", "num_layers", "replicas",
                         "rounds_timed", "seq_len"}
 LOOPS = {"diloco", "plain", "plain_big", "local"}
+PEER_KEYS = {"config", "pair_ratios", "params", "ratio_tokens_per_sec", "runs", "same_model",
+             "summary", "torchft_skipped"}
+PEER_FIGURES = {"first_round_s", "max_peak_rss_mib", "outer_time_s", "round_time_s",
+                "startup_s", "tokens_per_sec_per_replica"}
 POISON_KEYS = {"poisoned_replica", "replicas", "rounds", "rows"}
 POISON_ROW_KEYS = {"aggregation", "attack", "final_eval_loss", "skipped_rounds"}
 WAN_KEYS = {"hosts", "rate_mbit", "rounds", "rows"}
@@ -132,6 +136,20 @@ def check_overhead(result: dict) -> None:
   assert all(v > 0 for v in result["tokens_per_sec"].values())
 
 
+def check_peer(result: dict) -> None:
+  """diloco_jax always; torchft where its venv exists (--smoke never creates it)."""
+  has(result, PEER_KEYS)
+  sides = ["diloco_jax"] + ([] if result["torchft_skipped"] else ["torchft"])
+  assert [s for s, runs in result["runs"].items() if runs] == sides
+  for side in sides:
+    has(result["summary"][side], PEER_FIGURES)
+    assert result["summary"][side]["tokens_per_sec_per_replica"] > 0
+  assert set(result["params"]) == set(sides) and len(set(result["params"].values())) == 1
+  assert (result["ratio_tokens_per_sec"] is None) == result["torchft_skipped"]
+  if not result["torchft_skipped"]:  # the torch model, given diloco_jax's params
+    assert result["same_model"]["max_abs_logit_diff"] <= 1e-4
+
+
 def check_poison(result: dict) -> None:
   has(result, POISON_KEYS)
   for row in result["rows"]:
@@ -152,7 +170,8 @@ def check_wan(result: dict, out: str) -> None:
 
 CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
-          "outer_step": check_outer_step, "overhead": check_overhead, "poison": check_poison,
+          "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
+          "poison": check_poison,
           "wan": check_wan}
 
 

@@ -31,6 +31,19 @@ def test_gpt_150m_valid_once_given_data(tmp_path):
   config_lib.validate(config, num_local_devices=8)
 
 
+def test_peer_valid_once_given_data(tmp_path):
+  """configs/peer.py (bench/peer.py's side-by-side with torchft): text of bytes, one
+  replica per host, a flat lr, no biases."""
+  config = load_config("peer")
+  with pytest.raises(config_lib.ConfigError, match=r"config\.data\.path"):
+    config_lib.validate(config)
+  (tmp_path / "a.py").write_text("x = 1\n" * 1000)
+  config.data.path = str(tmp_path)
+  config_lib.validate(config, num_hosts=2)
+  assert not config.model.use_bias and not config.model.tie_embeddings
+  assert config.inner.warmup_steps == 0 and config.inner.final_lr_fraction == 1.0
+
+
 # (field, bad value, fragment of the message); one case per rule.
 CASES = [
     ("mode", "async", "one of"),
@@ -72,6 +85,7 @@ CASES = [
     ("outer.momentum", 1.0, "[0, 1)"),
     ("outer.momentum", -0.5, "[0, 1)"),
     ("outer.nesterov", 1, "must be a finite bool"),
+    ("model.use_bias", 0, "must be a finite bool"),
     ("num_rounds", 2.5, "must be a finite int"),
     ("num_rounds", True, "must be a finite int"),
     ("data.path", 3, "must be a finite str"),

@@ -51,6 +51,22 @@ def test_llama_shapes_and_counts():
   assert model_lib.flops_per_token(cfg, n) == 6 * (n - 50 * 32) + 6 * 2 * 8 * 32
 
 
+def test_gpt_without_biases():
+  """`use_bias=False` drops every bias of the gpt family (Dense layers, LayerNorms, head)
+  and nothing else; the default keeps them (the params of earlier versions)."""
+  base = dict(vocab_size=50, seq_len=8, num_layers=2, d_model=32, num_heads=4, mlp_dim=48)
+  with_bias = model_lib.ModelConfig(**base)
+  params = model_lib.init_params(model_lib.ModelConfig(**base, use_bias=False),
+                                 jax.random.key(0))
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  assert not [path for path, _ in leaves if "bias" in jax.tree_util.keystr(path)]
+  assert set(params["block_0"]["ln_attn"]) == {"scale"} and set(params["head"]) == {"kernel"}
+  # per block: 2 LayerNorm biases, qkv, attn_out, mlp_in, mlp_out; ln_final; head
+  biases = 2 * (2 * 32 + 3 * 32 + 32 + 48 + 32) + 32 + 50
+  assert model_lib.count_params(params) == model_lib.num_params_of(with_bias) - biases
+  assert "bias" in model_lib.param_shapes(with_bias)["block_0"]["qkv"]
+
+
 def test_gqa_equals_attention_with_repeated_heads():
   """Grouped-query attention with K key/value heads is full attention whose key and value
   heads are each repeated N/K times: an independent check of the head grouping."""
