@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from diloco_jax import config as config_lib
 from diloco_jax import metrics
 from diloco_jax import model as model_lib
+from diloco_jax import state as state_lib
 
 REPLICA_AXIS, DATA_AXIS, FSDP_AXIS = "replica", "data", "fsdp"
 
@@ -53,8 +54,7 @@ def local_mesh(replicas: int = 1, fsdp: int = 1) -> Mesh:
 
 
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-_broadcast = jax.jit(lambda tree, r: jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *x.shape)),
-                                                  tree), static_argnums=1)
+_broadcast = jax.jit(state_lib.broadcast_to_replicas, static_argnums=1)
 
 
 def sharded_dim(shape: tuple[int, ...], fsdp: int) -> int | None:
@@ -71,7 +71,6 @@ class Layout:
   def __init__(self, mesh: Mesh):
     self.mesh = mesh
     self.groups, self.fsdp = mesh.shape[REPLICA_AXIS], mesh.shape[FSDP_AXIS]
-    self.data = mesh.shape[DATA_AXIS]
     self._replica = REPLICA_AXIS if self.groups > 1 else None
     self.batch = NamedSharding(mesh, P(self._replica, (DATA_AXIS, FSDP_AXIS)))  # [R, B, L+1]
     self.eval_batch = NamedSharding(mesh, P(None, (DATA_AXIS, FSDP_AXIS)))  # [E, B, L+1]
@@ -106,8 +105,12 @@ class Layout:
   def broadcast(self, params: Any, num_replicas: int) -> Any:
     """[R, ...] copies of params `put` on the mesh, sharded as the replicas are (with
     replica groups, each group keeps its own replicas' rows: no data moves)."""
-    out = _broadcast(params, num_replicas)
-    return jax.device_put(out, self.replicas(out))
+    return self.hold(_broadcast(params, num_replicas))
+
+  def hold(self, tree: Any) -> Any:
+    """All R replicas' leaves [R, ...] resharded as the inner step holds them (a no-op
+    where they already are)."""
+    return jax.device_put(tree, self.replicas(tree))
 
   def describe(self) -> dict:
     """How the inner step uses the host's devices (run.json's "layout")."""

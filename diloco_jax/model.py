@@ -193,9 +193,10 @@ def memory_estimate(cfg: ModelConfig, *, param_sets: int, grad_copies: int, host
                              and the copies they are computed from
 
   With `fsdp` > 1, state and step are divided by `fsdp` (what XLA gathers for one layer
-  at a time is left out). The state figures are exact; activations and logits are an estimate of what cannot be
-  avoided (XLA may fuse some intermediates away, keep others longer; `remat` = block keeps
-  less), meant to tell a config that cannot fit from one that might. Evaluation runs
+  at a time is left out). The state figures are exact; activations and logits are an
+  estimate of what cannot be avoided (XLA may fuse some intermediates away, keep others
+  longer; `remat` = block keeps less), meant to tell a config that cannot fit from one
+  that might. Evaluation runs
   `batch_size` sequences per device at once, not micro-batches: its logits are not counted.
   """
   n = 4 * num_params_of(cfg)  # float32 bytes of one copy of the params

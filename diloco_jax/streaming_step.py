@@ -109,8 +109,7 @@ class StreamingOuterStep(outer_lib.HostSide):
     if self.alpha == 0:
       new = self._broadcast(placed)
     else:
-      new = self._merge(self._fragment(replicas.params, p), placed)
-      new = jax.device_put(new, self.layout.replicas(new))  # as the inner step holds it
+      new = self.layout.hold(self._merge(self._fragment(replicas.params, p), placed))
     parts = streaming.split(replicas.params, self.ids, self.num_fragments)
     parts[p] = jax.block_until_ready(new)
     return replicas.replace(params=streaming.join(parts, self.ids, self.rule.treedef))
