@@ -1,16 +1,22 @@
 """What DiLoCo costs on top of plain training, measured side by side in one process.
 
   python bench/overhead.py [--rounds=12] [--inner_steps=50] [--batch_size=16] [--out=...]
+  python bench/overhead.py --config=peer --one_core --rounds=6 --out=bench/results/overhead_peer.json
   python bench/overhead.py --smoke  # seconds: 2 rounds of 2 steps of 4 sequences, one block
 
-Loops over the same model (configs/tiny.py's), the same data pipeline and the same tokens
-per step (K=4 replicas x 16 sequences of 64 tokens), H=50:
+Loops over the same model (configs/tiny.py's, or with --config=peer configs/peer.py's
+3.3M-param GPT on the standard library's bytes, one replica of 8 x 128 tokens), the same
+data pipeline and the same tokens per step (tiny: K=4 replicas x 16 sequences of 64
+tokens), H=50:
   diloco    : the trainer itself (`Trainer.run_round`, mode sync): K replicas, one outer
               step every H inner steps;
   plain     : an independent plain jitted AdamW loop on one set of params, fed the same
               tokens as K steps of 16 sequences (the same per-step shapes as a replica's);
   plain_big : the same loop fed the same tokens as one step of K x 16 sequences;
   local     : the trainer's inner step alone (K replicas, no outer step).
+(plain_big is left out when K=1: it is plain.) --one_core runs the process on one CPU core
+with XLA computing on one thread (--xla_cpu_multi_thread_eigen=false), as bench/peer.py
+runs each host.
 The loops take turns round by round (H steps each, waited for), so drifts in the shared
 machine's speed hit all of them alike; tokens/s is the median over rounds, the first
 (compiling) round excluded. Writes bench/results/overhead.json (--smoke: --out, or a file
@@ -20,8 +26,10 @@ in a temporary directory).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -29,11 +37,17 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--one_core" in sys.argv:  # before jax is imported: XLA reads its flags once
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
+                                                   "--xla_cpu_multi_thread_eigen=false")))
+  os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 import jax  # noqa: E402
 import optax  # noqa: E402
 
 from bench import _smoke  # noqa: E402
+from bench import peer  # noqa: E402
+from configs import peer as peer_config  # noqa: E402
 from configs import tiny  # noqa: E402
 from diloco_jax import data as data_lib  # noqa: E402
 from diloco_jax import dispatch  # noqa: E402
@@ -45,8 +59,14 @@ from diloco_jax import trainer  # noqa: E402
 
 
 def bench_config(args):
-  config = tiny.get_config()
-  config.inner_steps, config.batch_size = args.inner_steps, args.batch_size
+  if args.config == "peer":
+    config = peer_config.get_config()
+    config.data.path = peer.stdlib_dir()
+    atexit.register(shutil.rmtree, config.data.path, ignore_errors=True)
+  else:
+    config = tiny.get_config()
+    config.batch_size = args.batch_size
+  config.inner_steps = args.inner_steps
   config.model.num_layers = args.num_layers or config.model.num_layers
   config.num_rounds = args.rounds + 1  # never reached: the trainer's final eval stays out
   config.inner.warmup_steps = min(config.inner.warmup_steps,
@@ -135,8 +155,13 @@ def main():
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--rounds", type=int, default=12, help="rounds, the first untimed")
   parser.add_argument("--inner_steps", type=int, default=50, help="H")
-  parser.add_argument("--batch_size", type=int, default=16, help="sequences per replica")
-  parser.add_argument("--num_layers", type=int, default=0, help="default: configs/tiny.py's")
+  parser.add_argument("--batch_size", type=int, default=16,
+                      help="sequences per replica (--config=tiny)")
+  parser.add_argument("--num_layers", type=int, default=0, help="default: the config's")
+  parser.add_argument("--config", choices=("tiny", "peer"), default="tiny",
+                      help="configs/tiny.py's model and K=4, or configs/peer.py's and K=1")
+  parser.add_argument("--one_core", action="store_true",
+                      help="one CPU core, XLA on one thread")
   args = _smoke.parse_args(parser, "overhead",
                            dict(rounds=2, inner_steps=2, batch_size=4, num_layers=1))
   config = bench_config(args)
@@ -148,6 +173,8 @@ def main():
              "plain": plain_loop(config, params0, per_replica_batches=True),
              "plain_big": plain_loop(config, params0, per_replica_batches=False),
              "local": local_loop(config, params0)}
+    if config.replicas_per_host == 1:
+      del loops["plain_big"]
     samples = {name: [] for name in loops}
     for r in range(1, args.rounds + 1):
       for name, one_round in loops.items():
@@ -159,13 +186,16 @@ def main():
           f"{n} {s[-1]:,.0f}" for n, s in samples.items() if s), flush=True)
   median = {name: statistics.median(s) for name, s in samples.items()}
   result = {
-      "config": {"replicas": config.replicas_per_host, "inner_steps": config.inner_steps,
+      "config": {"name": args.config, "one_core": args.one_core,
+                 "replicas": config.replicas_per_host, "inner_steps": config.inner_steps,
                  "batch_size": config.batch_size, "seq_len": config.model.seq_len,
                  "d_model": config.model.d_model, "num_layers": config.model.num_layers,
                  "rounds_timed": args.rounds - 1},
       "tokens_per_sec": median, "samples": samples,
       "ratio_diloco_vs_plain": median["diloco"] / median["plain"],
-      "ratio_diloco_vs_plain_big": median["diloco"] / median["plain_big"],
+      "ratio_diloco_vs_plain_big": (median["diloco"] / median["plain_big"]
+                                    if "plain_big" in median else None),
+      "ratio_local_vs_plain": median["local"] / median["plain"],
       "ratio_diloco_vs_local": median["diloco"] / median["local"],
       "device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
   }
@@ -176,9 +206,11 @@ def main():
   for name in loops:
     print(f"{name:>10} | {median[name]:,.0f}")
   print(f"DiLoCo / plain AdamW loop (same per-step batch): {result['ratio_diloco_vs_plain']:.3f}")
-  print(f"DiLoCo / plain AdamW loop (K x batch per step):  "
-        f"{result['ratio_diloco_vs_plain_big']:.3f}")
+  if "plain_big" in median:
+    print(f"DiLoCo / plain AdamW loop (K x batch per step):  "
+          f"{result['ratio_diloco_vs_plain_big']:.3f}")
   print(f"DiLoCo / same replicas without outer steps:      {result['ratio_diloco_vs_local']:.3f}")
+  print(f"trainer's inner step / plain AdamW loop:         {result['ratio_local_vs_plain']:.3f}")
   print(f"wrote {args.out}")
 
 

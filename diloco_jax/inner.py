@@ -73,9 +73,14 @@ def map_replicas(step):
   `lax.map` rather than `vmap`: each replica runs exactly the program of a single replica
   (the same shapes, so the same rounding as one replica on its own host), activations are
   alive for one replica at a time, and on CPU it measured 1.7x faster than vmap over 4
-  tiny replicas, whose batched matmuls have poor cache use.
+  tiny replicas, whose batched matmuls have poor cache use. One replica is run without
+  the loop (the same result, bit for bit; measured ~1% faster, bench/overhead.py).
   """
-  return lambda *args: jax.lax.map(lambda a: step(*a), args)
+  def run(*args):
+    if jax.tree.leaves(args)[0].shape[0] == 1:
+      return jax.tree.map(lambda x: x[None], step(*jax.tree.map(lambda x: x[0], args)))
+    return jax.lax.map(lambda a: step(*a), args)
+  return run
 
 
 def map_replica_groups(step, groups: int):

@@ -1,5 +1,6 @@
 """Pieces the model families share: dense layers, RMSNorm, rotary positions, and causal
-attention with an optional KV cache (for sampling).
+attention with an optional KV cache (for sampling), written in the layouts XLA:CPU runs
+fastest where that costs other platforms nothing.
 
 Names follow the shapes: B batch, L the tokens of this call, S the cache's length, D the
 residual width, N query heads, K key/value heads (N % K == 0: grouped-query attention), H
@@ -16,10 +17,68 @@ import jax.numpy as jnp
 
 
 def dense(features: int, dtype: Any, std: float = 0.02, *, use_bias: bool = True,
-          name: str | None = None) -> nn.Dense:
+          name: str | None = None) -> Dense:
   """A float32-param Dense computing in `dtype`, N(0, std) kernel init."""
-  return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-                  kernel_init=nn.initializers.normal(std), name=name)
+  return Dense(features, dtype, nn.initializers.normal(std), use_bias=use_bias, name=name)
+
+
+class Dense(nn.Module):
+  """y = x · kernel (+ bias) over the last axis: `flax.linen.Dense`'s params (the same
+  names, shapes and initialization order), with the weight gradient computed in the
+  layout XLA:CPU runs fastest (`matmul`)."""
+  features: int
+  dtype: Any
+  kernel_init: Any
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
+                        jnp.float32)
+    y = matmul(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype))
+    y = y.reshape(*x.shape[:-1], self.features)
+    if self.use_bias:
+      bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+@jax.custom_vjp
+def matmul(x_TxI: jax.Array, w_IxO: jax.Array) -> jax.Array:
+  """x · w, whose backward pass computes the weight gradient xᵀ · dy as XLA:CPU runs it
+  fastest (`_weight_grad_cpu`) and like plain autodiff on every other platform."""
+  return jnp.dot(x_TxI, w_IxO)
+
+
+def _matmul_fwd(x_TxI, w_IxO):
+  return jnp.dot(x_TxI, w_IxO), (x_TxI, w_IxO)
+
+
+def _matmul_bwd(residuals, dy_TxO):
+  x_TxI, w_IxO = residuals
+  dw_IxO = jax.lax.platform_dependent(x_TxI, dy_TxO, cpu=_weight_grad_cpu,
+                                      default=_weight_grad)
+  return jnp.dot(dy_TxO, w_IxO.T), dw_IxO
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _weight_grad(x_TxI, dy_TxO):
+  return jnp.dot(x_TxI.T, dy_TxO)
+
+
+def _weight_grad_cpu(x_TxI, dy_TxO):
+  # xᵀ · dy contracts the tokens, the first axis of both operands. XLA:CPU hands a dot to
+  # its fast YNNPACK kernels only when the lhs contracts its last axis, so left alone it
+  # folds the transpose into the dot, copies dy transposed and runs its slower generic
+  # kernel. Transposing the narrower operand ourselves, behind optimization barriers so
+  # XLA cannot fold it back, made configs/peer.py's inner step 1.3x faster on one core
+  # (0.40 -> 0.31 s; bench/step.py). CPU only: GPUs' matmuls take transposed operands.
+  barrier = jax.lax.optimization_barrier
+  if x_TxI.shape[1] <= dy_TxO.shape[1]:
+    return jnp.dot(barrier(x_TxI.T), dy_TxO)
+  return barrier(jnp.dot(barrier(dy_TxO.T), x_TxI)).T
 
 
 class RMSNorm(nn.Module):
@@ -52,12 +111,12 @@ def rope(x_BxLxNxH: jax.Array, positions_L: jax.Array, base: float) -> jax.Array
 def causal_attention(module: nn.Module, q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array,
                      v_BxLxKxH: jax.Array, positions_L: jax.Array, *, decode: bool,
                      cache_len: int) -> jax.Array:
-  """Causal attention through `jax.nn.dot_product_attention` (a GPU gets its fused
-  kernel). With `decode`, k and v are written into `module`'s "cache" collection at
-  `positions_L` (contiguous) and the queries attend to every cached position up to their
-  own: one call prefills a prompt, the next ones add a token each."""
+  """Causal attention (`attend`). With `decode`, k and v are written into `module`'s
+  "cache" collection at `positions_L` (contiguous) and the queries attend to every cached
+  position up to their own: one call prefills a prompt, the next ones add a token each."""
+  l = q_BxLxNxH.shape[1]
   if not decode:
-    return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+    return attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, jnp.tri(l, dtype=bool))
   b, _, kv_heads, h = k_BxLxKxH.shape
   ready = module.has_variable("cache", "key")
   key = module.variable("cache", "key", jnp.zeros, (b, cache_len, kv_heads, h),
@@ -65,13 +124,36 @@ def causal_attention(module: nn.Module, q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Arr
   value = module.variable("cache", "value", jnp.zeros, (b, cache_len, kv_heads, h),
                           v_BxLxKxH.dtype)
   if not ready:  # creating the cache: only its shapes matter
-    return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+    return attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, jnp.tri(l, dtype=bool))
   start = (0, positions_L[0], 0, 0)
   key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxH, start)
   value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxH, start)
   visible_LxS = jnp.arange(cache_len)[None, :] <= positions_L[:, None]
-  return jax.nn.dot_product_attention(q_BxLxNxH, key.value, value.value,
-                                      mask=visible_LxS[None, None])
+  return attend(q_BxLxNxH, key.value, value.value, visible_LxS)
+
+
+def attend(q_BxLxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+           visible_LxS: jax.Array) -> jax.Array:
+  """softmax(q · kᵀ / √H, where visible) · v, query head i reading key/value head
+  i // (N / K). Scores and softmax in float32 whatever the compute dtype.
+
+  Computed heads-first ([B, K, G, L, H], G = N / K query heads per key/value head), so
+  both products batch over leading axes and contract trailing ones, the layout XLA:CPU's
+  fast matmul kernels take without copies; `jax.nn.dot_product_attention`'s XLA
+  formulation keeps heads after the tokens and measured 1.1x slower for configs/peer.py's
+  inner step on one core (bench/step.py). It is no fused kernel on any platform either.
+  """
+  b, l, n, h = q_BxLxNxH.shape
+  kv = k_BxSxKxH.shape[2]
+  q_BxKxGxLxH = (q_BxLxNxH * h ** -0.5).reshape(b, l, kv, n // kv, h).transpose(0, 2, 3, 1, 4)
+  k_BxKxSxH = k_BxSxKxH.transpose(0, 2, 1, 3)
+  v_BxKxSxH = v_BxSxKxH.transpose(0, 2, 1, 3)
+  scores = jnp.einsum("bkglh,bksh->bkgls", q_BxKxGxLxH, k_BxKxSxH,
+                      preferred_element_type=jnp.float32)
+  scores = jnp.where(visible_LxS, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
+  out_BxKxGxLxH = jnp.einsum("bkgls,bksh->bkglh", probs, v_BxKxSxH)
+  return out_BxKxGxLxH.transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
 
 
 def positions(module: nn.Module, length: int, decode: bool) -> jax.Array:

@@ -30,6 +30,7 @@ from diloco_jax import dispatch
 from diloco_jax import distributed
 from diloco_jax import elastic
 from diloco_jax import exchange as exchange_lib
+from diloco_jax import hostmem
 from diloco_jax import inner
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics
@@ -152,6 +153,7 @@ class Trainer:
     loss_sum = jnp.sum(jnp.stack(losses))  # dispatched, not waited for
     self._take(r, self.outer_step.end_round(self.outer, self.replicas, loss_sum, r))
     self._round_checks(r)
+    hostmem.trim()  # what the round's compiles and host copies freed
 
   def _take(self, r: int, update: outer_lib.Update) -> None:
     self.outer, self.replicas = update.outer, update.replicas
@@ -228,6 +230,7 @@ class Trainer:
     done = self.resume()
     memory = self.train_step.compile(self.replicas, (
         self.replicas_per_host, self.config.batch_size, self.config.model.seq_len + 1))
+    hostmem.trim()  # what compiling freed
     if self.is_host0:  # once the workdir is known to be this run's
       metrics.print_memory(memory, self.mesh)
       metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,

@@ -1,12 +1,14 @@
 """Model families and your own module: the llama family and a module from this test suite
 train through the trainer exactly as `simulate` trains them; their configs are checked."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax import layers
 from diloco_jax import model as model_lib
 from diloco_jax import trainer
 from tests.multihost import simulate_trainer, small_config
@@ -85,6 +87,67 @@ def test_gqa_equals_attention_with_repeated_heads():
   a = model_lib.build(grouped).apply({"params": params}, tokens)
   b = model_lib.build(full).apply({"params": {**params, "block_0": block}}, tokens)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def numpy_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, visible_LxS):
+  """Attention in float64 numpy, one query head at a time, head i reading key/value head
+  i // (N / K)."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q_BxLxNxH, k_BxSxKxH, v_BxSxKxH))
+  n, kv = q.shape[2], k.shape[2]
+  out = np.zeros_like(q)
+  for i in range(n):
+    scores = q[:, :, i] @ k[:, :, i // (n // kv)].transpose(0, 2, 1) / np.sqrt(q.shape[3])
+    scores = np.where(visible_LxS, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    out[:, :, i] = (weights / weights.sum(-1, keepdims=True)) @ v[:, :, i // (n // kv)]
+  return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,cache", [(4, 4, 0), (4, 2, 0), (4, 1, 6)],
+                         ids=["full", "gqa", "gqa-cache"])
+def test_attention_equals_numpy(heads, kv_heads, cache):
+  """`layers.attend` against a float64 numpy attention: causal over the call's tokens, and
+  (`cache`) 3 queries at positions 2..4 reading a cache of 3 + `cache` slots."""
+  rng = np.random.default_rng(0)
+  l, s = (3, 3 + cache) if cache else (8, 8)
+  q = rng.normal(size=(2, l, heads, 8)).astype(np.float32)
+  k, v = (rng.normal(size=(2, s, kv_heads, 8)).astype(np.float32) for _ in range(2))
+  positions = np.arange(l) + (2 if cache else 0)
+  visible = np.arange(s)[None, :] <= positions[:, None]
+  got = layers.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(visible))
+  np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, visible), atol=2e-6)
+
+
+@pytest.mark.parametrize("shape,use_bias", [((3, 5, 16), True), ((2, 40, 96), False)],
+                         ids=["narrow-input", "narrow-output"])
+def test_dense_equals_flax_dense(shape, use_bias):
+  """`layers.dense` has flax.linen.Dense's params (names, shapes, initial values) and
+  computes its outputs and gradients, both weight-gradient forms included."""
+  x = jnp.asarray(np.random.default_rng(1).normal(size=shape), jnp.float32)
+  ours = layers.dense(32, jnp.float32, use_bias=use_bias)
+  flax_dense = nn.Dense(32, use_bias=use_bias, kernel_init=nn.initializers.normal(0.02))
+  params = ours.init(jax.random.key(4), x)
+  assert jax.tree.all(jax.tree.map(jnp.array_equal, params, flax_dense.init(jax.random.key(4), x)))
+
+  def loss(params, module):
+    return jnp.sum(jnp.sin(module.apply(params, x)))
+
+  for a, b in zip(jax.tree.leaves(jax.value_and_grad(loss)(params, ours)),
+                  jax.tree.leaves(jax.value_and_grad(loss)(params, flax_dense)), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_weight_gradients_contract_the_lhs_last_axis():
+  """On XLA:CPU no product of the compiled train step contracts its lhs over the first
+  axis (the form XLA cannot run on its fast matmul kernels; layers._weight_grad_cpu): with
+  plain autodiff, every weight gradient of the model would."""
+  cfg = model_lib.ModelConfig(vocab_size=64, seq_len=32, num_layers=2, d_model=64,
+                              num_heads=4, mlp_dim=128, use_bias=False)
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  batch = jnp.zeros((4, 33), jnp.int32)
+  hlo = jax.jit(jax.grad(model_lib.make_loss_fn(cfg))).lower(params, batch).compile().as_text()
+  assert hlo.count(" dot(") + hlo.count("__ynn_fusion") > 10  # the products are there
+  assert "lhs_contracting_dims={0}" not in hlo
 
 
 def test_remat_changes_no_loss_or_gradient():
