@@ -9,6 +9,7 @@ the head width.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -35,7 +36,8 @@ class Dense(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
                         jnp.float32)
-    y = matmul(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype))
+    tokens = math.prod(x.shape[:-1])  # not -1: a width of 0 must reshape too
+    y = matmul(x.reshape(tokens, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype))
     y = y.reshape(*x.shape[:-1], self.features)
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
