@@ -8,7 +8,10 @@ replica per host, one CPU device each, H=2 so the run is mostly outer steps) and
 host 0's metrics.jsonl: the median over rounds 2..R of the device→host copy, the mean
 (Δ, this host's sum, the cross-host sum over gloo/TCP and the division by K), the outer
 optimizer update, the host→device copy, and the bytes this host sent per round (ring
-all-reduce: 2(n−1)/n of the payload). Prints a table, writes bench/results/outer_step.json
+all-reduce: 2(n−1)/n of the payload), and the check that the outer state is the same on
+every host (hash + the coordination store; run every round here), also as a share of a
+round of H=50 inner steps at the default anchor_check_every=10 (from the measured inner
+step, outer step and check times). Prints a table, writes bench/results/outer_step.json
 (--smoke: --out, or a file in a temporary directory).
 On one machine the "network" is loopback: this measures the software path, not a WAN
 (bench/wan.py shapes bandwidth for that).
@@ -37,7 +40,10 @@ MODELS = {
             "--config.model.num_heads=8", "--config.model.mlp_dim=2048",
             "--config.batch_size=2", "--config.eval_batches=1"],
 }
-PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d", "outer_time")
+PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d", "outer_time",
+         "anchor_hash_time", "anchor_check_time")
+INNER_STEPS = 2  # per round here: the run is mostly outer steps
+H, CHECK_EVERY = 50, 10  # a round and the check's period the share is reported for
 # --smoke: after the model's flags, fewer sequences per step and for the eval, one block.
 SMOKE_FLAGS = ["--config.batch_size=2", "--config.eval_batches=1", "--config.model.num_layers=1"]
 
@@ -46,7 +52,8 @@ def run(model: str, hosts: int, rounds: int, extra: tuple[str, ...] = ()) -> dic
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}", "--",
            "--config=configs/tiny.py", f"--workdir={workdir}", "--config.replicas_per_host=1",
-           f"--config.num_rounds={rounds}", "--config.inner_steps=2",
+           f"--config.num_rounds={rounds}", f"--config.inner_steps={INNER_STEPS}",
+           "--config.anchor_check_every=1",
            "--config.inner.warmup_steps=1", f"--config.eval_every={10 ** 6}", *MODELS[model],
            *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -59,6 +66,11 @@ def run(model: str, hosts: int, rounds: int, extra: tuple[str, ...] = ()) -> dic
          "params_millions": float(params.split(": ")[1].split("M params")[0]),
          "bytes_sent_per_round": statistics.median(r["bytes_sent"] for r in records)}
   row.update({part: statistics.median(r[part] for r in records) for part in PARTS})
+  step = statistics.median((r["round_time"] - r["outer_time"] - r["anchor_check_time"])
+                           / INNER_STEPS for r in records)
+  row["inner_step_time"] = step
+  row["check_share_of_round"] = row["anchor_check_time"] / (
+      CHECK_EVERY * (H * step + row["outer_time"]))
   return row
 
 
@@ -80,11 +92,12 @@ def main():
     json.dump({"rows": rows, "rounds_timed": args.rounds - 1, "smoke": args.smoke}, f,
               indent=2)
   print("\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
-        "| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|")
+        f"| hash ms | check ms | check, % of a round (H={H}, every {CHECK_EVERY}) "
+        "| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['model']} | {r['params_millions']:.2f}M | {r['hosts']} | "
           + " | ".join(f"{1e3 * r[p]:.1f}" for p in PARTS)
-          + f" | {r['bytes_sent_per_round'] / 1e6:.2f} |")
+          + f" | {100 * r['check_share_of_round']:.3f} | {r['bytes_sent_per_round'] / 1e6:.2f} |")
   print(f"wrote {args.out}")
 
 

@@ -47,6 +47,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.eval_every = 1  # Evaluate the anchor every this many rounds (and after the last).
   c.eval_batches = 8  # Held-out batches (of `batch_size` sequences) per evaluation.
   c.debug_checks = False  # Extra invariant checks after every round (slower).
+  c.anchor_check_every = 10  # Rounds between cross-host compares of the outer state's hash; 0: off.
 
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2  # Transformer blocks.
@@ -123,6 +124,7 @@ def get_default_config() -> ml_collections.ConfigDict:
 # The device layout (`mesh.*`) may change too: the state is saved whole, so it resumes with
 # the same numbers, though later steps then add up in another order (float32 rounding).
 RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
+                     "config.anchor_check_every",
                      "config.checkpoint.every", "config.checkpoint.keep",
                      "config.outer.max_skipped_rounds", "config.elastic",
                      "config.elastic_timeout", "config.mesh.replicas", "config.mesh.fsdp")
@@ -261,6 +263,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
   for key in ("num_rounds", "inner_steps", "replicas_per_host", "batch_size",
               "grad_accum_steps", "eval_every", "eval_batches"):
     check(f"config.{key}", c[key] >= 1, "must be >= 1")
+  check("config.anchor_check_every", c.anchor_check_every >= 0, "must be >= 0 (0: off)")
   for key in ("num_layers", "d_model", "num_heads", "mlp_dim", "seq_len"):
     check(f"config.model.{key}", m[key] >= 1, "must be >= 1")
   mesh = c.mesh

@@ -9,7 +9,8 @@ initialised.
 After start-up every host publishes its resolved config (and package and jax versions)
 in the coordination service's key-value store and compares it with every other host's;
 a difference stops every host with an error listing the differing fields. The store is
-gRPC, not a collective, so this needs no dispatcher.
+gRPC, not a collective, so this needs no dispatcher. Before that, `security` refuses a
+public coordinator address (unless allowed) and checks the hosts' join token.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jax.experimental import multihost_utils
 
 import diloco_jax
 from diloco_jax import config as config_lib
+from diloco_jax import security
 
 _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOCO_NUM_HOSTS",
         "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT"}
@@ -45,13 +47,18 @@ class Cluster:
   """Attributes: coordinator_address ('host:port', None for one host); num_hosts; host_id;
   initialization_timeout and heartbeat_timeout in seconds; link_timeout: seconds a host
   may be cut off from the others before every host stops with "link lost" (None: 40% of
-  heartbeat_timeout; 0: never, JAX's heartbeat timeout aborts the job instead)."""
+  heartbeat_timeout; 0: never, JAX's heartbeat timeout aborts the job instead);
+  join_token_file: the file holding the job's join token (None: DILOCO_JOIN_TOKEN_FILE
+  or DILOCO_JOIN_TOKEN, else no token); allow_public_coordinator: run with a coordinator
+  on a public address."""
   coordinator_address: str | None = None
   num_hosts: int | None = None
   host_id: int | None = None
   initialization_timeout: int = 300
   heartbeat_timeout: int = 100
   link_timeout: int | None = None
+  join_token_file: str | None = None
+  allow_public_coordinator: bool = False
 
   def resolved(self) -> Cluster:
     """Fills unset fields from DILOCO_* environment variables."""
@@ -114,6 +121,7 @@ def initialize(cluster: Cluster) -> bool:
       raise StartupError(f"--{name}={value}: must be >= 1 second")
   if c.link_timeout is not None and c.link_timeout < 0:
     raise StartupError(f"--link_timeout={c.link_timeout}: must be >= 0 (0: off)")
+  token, bind = _security_checks(c)
   # Cross-host sums run on the CPU backend (gloo over TCP) on every kind of host.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   where = (f"host {c.host_id if c.host_id is not None else '?'} of "
@@ -126,20 +134,16 @@ def initialize(cluster: Cluster) -> bool:
   watchdog.daemon = True
   watchdog.start()
   try:
-    jax.distributed.initialize(
-        coordinator_address=c.coordinator_address, num_processes=c.num_hosts,
-        process_id=c.host_id, initialization_timeout=c.initialization_timeout,
-        heartbeat_timeout_seconds=c.heartbeat_timeout,
-        # A clean exit waits this long for the other hosts at the shutdown barrier.
-        shutdown_timeout_seconds=c.heartbeat_timeout)
-  except Exception as e:  # noqa: BLE001 -- XLA raises several types here.
-    raise StartupError(
-        f"host {c.host_id} of {c.num_hosts}: could not join the job at coordinator "
-        f"{c.coordinator_address} within --initialization_timeout={c.initialization_timeout}s "
-        f"(did every host start, with the same --num_hosts and coordinator address, and is "
-        f"the coordinator's port open?): {type(e).__name__}: {e}") from None
+    _start_jax(c, bind)
+    _agree_on_token(token, c.initialization_timeout)
   finally:
     watchdog.cancel()
+  if jax.process_index() == 0:
+    service = f"listening on {bind}" if bind else "listening on every interface"
+    auth = (f"hosts authenticated by the join token from {token.source}" if token else
+            "the job is unauthenticated: any process that reaches the coordinator port can "
+            f"join it (set ${security.TOKEN_ENV} on every host; README: Security)")
+    print(f"host 0: coordination service {service}; {auth}", flush=True)
   _keep_coordinator_connections(c.heartbeat_timeout)
   link_timeout = (c.link_timeout if c.link_timeout is not None
                   else max(1, c.heartbeat_timeout * 2 // 5))
@@ -147,6 +151,58 @@ def initialize(cluster: Cluster) -> bool:
   if link_timeout and not jax.config.jax_enable_recoverability:
     LinkWatchdog(link_timeout).start()
   return True
+
+
+def _security_checks(c: Cluster) -> tuple[security.JoinToken | None, str | None]:
+  """Before anything listens or connects: refuses a public coordinator address (unless
+  allowed) and an unreadable token. Returns the token and host 0's bind address."""
+  try:
+    if c.coordinator_address:
+      security.check_coordinator_address(c.coordinator_address, c.allow_public_coordinator)
+    token = security.JoinToken.from_environment(c.join_token_file)
+  except security.SecurityError as e:
+    raise StartupError(str(e)) from None
+  bind = None
+  if (c.coordinator_address and c.host_id in (0, None)
+      and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")):  # the user's choice stands
+    bind = security.bind_address(c.coordinator_address)
+  return token, bind
+
+
+def _start_jax(c: Cluster, bind: str | None) -> None:
+  try:
+    jax.distributed.initialize(
+        coordinator_address=c.coordinator_address, num_processes=c.num_hosts,
+        process_id=c.host_id, initialization_timeout=c.initialization_timeout,
+        heartbeat_timeout_seconds=c.heartbeat_timeout,
+        # A clean exit waits this long for the other hosts at the shutdown barrier.
+        shutdown_timeout_seconds=c.heartbeat_timeout,
+        # Host 0's service listens on the coordinator's interface only, where it can.
+        coordinator_bind_address=bind)
+  except Exception as e:  # noqa: BLE001 -- XLA raises several types here.
+    raise StartupError(
+        f"host {c.host_id} of {c.num_hosts}: could not join the job at coordinator "
+        f"{c.coordinator_address} within --initialization_timeout={c.initialization_timeout}s "
+        f"(did every host start, with the same --num_hosts and coordinator address, and is "
+        f"the coordinator's port open?): {type(e).__name__}: {e}") from None
+
+
+def _agree_on_token(token: security.JoinToken | None, timeout_s: int) -> None:
+  me = jax.process_index()
+  if jax.config.jax_enable_recoverability:
+    from diloco_jax import elastic  # elastic imports this module
+    if elastic.is_returning():
+      # An elastic host joining a running job: the others are training, not agreeing.
+      # It can only ask them to restart, and after the restart every host (this one
+      # too) goes through the agreement again, on a fresh coordination service.
+      return
+  try:
+    security.agree_on_token(coordination_client(), me, jax.process_count(), token, timeout_s)
+  except security.SecurityError as e:
+    raise StartupError(str(e)) from None
+  except Exception as e:  # noqa: BLE001 -- the store's errors (a host gone, a timeout)
+    raise StartupError(f"host {me}: the hosts did not agree on the join token within "
+                       f"{timeout_s}s: {type(e).__name__}: {e}") from None
 
 
 def _keep_coordinator_connections(heartbeat_timeout: int) -> None:

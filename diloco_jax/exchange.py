@@ -42,10 +42,6 @@ from diloco_jax import state as state_lib
 Params = Any
 
 
-class AnchorMismatchError(RuntimeError):
-  """debug_checks: the outer state differs between hosts after an outer step."""
-
-
 class Pending(NamedTuple):
   """A cross-host sum in flight, and what this host put into it."""
   round: int
@@ -226,19 +222,6 @@ class Exchange:
     total = self.dispatcher.run(self.collective.sum, self._sum_R(params_R),
                                 what="cross-host mean of the final params")
     return self._mean(total)
-
-  def check_same(self, tree: Any, round_: int) -> str:
-    """Hashes `tree` on every host and raises if any two hosts differ (debug_checks:
-    the outer state must be identical everywhere). Returns the hash's first 16 hex."""
-    digest = state_lib.fingerprint(tree)
-    words = np.frombuffer(bytes.fromhex(digest), np.uint32)
-    every = self.dispatcher.run(self.collective.allgather, words, round_=round_,
-                                what="debug check of the outer state")
-    if not (every == words).all():
-      hashes = ", ".join(f"host {h}: {row.tobytes().hex()[:16]}" for h, row in enumerate(every))
-      raise AnchorMismatchError(
-          f"round {round_}: the outer state differs between hosts ({hashes})")
-    return digest[:16]
 
   # A sum in flight at a checkpoint: saved, and issued again on resume.
 

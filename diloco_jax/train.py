@@ -66,6 +66,15 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "run started again (after a preemption, a failure) loads its compiled programs instead "
     "of compiling them: default WORKDIR/compilation_cache; 'none': off. The environment's "
     "JAX_COMPILATION_CACHE_DIR, if set, is used instead.")
+_JOIN_TOKEN_FILE = flags.DEFINE_string(
+    "join_token_file", None, "File whose first line is the job's join token, the same on "
+    "every host: a host with another token (or none) is refused by every host. Or set env "
+    "DILOCO_JOIN_TOKEN_FILE, or DILOCO_JOIN_TOKEN to the token itself; never on the command "
+    "line, where `ps` shows it. Unset: the job is unauthenticated (README: Security).")
+_ALLOW_PUBLIC = flags.DEFINE_bool(
+    "allow_public_coordinator", False, "Run with a --coordinator_address that is a public "
+    "(internet-routable) address; refused without this, since anyone who reaches its port "
+    "can join the job.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config field with its value and what it means "
     "(with --config and its overrides), then exit; --workdir is not needed.")
@@ -225,7 +234,8 @@ def main(argv):
   cluster = distributed.Cluster(
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
-      heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value)
+      heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value,
+      join_token_file=_JOIN_TOKEN_FILE.value, allow_public_coordinator=_ALLOW_PUBLIC.value)
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)

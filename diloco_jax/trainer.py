@@ -32,6 +32,7 @@ from diloco_jax import elastic
 from diloco_jax import exchange as exchange_lib
 from diloco_jax import hostmem
 from diloco_jax import inner
+from diloco_jax import integrity
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics
 from diloco_jax import model as model_lib
@@ -62,7 +63,7 @@ class TrainResult(NamedTuple):
   preempted_at: int | None = None
 
 
-AnchorMismatchError = exchange_lib.AnchorMismatchError
+AnchorMismatchError = integrity.AnchorMismatchError
 
 
 class RestartForRejoin(Exception):  # noqa: N818 -- a request, not a failure
@@ -137,6 +138,19 @@ class Trainer:
         collective=self.collective,
         elastic_timeout=config.elastic_timeout if self.elastic else None)
     self.preemption = distributed.Preemption()
+    self.anchor_check = integrity.AnchorCheck(
+        self._anchor_gather(), every=config.anchor_check_every, last_round=self.num_rounds,
+        always=config.debug_checks)
+
+  def _anchor_gather(self) -> integrity.Gather | None:
+    if self.num_hosts == 1:
+      return None
+    if self.elastic:  # the collective knows which hosts are still in the job
+      return integrity.collective_gather(lambda words: self.dispatcher.run(
+          self.collective.allgather, words, what="comparing the outer state's hash"),
+          self.host)
+    return integrity.store_gather(distributed.coordination_client(), self.host,
+                                  self.num_hosts)
 
   def run_round(self, r: int) -> None:
     """Round r: H inner steps of every local replica, then the outer step. Its record
@@ -161,9 +175,10 @@ class Trainer:
     self.log.add_synced(update.synced)
 
   def _round_checks(self, r: int) -> None:
-    """After round r's outer step: the debug check, and the eval when due (read late)."""
-    if self.config.debug_checks:
-      self.log.add(r, anchor_hash=self.exchange.check_same(
+    """After round r's outer step: the outer state compared across hosts, and the eval,
+    when due (the eval is read late)."""
+    if self.anchor_check.due(r):
+      self.log.add(r, **self.anchor_check(
           self.outer_step.replicated(self.outer, self.replicas), r))
     if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
       self.log.add(r, eval_loss=self.eval_step(self.outer_step.model(self.outer, self.replicas),

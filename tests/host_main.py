@@ -4,7 +4,9 @@
 
 CONFIG_JSON holds overrides of `tests.multihost.small_config()`, and optionally
 "_poison": {"host": h, "replica": m, "value": "nan" or a scale, "calls": [...]}: that
-replica's pseudo-gradient NaN or scaled (`multihost.poisoned`). Writes
+replica's pseudo-gradient NaN or scaled (`multihost.poisoned`), and "_corrupt":
+{"host": h, "round": r}: that host's anchor changed in one entry after round r's outer
+step (sync mode), as a flipped bit in its memory would (`multihost.corrupted`). Writes
 OUT_DIR/host{HOST_ID}.npz with the final anchor's leaves and the per-round records; the
 hosts share the workdir OUT_DIR/work.
 """
@@ -31,6 +33,10 @@ def main(out_dir, host_id, num_hosts, port, overrides):
     from diloco_jax import outer
     outer.HostSide.pseudo_gradients = multihost.poisoned(
         outer.HostSide.pseudo_gradients, bad["replica"], bad["value"], bad.get("calls"))
+  corrupt = overrides.pop("_corrupt", None)
+  if corrupt is not None and corrupt["host"] == int(host_id):
+    trainer.Trainer._round_checks = multihost.corrupted(trainer.Trainer._round_checks,
+                                                        corrupt["round"])
   config = multihost.small_config(**overrides)
   # One workdir for all hosts, as on a shared filesystem (checkpoints need it).
   result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"))

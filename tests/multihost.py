@@ -59,6 +59,21 @@ def poisoned(pseudo_gradients, replica: int, value, calls=None):
   return wrapped
 
 
+def corrupted(round_checks, at_round: int):
+  """`Trainer._round_checks` that first adds 1e-3 to one entry of the anchor (sync mode's
+  `OuterState`) after round `at_round`'s outer step."""
+  def wrapped(self, r):
+    if r == at_round:
+      state = self.outer.state
+      leaves, treedef = jax.tree.flatten(state.anchor)
+      leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(1e-3)
+      self.outer = self.outer._replace(
+          state=state.replace(anchor=jax.tree.unflatten(treedef, leaves)))
+    return round_checks(self, r)
+
+  return wrapped
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -86,19 +101,28 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
   return out
 
 
-def run_hosts(tmp_path, num_hosts: int, timeout: float = 240, **overrides) -> list[dict]:
-  """Trains `small_config(**overrides)` on `num_hosts` processes; per host, the final
-  anchor's leaves and the records (tests/host_main.py)."""
+def start_hosts(tmp_path, num_hosts: int, env: dict | None = None,
+                **overrides) -> list[subprocess.Popen]:
+  """`num_hosts` processes of tests/host_main.py training `small_config(**overrides)`."""
   port = free_port()
-  procs = [start([sys.executable, "tests/host_main.py", str(tmp_path), str(h), str(num_hosts),
-                  str(port), json.dumps(overrides)]) for h in range(num_hosts)]
-  for code, text in finish(procs, timeout):
+  return [start([sys.executable, "tests/host_main.py", str(tmp_path), str(h), str(num_hosts),
+                 str(port), json.dumps(overrides)], env=env) for h in range(num_hosts)]
+
+
+def run_hosts(tmp_path, num_hosts: int, timeout: float = 240, env: dict | None = None,
+              **overrides) -> list[dict]:
+  """Trains `small_config(**overrides)` on `num_hosts` processes; per host, the final
+  anchor's leaves, the records and what the process printed (tests/host_main.py)."""
+  outputs = []
+  for code, text in finish(start_hosts(tmp_path, num_hosts, env, **overrides), timeout):
     assert code == 0, text[-4000:]
+    outputs.append(text)
   results = []
   for h in range(num_hosts):
     with np.load(tmp_path / f"host{h}.npz") as f:
       leaves = [f[f"leaf{i}"] for i in range(len(f.files) - 1)]
-      results.append({"leaves": leaves, "records": json.loads(str(f["records"]))})
+      results.append({"leaves": leaves, "records": json.loads(str(f["records"])),
+                      "output": outputs[h]})
   return results
 
 

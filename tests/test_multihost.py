@@ -23,14 +23,25 @@ def assert_same_leaves(a, b, atol=0.0):
       np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
+TOKEN = "the-join-token-of-this-test-0123456789"
+
+
 @pytest.mark.parametrize("mode", ["sync", "delayed", "eager", "ddp"])
 def test_two_hosts_equal_one_host(tmp_path, mode):
   """2 hosts x 1 replica and 1 host x 2 replicas: the same shards (g = host * R + r), the
-  same per-replica programs, and Σ over two replicas is a + b either way: bit-identical."""
+  same per-replica programs, and Σ over two replicas is a + b either way: bit-identical.
+  The two hosts share a join token, which appears in no output and no file they wrote."""
   (tmp_path / "two").mkdir()
   (tmp_path / "one").mkdir()
   two = multihost.run_hosts(tmp_path / "two", 2, mode=mode, replicas_per_host=1,
-                            debug_checks=True, num_rounds=3)
+                            debug_checks=True, num_rounds=3,
+                            env={**multihost.ENV, "DILOCO_JOIN_TOKEN": TOKEN})
+  assert "hosts authenticated by the join token from $DILOCO_JOIN_TOKEN" in two[0]["output"]
+  assert not any(TOKEN in h["output"] for h in two)
+  written = [p for p in (tmp_path / "two").rglob("*") if p.is_file()]
+  assert any(p.name == "run.json" for p in written) and any("checkpoints" in p.parts
+                                                             for p in written)
+  assert not [p for p in written if TOKEN.encode() in p.read_bytes()]
   one = multihost.run_hosts(tmp_path / "one", 1, mode=mode, replicas_per_host=2, num_rounds=3)
   assert_same_leaves(two[0]["leaves"], two[1]["leaves"])  # every host holds the same anchor
   assert_same_leaves(two[0]["leaves"], one[0]["leaves"])
@@ -98,6 +109,36 @@ def test_different_configs_stop_every_host(tmp_path):
   for code, text in multihost.finish(procs, timeout=90):
     assert code != 0
     assert "config.outer.lr: host 0=0.7, host 1=0.5" in text, text[-3000:]
+
+
+def test_join_tokens_that_differ_stop_every_host(tmp_path):
+  """Host 0 reads its token from a file, host 1 from the environment, and they differ:
+  both stop non-zero at start-up, each naming the other host, neither printing a token."""
+  tokens = ["the-token-in-host-zeros-file-4242", "the-token-in-host-ones-env-1717"]
+  (tmp_path / "token").write_text(tokens[0] + "\n")
+  port = multihost.free_port()
+  t0 = time.monotonic()
+  procs = [multihost.start(train_cmd(tmp_path, 0, 2, port, "--initialization_timeout=60",
+                                     f"--join_token_file={tmp_path}/token")),
+           multihost.start(train_cmd(tmp_path, 1, 2, port, "--initialization_timeout=60"),
+                           env={**multihost.ENV, "DILOCO_JOIN_TOKEN": tokens[1]})]
+  for (code, text), other in zip(multihost.finish(procs, timeout=90), (1, 0)):
+    assert code != 0
+    assert f"join token mismatch: host {other}'s join token differs from this host's" in text, (
+        text[-3000:])
+    assert not any(t in text for t in tokens)
+  assert time.monotonic() - t0 < 60  # the initialization timeout
+
+
+def test_a_host_whose_anchor_diverged_is_named(tmp_path):
+  """3 hosts; host 1's anchor changes in one entry after round 3. With the default
+  anchor_check_every (10) and no debug_checks, every host stops at round 10, naming host 1."""
+  procs = multihost.start_hosts(tmp_path, 3, replicas_per_host=1, num_rounds=12,
+                                eval_every=100, _corrupt={"host": 1, "round": 3})
+  for code, text in multihost.finish(procs, timeout=180):
+    assert code != 0
+    assert ("round 10: the outer state differs between hosts: host 1 diverged from the "
+            "others") in text, text[-3000:]
 
 
 def test_killed_host_stops_the_launcher(tmp_path):

@@ -167,16 +167,25 @@ def test_cli_rejects_misspelled_field(tmp_path):
   assert "lrr" in proc.stderr + proc.stdout
 
 
-def test_debug_checks_stop_when_hosts_differ(tmp_path):
-  """A host whose outer state hashes differently stops the run, naming the round."""
+def test_anchor_check_names_the_host_that_diverged(tmp_path):
+  """Three hosts, of which host 1 hashes its outer state differently: the run stops at the
+  first checked round (every 2 rounds), naming host 1 and the round."""
   from diloco_jax import dispatch
-  config = small_config(debug_checks=True)
+  config = small_config(anchor_check_every=2, num_rounds=4)
   with dispatch.Dispatcher() as d:
     t = trainer.Trainer(config, str(tmp_path), d)
-    # A second host whose outer-state hash differs (other gathers: the same on both).
-    t.collective.allgather = lambda x: np.stack([x, x ^ 1 if x.dtype == np.uint32 else x])
-    with pytest.raises(trainer.AnchorMismatchError, match="round 1: the outer state differs"):
-      t.run_round(1)
+    rounds = []
+
+    def gather(digest, r):  # what the store would hand back on 3 hosts
+      rounds.append(r)
+      return {0: digest, 1: digest[::-1], 2: digest}
+
+    t.anchor_check.gather = gather
+    t.run_round(1)
+    with pytest.raises(trainer.AnchorMismatchError,
+                       match=r"round 2: .* host 1 diverged from the others"):
+      t.run_round(2)
+    assert rounds == [2]
 
 
 def _rounds_with_slow_collective(tmp_path, mode, slow_sum_of, num_rounds=5, inner_steps=40):
