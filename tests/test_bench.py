@@ -51,7 +51,8 @@ MODELS_ROW_KEYS = {"family", "flops_per_sec", "flops_per_token", "mlp_dim", "par
                    "tokens_per_sec"}
 OUTER_STEP_ROW_KEYS = {
     "bytes_sent_per_round", "hosts", "model", "outer_d2h", "outer_h2d", "outer_mean",
-    "outer_time", "outer_update", "params_millions"}
+    "outer_time", "outer_update", "params_millions", "anchor_hash_time", "anchor_check_time",
+    "inner_step_time", "check_share_of_round"}
 OVERHEAD_KEYS = {"config", "device", "jax", "ratio_diloco_vs_local", "ratio_diloco_vs_plain",
                  "ratio_diloco_vs_plain_big", "samples", "tokens_per_sec"}
 OVERHEAD_CONFIG_KEYS = {"batch_size", "d_model", "inner_steps", "num_layers", "replicas",
@@ -127,6 +128,7 @@ def check_outer_step(result: dict) -> None:
   for row in result["rows"]:
     has(row, OUTER_STEP_ROW_KEYS)
     assert row["bytes_sent_per_round"] > 0
+    assert 0 < row["anchor_hash_time"] <= row["anchor_check_time"]
 
 
 def check_overhead(result: dict) -> None:
