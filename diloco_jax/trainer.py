@@ -139,18 +139,18 @@ class Trainer:
         elastic_timeout=config.elastic_timeout if self.elastic else None)
     self.preemption = distributed.Preemption()
     self.anchor_check = integrity.AnchorCheck(
-        self._anchor_gather(), every=config.anchor_check_every, last_round=self.num_rounds,
+        self._hash_exchange(), every=config.anchor_check_every, last_round=self.num_rounds,
         always=config.debug_checks)
 
-  def _anchor_gather(self) -> integrity.Gather | None:
+  def _hash_exchange(self) -> integrity.HashExchange | None:
     if self.num_hosts == 1:
       return None
     if self.elastic:  # the collective knows which hosts are still in the job
-      return integrity.collective_gather(lambda words: self.dispatcher.run(
+      return integrity.CollectiveExchange(lambda words: self.dispatcher.run(
           self.collective.allgather, words, what="comparing the outer state's hash"),
           self.host)
-    return integrity.store_gather(distributed.coordination_client(), self.host,
-                                  self.num_hosts)
+    return integrity.StoreExchange(distributed.coordination_client(), self.host,
+                                   self.num_hosts)
 
   def run_round(self, r: int) -> None:
     """Round r: H inner steps of every local replica, then the outer step. Its record
@@ -177,9 +177,8 @@ class Trainer:
   def _round_checks(self, r: int) -> None:
     """After round r's outer step: the outer state compared across hosts, and the eval,
     when due (the eval is read late)."""
-    if self.anchor_check.due(r):
-      self.log.add(r, **self.anchor_check(
-          self.outer_step.replicated(self.outer, self.replicas), r))
+    replicated = self.outer_step.replicated(self.outer, self.replicas)
+    self.log.add(r, **self.anchor_check(replicated, r))
     if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
       self.log.add(r, eval_loss=self.eval_step(self.outer_step.model(self.outer, self.replicas),
                                                self.eval_batches), floor=self.spec.floor)

@@ -132,7 +132,8 @@ def test_join_tokens_that_differ_stop_every_host(tmp_path):
 
 def test_a_host_whose_anchor_diverged_is_named(tmp_path):
   """3 hosts; host 1's anchor changes in one entry after round 3. With the default
-  anchor_check_every (10) and no debug_checks, every host stops at round 10, naming host 1."""
+  anchor_check_every (10) and no debug_checks, every host hashes after round 10, reads the
+  others' hashes in round 11 and stops, naming round 10 and host 1."""
   procs = multihost.start_hosts(tmp_path, 3, replicas_per_host=1, num_rounds=12,
                                 eval_every=100, _corrupt={"host": 1, "round": 3})
   for code, text in multihost.finish(procs, timeout=180):

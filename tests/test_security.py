@@ -187,28 +187,53 @@ def test_odd_hosts_are_those_outside_a_strict_majority(hashes, odd):
   assert integrity.odd_hosts({h + 3: x for h, x in enumerate(hashes)}) == [h + 3 for h in odd]
 
 
-def test_collective_gather_keeps_host_ids():
+def test_collective_exchange_keeps_host_ids():
   """Elastic mode: rows come from the live hosts only (here hosts 0 and 2)."""
-  digest = "ab" * 32
-  other = "cd" * 32
-  rows = lambda x: np.stack([x, np.concatenate([[2], np.frombuffer(bytes.fromhex(other),
-                                                                    np.uint32)]).astype(np.uint32)])
-  assert integrity.collective_gather(rows, 0)(digest, 5) == {0: digest, 2: other}
+  digest, other = "ab" * 32, "cd" * 32
+
+  def allgather(row):
+    theirs = np.concatenate([[2], np.frombuffer(bytes.fromhex(other), np.uint32)])
+    return np.stack([row, theirs.astype(np.uint32)])
+
+  exchange = integrity.CollectiveExchange(allgather, 0)
+  exchange.publish(digest, 5)
+  assert not exchange.deferred and exchange.collect(5) == {0: digest, 2: other}
 
 
-def test_store_gather_reads_every_host_and_keeps_two_checks_of_keys():
+def test_store_exchange_reads_every_host_and_keeps_three_rounds_of_keys():
   store = FakeStore(2)
-  gathers = [integrity.store_gather(store, h, 2) for h in (0, 1)]
-  for r in (10, 20, 30):
-    out = [None, None]
-    threads = [threading.Thread(target=lambda h=h: out.__setitem__(
-        h, gathers[h](f"hash{h}-{r}", r))) for h in (0, 1)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
-    assert out == [{0: f"hash0-{r}", 1: f"hash1-{r}"}] * 2
-  assert sorted(store.values) == [f"diloco_jax/anchor/{r}/{h}" for r in (20, 30) for h in (0, 1)]
+  exchanges = [integrity.StoreExchange(store, h, 2) for h in (0, 1)]
+  for r in (10, 20, 30, 40):
+    for h in (0, 1):
+      exchanges[h].publish(f"hash{h}-{r}", r)
+    assert [e.collect(r) for e in exchanges] == [{0: f"hash0-{r}", 1: f"hash1-{r}"}] * 2
+  assert sorted(store.values) == [f"diloco_jax/anchor/{r}/{h}" for r in (20, 30, 40)
+                                  for h in (0, 1)]
+
+
+def test_anchor_check_compares_a_round_late_and_the_last_at_once():
+  class Recorder:
+    deferred = True
+
+    def __init__(self):
+      self.calls = []
+
+    def publish(self, digest, r):
+      self.calls.append(("publish", r))
+
+    def collect(self, r):
+      self.calls.append(("collect", r))
+      return {0: "x", 1: "x"}
+
+  exchange = Recorder()
+  check = integrity.AnchorCheck(exchange, every=2, last_round=5, always=False)
+  records = [check({"a": np.ones(3)}, r) for r in range(1, 6)]
+  assert exchange.calls == [("publish", 2), ("collect", 2), ("publish", 4), ("collect", 4),
+                            ("publish", 5), ("collect", 5)]
+  assert [sorted(f) for f in records] == [
+      [], ["anchor_check_time", "anchor_hash", "anchor_hash_time"], ["anchor_check_time"],
+      ["anchor_check_time", "anchor_hash", "anchor_hash_time"],
+      ["anchor_check_time", "anchor_hash", "anchor_hash_time"]]
 
 
 def test_fingerprint_sees_every_bit_shape_and_order(monkeypatch):

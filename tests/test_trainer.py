@@ -168,24 +168,36 @@ def test_cli_rejects_misspelled_field(tmp_path):
 
 
 def test_anchor_check_names_the_host_that_diverged(tmp_path):
-  """Three hosts, of which host 1 hashes its outer state differently: the run stops at the
-  first checked round (every 2 rounds), naming host 1 and the round."""
+  """Three hosts, of which host 1 hashes its outer state differently: every 2 rounds the
+  hash is published, and read a round later; the run stops in round 3, naming round 2
+  and host 1."""
   from diloco_jax import dispatch
   config = small_config(anchor_check_every=2, num_rounds=4)
-  with dispatch.Dispatcher() as d:
-    t = trainer.Trainer(config, str(tmp_path), d)
-    rounds = []
 
-    def gather(digest, r):  # what the store would hand back on 3 hosts
-      rounds.append(r)
+  class ThreeHosts:  # what the key-value store would hand back on 3 hosts
+    deferred = True
+
+    def __init__(self):
+      self.published, self.collected = {}, []
+
+    def publish(self, digest, r):
+      self.published[r] = digest
+
+    def collect(self, r):
+      self.collected.append(r)
+      digest = self.published[r]
       return {0: digest, 1: digest[::-1], 2: digest}
 
-    t.anchor_check.gather = gather
+  with dispatch.Dispatcher() as d:
+    t = trainer.Trainer(config, str(tmp_path), d)
+    t.anchor_check.exchange = exchange = ThreeHosts()
     t.run_round(1)
+    t.run_round(2)
+    assert list(exchange.published) == [2] and exchange.collected == []
     with pytest.raises(trainer.AnchorMismatchError,
                        match=r"round 2: .* host 1 diverged from the others"):
-      t.run_round(2)
-    assert rounds == [2]
+      t.run_round(3)
+    assert exchange.collected == [2]
 
 
 def _rounds_with_slow_collective(tmp_path, mode, slow_sum_of, num_rounds=5, inner_steps=40):
