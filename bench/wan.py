@@ -67,10 +67,16 @@ OUTER_MOMENTUM = {"sync": 0.9, "delayed": 0.9, "eager": 0.5, "ddp": 0.9, "none":
 RUNS = {mode: (mode, [], 25) for mode in OUTER_LR}
 RUNS.update({
     f"sync-{fmt}": ("sync", [f"--config.outer.compression={fmt}"], 25)
-    for fmt in ("bf16", "int8", "4bit")})
+    for fmt in ("bf16", "int8", "4bit", "2bit")})
 RUNS.update({
     "sync-topk": ("sync", ["--config.outer.compression=topk",
                            "--config.outer.topk_fraction=0.05"], 25),
+    # configs/sparseloco.py's wire: 64 of every 4096 entries at 2 bits, the accumulator
+    # decayed by 0.95, plain outer SGD (the flags after the mode's lr and momentum win).
+    "sparseloco": ("sync", ["--config.outer.compression=chunk_topk",
+                            "--config.outer.topk_fraction=0.015625",
+                            "--config.outer.error_feedback_decay=0.95",
+                            "--config.outer.lr=1.0", "--config.outer.momentum=0.0"], 25),
     "sync-h20": ("sync", [], 20),
     "streaming-p2": ("streaming", ["--config.outer.fragments=2"], 20),
     "streaming-p2-4bit-overlap": ("streaming", [

@@ -62,6 +62,8 @@ def reduce_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, all_to_
   """
   n = num_hosts
   x_R = np.asarray(x_R, np.float32)
+  if fmt in compress.GATHERED:
+    return _gather_encoded(x_R, fmt, reduce, num_hosts=n, allgather=allgather, **options)
   r, size = x_R.shape
   chunk = -(-size // n)
   chunk = -(-chunk // compress.BLOCK) * compress.BLOCK
@@ -81,6 +83,25 @@ def reduce_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, all_to_
   sent = sum(int(v.nbytes) for v in parts.values()) * (n - 1) // n + (n - 1) * mine.nbytes
   carried = np.stack([np.concatenate([compress.decode(e) for e in row]) for row in encoded])
   return out[:size], sent, carried[:, :size]
+
+
+def _gather_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, allgather,
+                    **options) -> tuple[np.ndarray, int, np.ndarray]:
+  """`reduce_encoded` for sparse formats (compress.GATHERED): every host all-gathers every
+  host's encoded rows whole, decodes all n·R of them and reduces. A sum of sparse rows is
+  not sparse, so nothing is re-encoded on the way; a ring all-gather sends (n − 1) x this
+  host's message."""
+  size = x_R.shape[1]
+  encoded = [compress.encode(row, fmt, **options) for row in x_R]
+  parts = {k: np.stack([e.parts[k] for e in encoded]) for k in encoded[0].parts}  # [R, ...]
+  gathered = {k: allgather(v) for k, v in parts.items()}  # [n, R, ...]
+  decoded = np.stack([compress.decode(compress.Encoded(fmt, size, {k: v[h, m] for k, v in
+                                                                   gathered.items()}),
+                                      **options)
+                      for h in range(num_hosts) for m in range(len(encoded))])
+  sent = (num_hosts - 1) * sum(e.nbytes for e in encoded)
+  carried = np.stack([compress.decode(e, **options) for e in encoded])
+  return np.asarray(reduce(decoded), np.float32), sent, carried
 
 
 def sum_rows(rows: np.ndarray) -> np.ndarray:

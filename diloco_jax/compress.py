@@ -15,9 +15,24 @@ float32; sums of decoded vectors are taken in float32. Formats:
         however the block is scaled, while int4 with an absmax scale has an absolute
         bound tied to the block's largest entry, keeps zeros and multiples of the
         scale exact, and costs one multiply to decode.
+  2bit  blockwise, four levels (q + ½)·s for q in {−2, −1, 0, 1} with s = max|x|/1.5,
+        four entries per byte: 0.25 byte per entry + 4 per block (0.066× of float32).
+        No zero level (±½s is the finest): with the same two bits a zero level would
+        leave three levels and a bound of max|x|/2; this one is |x − x̂| ≤ s/2 = max|x|/3,
+        and ±max|x| are exact. Meant for use with error feedback, which carries the rest.
   topk  the largest `fraction` of entries by magnitude, as int32 indices + float32
         values (8 bytes each); what is left out is the caller's to carry (error
         feedback, `encode` returns the decoded vector for that).
+  chunk_topk  SparseLoCo's: in every chunk of `topk_chunk` entries, the k = round(
+        fraction x chunk) largest by magnitude, as uint16 offsets in the chunk and values
+        of `value_bits` bits: 32 (float32), or a sign bit and b − 1 bits of magnitude,
+        2^(b−1) levels at the cell midpoints of the chunk's kept [min|v|, max|v|] (two
+        float32 per chunk), so |v − v̂| ≤ (max|v| − min|v|) / 2^b. (A quantizer over
+        [−max, max] would spend its levels near zero, where no kept value is.) At 4096
+        entries, k = 64 and 2 bits: 152 bytes per chunk, 0.0093x of float32. Every
+        chunk keeps the same k, so every host's message has the same size: the messages
+        are all-gathered whole (`collective.reduce_encoded`), since a sum of sparse
+        vectors is not sparse.
 """
 
 from __future__ import annotations
@@ -27,8 +42,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("none", "bf16", "int8", "4bit", "topk")
-BLOCK = 256  # entries per scale (int8, 4bit)
+FORMATS = ("none", "bf16", "int8", "4bit", "2bit", "topk", "chunk_topk")
+GATHERED = ("chunk_topk",)  # all-gathered, not reduced chunk by chunk on the way
+VALUE_BITS = (2, 4, 32)
+BLOCK = 256  # entries per scale (int8, 4bit, 2bit)
+_TWO_BIT_MAX = 1.5  # the outermost level, in units of the scale
 _QMAX = {"int8": 127, "4bit": 7}
 
 
@@ -49,8 +67,48 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
   return np.pad(x, (0, pad)).reshape(-1, block)
 
 
-def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK,
-           topk_fraction: float = 0.01) -> Encoded:
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+  """Codes < 2^bits, 8 / bits per byte, the first in the low bits."""
+  per = 8 // bits
+  codes = np.pad(codes.ravel().astype(np.uint8), (0, (-codes.size) % per)).reshape(-1, per)
+  return np.bitwise_or.reduce(codes << (bits * np.arange(per, dtype=np.uint8)), axis=1)
+
+
+def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+  per = 8 // bits
+  shifts = bits * np.arange(per, dtype=np.uint8)
+  return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).ravel()[:n]
+
+
+def _sign_magnitude(values: np.ndarray, bits: int) -> dict[str, np.ndarray]:
+  """[chunks, k] -> sign + (bits − 1)-bit magnitude codes over each chunk's [lo, hi]."""
+  mag = np.abs(values)
+  lo, hi = mag.min(axis=1), mag.max(axis=1)
+  levels = 1 << (bits - 1)
+  width = (hi - lo) / np.float32(levels)  # 0 when every kept value has one magnitude
+  safe = np.where(width > 0, width, np.float32(1))
+  j = np.clip(np.floor((mag - lo[:, None]) / safe[:, None]), 0, levels - 1)
+  codes = (j + levels * (values < 0)).astype(np.uint8)
+  return {"q": _pack(codes, bits), "lo": lo.astype(np.float32), "hi": hi.astype(np.float32)}
+
+
+def _sign_magnitude_decode(p: dict[str, np.ndarray], bits: int, n_chunks: int,
+                           k: int) -> np.ndarray:
+  levels = 1 << (bits - 1)
+  codes = _unpack(p["q"], bits, n_chunks * k).reshape(n_chunks, k)
+  lo, hi = p["lo"][:, None], p["hi"][:, None]
+  width = (hi - lo) / np.float32(levels)
+  mag = lo + ((codes % levels).astype(np.float32) + np.float32(0.5)) * width
+  return np.where(codes >= levels, -mag, mag).astype(np.float32)
+
+
+def chunk_k(topk_fraction: float, topk_chunk: int) -> int:
+  """Entries kept per chunk by chunk_topk."""
+  return max(1, int(round(topk_fraction * topk_chunk)))
+
+
+def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK, topk_fraction: float = 0.01,
+           topk_chunk: int = 4096, value_bits: int = 2) -> Encoded:
   """Encodes a flat float32 vector."""
   x = np.asarray(x, np.float32).ravel()
   if fmt == "none":
@@ -70,6 +128,14 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK,
       nib = np.pad(nib, (0, nib.size % 2))
       q = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
     return Encoded(fmt, x.size, {"q": q.ravel(), "scale": scale})
+  if fmt == "2bit":
+    b = _blocks(x, block)
+    scale = (np.abs(b).max(axis=1) / np.float32(_TWO_BIT_MAX)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = (np.clip(np.floor(b / safe[:, None]), -2, 1) + 2).astype(np.uint8).ravel()
+    codes = np.pad(codes, (0, (-codes.size) % 4)).reshape(-1, 4)
+    packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+    return Encoded(fmt, x.size, {"q": packed.astype(np.uint8), "scale": scale})
   if fmt == "topk":
     if not 0 < topk_fraction <= 1:
       raise ValueError(f"topk fraction {topk_fraction}: must be in (0, 1]")
@@ -77,12 +143,30 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK,
     idx = np.argpartition(np.abs(x), x.size - k)[x.size - k:]
     idx = np.sort(idx).astype(np.int32)
     return Encoded(fmt, x.size, {"indices": idx, "values": x[idx]})
+  if fmt == "chunk_topk":
+    k = chunk_k(topk_fraction, topk_chunk)
+    chunks = _blocks(x, topk_chunk)
+    idx = np.sort(np.argpartition(-np.abs(chunks), k - 1, axis=1)[:, :k], axis=1)
+    values = np.take_along_axis(chunks, idx, axis=1)
+    parts = ({"values": values.ravel()} if value_bits == 32
+             else _sign_magnitude(values, value_bits))
+    return Encoded(fmt, x.size, {"indices": idx.astype(np.uint16).ravel(), **parts})
   raise ValueError(f"unknown compression format {fmt!r}; one of {FORMATS}")
 
 
-def decode(enc: Encoded, *, block: int = BLOCK) -> np.ndarray:
-  """The float32 vector `enc` stands for."""
+def decode(enc: Encoded, *, block: int = BLOCK, topk_fraction: float = 0.01,
+           topk_chunk: int = 4096, value_bits: int = 2) -> np.ndarray:
+  """The float32 vector `enc` stands for (with the options it was encoded with)."""
   p = enc.parts
+  if enc.fmt == "chunk_topk":
+    k = chunk_k(topk_fraction, topk_chunk)
+    n_chunks = p["indices"].size // k
+    values = (p["values"] if value_bits == 32
+              else _sign_magnitude_decode(p, value_bits, n_chunks, k))
+    out = np.zeros((n_chunks, topk_chunk), np.float32)
+    np.put_along_axis(out, p["indices"].reshape(n_chunks, k).astype(np.int64),
+                      values.reshape(n_chunks, k), axis=1)
+    return out.ravel()[:enc.size]
   if enc.fmt == "none":
     return p["values"].astype(np.float32)
   if enc.fmt == "bf16":
@@ -96,6 +180,11 @@ def decode(enc: Encoded, *, block: int = BLOCK) -> np.ndarray:
     n_blocks = p["scale"].size
     q = q[:n_blocks * block].reshape(n_blocks, block).astype(np.float32)
     return (q * p["scale"][:, None]).ravel()[:enc.size]
+  if enc.fmt == "2bit":
+    codes = (p["q"][:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+    n_blocks = p["scale"].size
+    levels = codes.ravel()[:n_blocks * block].reshape(n_blocks, block).astype(np.float32)
+    return ((levels - np.float32(1.5)) * p["scale"][:, None]).ravel()[:enc.size]
   if enc.fmt == "topk":
     out = np.zeros(enc.size, np.float32)
     out[p["indices"]] = p["values"]
@@ -113,5 +202,9 @@ def error_bound(x: np.ndarray, fmt: str, *, block: int = BLOCK) -> np.ndarray:
   if fmt in _QMAX:
     b = _blocks(x, block)
     half_step = np.abs(b).max(axis=1) / np.float32(2 * _QMAX[fmt])
+    return np.repeat(half_step, block)[:x.size] * np.float32(1 + 1e-6)
+  if fmt == "2bit":
+    b = _blocks(x, block)
+    half_step = np.abs(b).max(axis=1) / np.float32(2 * _TWO_BIT_MAX)
     return np.repeat(half_step, block)[:x.size] * np.float32(1 + 1e-6)
   raise ValueError(f"no error bound for {fmt!r}")

@@ -30,6 +30,7 @@ DATA_SOURCES = ("synthetic", "text", "tokens", "prepared")
 SHARDINGS = ("iid", "non_iid")
 TOKEN_DTYPES = ("uint16", "int32")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+INNER_OPTIMIZERS = ("adamw", "muon")
 MODEL_FAMILIES = ("gpt", "llama")
 REMAT = ("none", "block")
 
@@ -87,6 +88,10 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.inner.b2 = 0.95  # AdamW second-moment decay.
   c.inner.eps = 1e-8  # AdamW epsilon.
   c.inner.clip_norm = 1.0  # Global-norm gradient clipping; 0 turns it off.
+  c.inner.optimizer = "adamw"  # 'adamw', or 'muon': Muon on the blocks' matrices, AdamW elsewhere.
+  c.inner.muon_lr = 0.02  # 'muon': peak learning rate of the Muon matrices (lr's warmup and decay).
+  c.inner.muon_momentum = 0.95  # 'muon': Nesterov momentum of the Muon matrices.
+  c.inner.muon_ns_steps = 5  # 'muon': Newton-Schulz iterations per update.
 
   c.outer = ml_collections.ConfigDict()
   c.outer.lr = 0.7  # Outer SGD learning rate (DiLoCo paper: 0.7).
@@ -99,9 +104,12 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.overlap_steps = 0  # τ: inner steps between sending a fragment's Δ and applying it.
   c.outer.merge_alpha = 0.0  # α: replicas keep α of their own fragment, take 1 − α of θᵍ.
   # On the wire (every DiLoCo mode but 'eager' for robust aggregation):
-  c.outer.compression = "none"  # Δ across hosts: 'none', 'bf16', 'int8', '4bit' or 'topk'.
-  c.outer.topk_fraction = 0.01  # 'topk': fraction of Δ's entries sent (largest magnitude).
+  c.outer.compression = "none"  # Δ across hosts: 'none', 'bf16', 'int8', '4bit', '2bit' or 'topk'.
+  c.outer.topk_fraction = 0.01  # 'topk', 'chunk_topk': fraction of Δ's entries sent (largest).
+  c.outer.topk_chunk = 4096  # 'chunk_topk': entries per chunk (<= 65536), each keeps its top k.
+  c.outer.topk_value_bits = 2  # 'chunk_topk': bits per kept value: 2, 4 (sign + magnitude) or 32.
   c.outer.error_feedback = True  # Lossy formats: carry what was not sent into the next sync.
+  c.outer.error_feedback_decay = 1.0  # β: the carried residual is scaled by β (SparseLoCo: 0.95).
   c.outer.aggregation = "mean"  # Over the K replicas: 'mean', 'trimmed_mean' or 'median'.
   c.outer.trim = 0.2  # 'trimmed_mean': fraction of the K values dropped at each end.
 
@@ -337,6 +345,11 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
   check("config.inner.b2", 0 <= i.b2 < 1, "must be in [0, 1)")
   check("config.inner.eps", i.eps > 0, "must be > 0")
   check("config.inner.clip_norm", i.clip_norm >= 0, "must be >= 0 (0 turns clipping off)")
+  check("config.inner.optimizer", i.optimizer in INNER_OPTIMIZERS,
+        f"must be one of {INNER_OPTIMIZERS}")
+  check("config.inner.muon_lr", i.muon_lr > 0, "must be > 0")
+  check("config.inner.muon_momentum", 0 <= i.muon_momentum < 1, "must be in [0, 1)")
+  check("config.inner.muon_ns_steps", i.muon_ns_steps >= 1, "must be >= 1")
   check("config.outer.lr", o.lr > 0, "must be > 0")
   check("config.outer.momentum", 0 <= o.momentum < 1, "must be in [0, 1)")
   check("config.outer.max_skipped_rounds", o.max_skipped_rounds >= 1, "must be >= 1")
@@ -407,6 +420,16 @@ def _check_wire(c: ml_collections.ConfigDict, check, num_replicas: int) -> None:
   check("config.outer.compression", o.compression in compress.FORMATS,
         f"must be one of {compress.FORMATS}")
   check("config.outer.topk_fraction", 0 < o.topk_fraction <= 1, "must be in (0, 1]")
+  check("config.outer.topk_chunk", 1 <= o.topk_chunk <= 65536,
+        "must be in [1, 65536] (offsets in a chunk cross the wire as uint16)")
+  check("config.outer.topk_value_bits", o.topk_value_bits in compress.VALUE_BITS,
+        f"must be one of {compress.VALUE_BITS}")
+  check("config.outer.error_feedback_decay", 0 <= o.error_feedback_decay <= 1,
+        "must be in [0, 1]")
+  check("config.outer.error_feedback_decay",
+        o.error_feedback_decay == 1 or (o.error_feedback and o.compression != "none"),
+        "decays the error-feedback accumulator: needs config.outer.error_feedback and a "
+        "lossy config.outer.compression")
   check("config.outer.trim", 0 <= o.trim < 0.5, "must be in [0, 0.5)")
   if o.aggregation not in aggregate.AGGREGATIONS:
     check("config.outer.aggregation", False, f"must be one of {aggregate.AGGREGATIONS}")

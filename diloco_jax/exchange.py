@@ -119,7 +119,10 @@ class Exchange:
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
     self.steps_finished, self.elastic = steps_finished, elastic_mode
     self.compression, self.aggregation = outer.compression, outer.aggregation
-    self.trim, self.topk_fraction = outer.trim, outer.topk_fraction
+    self.trim = outer.trim
+    self.wire_options = dict(topk_fraction=outer.topk_fraction, topk_chunk=outer.topk_chunk,
+                             value_bits=outer.topk_value_bits)
+    self.decay = outer.error_feedback_decay  # β: SparseLoCo's accumulator decay
     self.feedback = outer.error_feedback and outer.compression != "none"
     self.plain = outer.compression == "none" and outer.aggregation == "mean"
     self.aggregates = outer.aggregation != "mean"  # the wire returns Δ̄, not Σ Δ
@@ -188,14 +191,14 @@ class Exchange:
     leaves, treedef = jax.tree.flatten(rows)
     x = np.concatenate([np.asarray(v, np.float32).reshape(v.shape[0], -1) for v in leaves],
                        axis=1)
-    if self.feedback:
-      x = x + residual
+    if self.feedback:  # the accumulator: e ← β e + Δ (β = 1: plain error feedback)
+      x = x + (residual if self.decay == 1 else np.float32(self.decay) * residual)
     combine = collective_lib.sum_rows
     if self.aggregates:
       combine = functools.partial(aggregate.aggregate, aggregation=self.aggregation,
                                   trim=self.trim)
     out, carried = self.collective.reduce_encoded(x, self.compression, combine,
-                                                  topk_fraction=self.topk_fraction)
+                                                  **self.wire_options)
     if self.feedback:
       residual = x - carried
       residual = np.where(np.isfinite(residual), residual, np.float32(0))

@@ -14,7 +14,7 @@ def sample(n=10_000, seed=0):
                                              100)[:n]).astype(np.float32)
 
 
-@pytest.mark.parametrize("fmt", ["none", "bf16", "int8", "4bit"])
+@pytest.mark.parametrize("fmt", ["none", "bf16", "int8", "4bit", "2bit"])
 def test_round_trip_within_bound(fmt):
   x = sample()
   y = compress.decode(compress.encode(x, fmt))
@@ -45,9 +45,20 @@ def test_bytes_on_the_wire():
   assert compress.encode(x, "bf16").nbytes == fp32 // 2
   assert compress.encode(x, "int8").nbytes <= 0.27 * fp32  # scales included
   assert compress.encode(x, "4bit").nbytes <= 0.15 * fp32
+  assert compress.encode(x, "2bit").nbytes == n // 4 + 4 * (n // compress.BLOCK)
   enc = compress.encode(x, "topk", topk_fraction=0.01)
   k = round(0.01 * n)
   assert enc.nbytes == 8 * k  # int32 index + float32 value each
+
+
+def test_two_bit_levels():
+  """Four levels ±s/2, ±3s/2 with s = max|x|/1.5 per block: each entry goes to the middle
+  of its cell [qs, (q + 1)s), the block's extremes exactly; a full block and a padded one."""
+  x = np.array([1.5, 0.7, 0.2, -0.2, -0.9, -1.5, 3.0, 2.9, -0.1, 0.0], np.float32)
+  y = compress.decode(compress.encode(x, "2bit", block=6), block=6)
+  # Block 2: s = 3.0 / 1.5 = 2: 3.0 and 2.9 -> 3.0 (cell [2, 4)), -0.1 -> -1, 0 -> 1.
+  np.testing.assert_array_equal(y, np.array([1.5, 0.5, 0.5, -0.5, -0.5, -1.5,
+                                             3.0, 3.0, -1.0, 1.0], np.float32))
 
 
 def test_topk_keeps_the_largest_entries_exactly():
