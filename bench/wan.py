@@ -218,8 +218,9 @@ def main():
     mb = f"{max(r['bytes_per_host']) / 1e6:.1f}" if "bytes_per_host" in r else "0"
     comm = f"{r['comm_s_per_round']:.2f}" if r.get("comm_s_per_round") else "-"
     peak = f"{r['peak_bytes_per_sync'] / 1e6:.3f}" if r.get("peak_bytes_per_sync") else "-"
+    util = f"{r['compute_utilization']:.2f}" if r["compute_utilization"] else "-"  # no none
     print(f"| {r['mode']} | {r['outer_lr']}, {r['outer_momentum']} | {r['wall_s']:.1f} | "
-          f"{r['compute_utilization']:.2f} | {100 * r['idle_fraction']:.1f}% | "
+          f"{util} | {100 * r['idle_fraction']:.1f}% | "
           f"{r['tokens_per_sec']:,.0f} | {mb} | {peak} | {comm} | "
           f"{r['final_eval_loss']:.4f} |")
   print(f"wrote {args.out} and {args.out.replace('.json', '.png')}")

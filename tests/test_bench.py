@@ -9,6 +9,7 @@ bench, these tests say so.
 import glob
 import hashlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("checkpoint", "data", "linkdrop", "memory", "models", "outer_step", "overhead",
-           "peer", "poison", "wan")
+           "peer", "poison", "quality", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -161,6 +162,18 @@ def check_poison(result: dict) -> None:
   assert {r["aggregation"] for r in result["rows"]} == {"mean", "trimmed_mean", "median"}
 
 
+def check_quality(result: dict) -> None:
+  """--smoke: configs/sparseloco.py and configs/muloco.py train on 2 hosts, and what host
+  0 sends per round is their format's share of a float32 exchange of the model (a ring
+  all-reduce on 2 hosts sends 4 bytes per param)."""
+  assert [r["method"] for r in result["rows"]] == ["sparseloco", "muloco"]
+  for row in result["rows"]:
+    assert math.isfinite(row["final_eval_loss"]) and row["tokens"] > 0
+  share = {r["method"]: r["bytes_per_round"] / (4 * r["params"]) for r in result["rows"]}
+  assert share["sparseloco"] <= 0.0105, share  # 64 of 4096 entries at 2 bits: 0.93%
+  assert share["muloco"] <= 0.07, share  # 2 bits per entry + a scale per 256: 0.066
+
+
 def check_wan(result: dict, out: str) -> None:
   has(result, WAN_KEYS)
   assert [r["mode"] for r in result["rows"]] == ["none", "sync"]
@@ -173,7 +186,7 @@ def check_wan(result: dict, out: str) -> None:
 CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
-          "poison": check_poison,
+          "poison": check_poison, "quality": check_quality,
           "wan": check_wan}
 
 

@@ -1,0 +1,168 @@
+"""Loss against bytes sent: every way of training the same model on the same real text.
+
+  python bench/quality.py [--methods=ddp,sync,...] [--rounds=20] [--inner_steps=24] [--out=...]
+  python bench/quality.py --smoke  # a minute: a small corpus, 2 rounds of 2 steps, 2 methods
+
+Each method trains configs/small_text.py's model (a 2-block GPT, BPE of 4,096 tokens) on
+2 host processes x 2 replicas (K = 4) through launch/local.py, from the same seed, data
+and tokens: `rounds` x `inner_steps` steps of 16 x 128 tokens per replica. The corpus is
+the Python standard library's sources prepared by `python -m diloco_jax.prepare`
+(--corpus; made on first use in ~/.cache/diloco_jax/stdlib_bpe4k, as in small_text.py).
+Methods (METHODS): ddp (a sum of gradients every step), sync DiLoCo, eager, streaming
+(P = 2 fragments, 4-bit), sync with int8, SparseLoCo (configs/sparseloco.py's wire and
+outer step) and MuLoCo (configs/muloco.py: Muon inner, 2-bit with error feedback).
+Reports per method: final eval loss and bits per byte, bytes host 0 sent per round (the
+collective's own count; bench/wan.py checks it against a veth) and in all, wall time;
+writes bench/results/quality.json and quality.png (eval loss against total bytes, log x).
+On one machine the link is loopback: this measures what each method learns per byte, not
+how long the bytes take (bench/wan.py shapes a link for that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench import _smoke  # noqa: E402
+
+# name -> (config file, overrides). configs/sparseloco.py and configs/muloco.py are
+# small_text.py's model and corpus with their own wire and optimizers. Eager's outer
+# momentum 0.5 is bench/wan.py's sweep's best.
+METHODS = {
+    "ddp": ("small_text", ["--config.mode=ddp"]),
+    "sync": ("small_text", []),
+    "eager": ("small_text", ["--config.mode=eager", "--config.outer.momentum=0.5"]),
+    "streaming": ("small_text", ["--config.mode=streaming", "--config.outer.fragments=2",
+                                 "--config.outer.compression=4bit"]),
+    "int8": ("small_text", ["--config.outer.compression=int8"]),
+    "sparseloco": ("sparseloco", []),
+    "muloco": ("muloco", []),
+}
+SMOKE_FLAGS = ["--config.batch_size=2", "--config.eval_batches=1",
+               "--config.model.num_layers=1", "--config.inner.warmup_steps=1"]
+
+
+def default_corpus() -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "diloco_jax", "stdlib_bpe4k")
+
+
+def prepare(output: str, smoke: bool) -> None:
+  """The standard library's sources as a prepared corpus (smoke: its 10 largest modules,
+  as bytes)."""
+  stdlib = sysconfig.get_path("stdlib")
+  if smoke:
+    inputs = sorted(glob.glob(os.path.join(stdlib, "*.py")), key=os.path.getsize)[-10:]
+    tokenizer = ["--tokenizer=bytes", "--eval_fraction=0.2"]  # 2 for eval, 8 for 4 replicas
+  else:
+    inputs = [os.path.join(stdlib, "*.py")]
+    tokenizer = ["--tokenizer=train", "--vocab_size=4096", "--eval_fraction=0.05"]
+  subprocess.run([sys.executable, "-m", "diloco_jax.prepare", *tokenizer,
+                  *[f"--input={i}" for i in inputs],
+                  f"--output={output}"], cwd=REPO, check=True, capture_output=True, text=True)
+
+
+def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
+  config, extra = METHODS[name]
+  with tempfile.TemporaryDirectory() as workdir:
+    cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={args.hosts}",
+           "--", f"--config=configs/{config}.py", f"--workdir={workdir}",
+           f"--config.data.path={corpus}",
+           f"--config.replicas_per_host={args.replicas_per_host}",
+           f"--config.num_rounds={args.rounds}", f"--config.inner_steps={args.inner_steps}",
+           f"--config.eval_every={max(args.rounds // 4, 1)}", "--config.checkpoint.every=0",
+           *(SMOKE_FLAGS if args.smoke else []), *extra]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=7200)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+      raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+    with open(os.path.join(workdir, "run.json")) as f:
+      params = json.load(f)["num_params"]
+  last = records[-1]
+  return {"method": name, "config": f"configs/{config}.py", "overrides": extra,
+          "params": params,
+          "final_eval_loss": last["eval_loss"], "final_eval_bpb": last.get("eval_bpb"),
+          "tokens": last["tokens"], "wall_s": wall,
+          "bytes_per_round": statistics.median(r.get("bytes_sent", 0) for r in records),
+          "total_bytes": sum(r.get("bytes_sent", 0) for r in records),
+          "curve": [(r["tokens"], r["eval_loss"]) for r in records if "eval_loss" in r]}
+
+
+def plot(rows: list[dict], path: str) -> None:
+  from diloco_jax import metrics
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+  for row in rows:
+    ax.plot(max(row["total_bytes"], 1), row["final_eval_loss"], "o", label=row["method"])
+    ax.annotate(row["method"], (max(row["total_bytes"], 1), row["final_eval_loss"]),
+                textcoords="offset points", xytext=(4, 4), fontsize=8)
+  ax.set_xscale("log")
+  metrics.save_figure(fig, ax, path, xlabel="bytes host 0 sent in all (log)",
+                      ylabel="final eval loss (nats/token)",
+                      title="What each method learns per byte (K = 4, same tokens)")
+
+
+def main():
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--methods", default=",".join(METHODS), help=f"from {', '.join(METHODS)}")
+  parser.add_argument("--rounds", type=int, default=20)
+  parser.add_argument("--inner_steps", type=int, default=24,
+                      help="H (streaming's P = 2 must divide it)")
+  parser.add_argument("--hosts", type=int, default=2)
+  parser.add_argument("--replicas_per_host", type=int, default=2)
+  parser.add_argument("--corpus", default=None,
+                      help=f"a prepared directory (default {default_corpus()}, made if missing)")
+  args = _smoke.parse_args(parser, "quality", dict(methods="sparseloco,muloco", rounds=2,
+                                                   inner_steps=2))
+  unknown = set(args.methods.split(",")) - set(METHODS)
+  if unknown:
+    parser.error(f"unknown --methods {sorted(unknown)}; from {', '.join(METHODS)}")
+  corpus = args.corpus
+  if corpus is None:
+    corpus = (os.path.join(os.path.dirname(args.out), "corpus") if args.smoke
+              else default_corpus())
+  if not os.path.exists(os.path.join(corpus, "manifest.json")):
+    print(f"preparing {corpus} from the standard library's sources", flush=True)
+    prepare(corpus, args.smoke)
+  rows = []
+  for name in args.methods.split(","):
+    rows.append(run(name, corpus, args))
+    print(f"done: {name}", flush=True)
+  result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
+            "rounds": args.rounds, "inner_steps": args.inner_steps, "corpus": corpus,
+            "smoke": args.smoke}
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  plot(rows, os.path.splitext(args.out)[0] + ".png")
+  ref = next((r for r in rows if r["method"] == "sync"), None)
+  print("\n| method | final eval loss | bits/byte | vs sync | MB/round | MB in all | wall s |\n"
+        "|---|---|---|---|---|---|---|")
+  for r in rows:
+    vs = f"{r['final_eval_loss'] / ref['final_eval_loss']:.4f}" if ref else "-"
+    bpb = f"{r['final_eval_bpb']:.3f}" if r["final_eval_bpb"] is not None else "-"
+    print(f"| {r['method']} | {r['final_eval_loss']:.4f} | {bpb} | {vs} | "
+          f"{r['bytes_per_round'] / 1e6:.3f} | {r['total_bytes'] / 1e6:.2f} | "
+          f"{r['wall_s']:.0f} |")
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
