@@ -37,7 +37,6 @@ from diloco_jax import aggregate
 from diloco_jax import collective as collective_lib
 from diloco_jax import diloco
 from diloco_jax import elastic
-from diloco_jax import state as state_lib
 
 Params = Any
 
