@@ -12,34 +12,17 @@ blocks' weight matrices (AdamW on embeddings, norms, biases and the head; Théri
 carry fed back into the next round's (error feedback).
 """
 
-from diloco_jax import config as config_lib
+import os
+import runpy
+
+# small_text.py's run (loaded by path: config files are not a package).
+_SMALL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_text.py")
 
 
 def get_config():
-  config = config_lib.get_default_config()
-  config.mode = "sync"
-  config.num_rounds = 20
-  config.inner_steps = 25  # H.
-  config.replicas_per_host = 2  # K = 2 replicas per host (4 on 2 hosts).
-  config.batch_size = 16
-  config.eval_every = 2
-  config.eval_batches = 8
-
-  config.model.num_layers = 2
-  config.model.d_model = 128
-  config.model.num_heads = 4
-  config.model.mlp_dim = 512
-  config.model.seq_len = 128
-
-  config.data.source = "prepared"
-  config.data.path = "/tmp/stdlib_bpe4k"  # The first command's --output.
-  config.data.vocab_size = 4096  # Its manifest's (--vocab_size); the manifest's wins.
-
+  config = runpy.run_path(_SMALL_TEXT)["get_config"]()
   config.inner.optimizer = "muon"
-  config.inner.lr = 3e-3  # AdamW's, for the embeddings, norms, biases and head.
-  config.inner.muon_lr = 0.02
-  config.inner.warmup_steps = 50
-
+  config.inner.muon_lr = 0.02  # inner.lr (3e-3) stays AdamW's, for embeddings, norms, head.
   config.outer.compression = "2bit"
   config.outer.error_feedback = True
   return config

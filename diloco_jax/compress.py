@@ -67,6 +67,14 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
   return np.pad(x, (0, pad)).reshape(-1, block)
 
 
+def _scaled_blocks(x: np.ndarray, block: int, top: float) -> tuple[np.ndarray, np.ndarray]:
+  """x in blocks divided by each block's scale s = max|x| / top, and the scales (a block
+  of zeros keeps s = 0 and is divided by 1)."""
+  b = _blocks(x, block)
+  scale = (np.abs(b).max(axis=1) / np.float32(top)).astype(np.float32)
+  return b / np.where(scale > 0, scale, np.float32(1))[:, None], scale
+
+
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
   """Codes < 2^bits, 8 / bits per byte, the first in the low bits."""
   per = 8 // bits
@@ -119,23 +127,15 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK, topk_fraction: float 
     return Encoded(fmt, x.size, {"bits": x.astype(jnp.bfloat16).view(np.uint16)})
   if fmt in _QMAX:
     qmax = _QMAX[fmt]
-    b = _blocks(x, block)
-    scale = (np.abs(b).max(axis=1) / np.float32(qmax)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.rint(b / safe[:, None]), -qmax, qmax).astype(np.int8)
+    scaled, scale = _scaled_blocks(x, block, qmax)
+    q = np.clip(np.rint(scaled), -qmax, qmax).astype(np.int8).ravel()
     if fmt == "4bit":  # two's-complement nibbles, two per byte
-      nib = (q.ravel() & 0x0F).astype(np.uint8)
-      nib = np.pad(nib, (0, nib.size % 2))
-      q = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
-    return Encoded(fmt, x.size, {"q": q.ravel(), "scale": scale})
+      q = _pack(q & 0x0F, 4)
+    return Encoded(fmt, x.size, {"q": q, "scale": scale})
   if fmt == "2bit":
-    b = _blocks(x, block)
-    scale = (np.abs(b).max(axis=1) / np.float32(_TWO_BIT_MAX)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    codes = (np.clip(np.floor(b / safe[:, None]), -2, 1) + 2).astype(np.uint8).ravel()
-    codes = np.pad(codes, (0, (-codes.size) % 4)).reshape(-1, 4)
-    packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
-    return Encoded(fmt, x.size, {"q": packed.astype(np.uint8), "scale": scale})
+    scaled, scale = _scaled_blocks(x, block, _TWO_BIT_MAX)
+    codes = np.clip(np.floor(scaled), -2, 1) + 2  # the levels' index, 0..3
+    return Encoded(fmt, x.size, {"q": _pack(codes, 2), "scale": scale})
   if fmt == "topk":
     if not 0 < topk_fraction <= 1:
       raise ValueError(f"topk fraction {topk_fraction}: must be in (0, 1]")
@@ -174,16 +174,14 @@ def decode(enc: Encoded, *, block: int = BLOCK, topk_fraction: float = 0.01,
   if enc.fmt in _QMAX:
     q = p["q"]
     if enc.fmt == "4bit":
-      lo, hi = (q & 0x0F).astype(np.int8), (q >> 4).astype(np.int8)
-      nib = np.stack([lo, hi], axis=1).ravel()
+      nib = _unpack(q, 4, 2 * q.size).astype(np.int8)
       q = np.where(nib > 7, nib - 16, nib).astype(np.int8)
     n_blocks = p["scale"].size
     q = q[:n_blocks * block].reshape(n_blocks, block).astype(np.float32)
     return (q * p["scale"][:, None]).ravel()[:enc.size]
   if enc.fmt == "2bit":
-    codes = (p["q"][:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
     n_blocks = p["scale"].size
-    levels = codes.ravel()[:n_blocks * block].reshape(n_blocks, block).astype(np.float32)
+    levels = _unpack(p["q"], 2, n_blocks * block).reshape(n_blocks, block).astype(np.float32)
     return ((levels - np.float32(1.5)) * p["scale"][:, None]).ravel()[:enc.size]
   if enc.fmt == "topk":
     out = np.zeros(enc.size, np.float32)
@@ -199,12 +197,8 @@ def error_bound(x: np.ndarray, fmt: str, *, block: int = BLOCK) -> np.ndarray:
     return np.zeros_like(x)
   if fmt == "bf16":
     return np.abs(x) * np.float32(2.0 ** -8)
-  if fmt in _QMAX:
+  if fmt in _QMAX or fmt == "2bit":  # half a level's step: max|x| / (2 top)
     b = _blocks(x, block)
-    half_step = np.abs(b).max(axis=1) / np.float32(2 * _QMAX[fmt])
-    return np.repeat(half_step, block)[:x.size] * np.float32(1 + 1e-6)
-  if fmt == "2bit":
-    b = _blocks(x, block)
-    half_step = np.abs(b).max(axis=1) / np.float32(2 * _TWO_BIT_MAX)
+    half_step = np.abs(b).max(axis=1) / np.float32(2 * _QMAX.get(fmt, _TWO_BIT_MAX))
     return np.repeat(half_step, block)[:x.size] * np.float32(1 + 1e-6)
   raise ValueError(f"no error bound for {fmt!r}")

@@ -73,15 +73,17 @@ def fingerprint(tree: Any) -> str:
   chunks on a pool of threads (hashlib lets go of the GIL), each chunk's digest then
   hashed in order: ~cores x one sha256 stream, and no copy of the state."""
   leaves = [np.ascontiguousarray(leaf) for leaf in jax.tree.leaves(tree)]
-  views = [memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
-           for a in leaves]
-  chunks = [view[i:i + _CHUNK] for view in views for i in range(0, max(len(view), 1), _CHUNK)]
-  with concurrent.futures.ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1) or 1) as pool:
-    digests = iter(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
+  chunks = []  # per leaf, its bytes in _CHUNK pieces (one empty piece for an empty leaf)
+  for a in leaves:
+    data = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    chunks.append([data[i:i + _CHUNK] for i in range(0, max(len(data), 1), _CHUNK)])
+  flat = [c for leaf_chunks in chunks for c in leaf_chunks]
+  with concurrent.futures.ThreadPoolExecutor(min(len(flat), os.cpu_count() or 1) or 1) as pool:
+    digests = iter(pool.map(lambda c: hashlib.sha256(c).digest(), flat))
   total = hashlib.sha256()
-  for a, view in zip(leaves, views):
+  for a, leaf_chunks in zip(leaves, chunks):
     total.update(f"{a.dtype}{a.shape}".encode())
-    for _ in range(0, max(len(view), 1), _CHUNK):
+    for _ in leaf_chunks:
       total.update(next(digests))
   return total.hexdigest()
 
