@@ -11,6 +11,9 @@ collectives in the same order, and two threads issuing collectives at once crash
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Any
 
 import jax
@@ -131,6 +134,9 @@ class LocalCollective:
   def allgather(self, x: np.ndarray) -> np.ndarray:
     return np.asarray(x)[None]
 
+  def connect(self, quiet: bool = True) -> None:
+    pass
+
   def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=sum_rows,
                      **options) -> tuple[np.ndarray, np.ndarray]:
     """The same protocol with one host (each row's round trip through `fmt`, reduced,
@@ -180,6 +186,14 @@ class HostCollective:
         lambda x: jax.lax.all_to_all(x, HOSTS_AXIS, split_axis=1, concat_axis=0),
         mesh=mesh, in_specs=P(HOSTS_AXIS), out_specs=P(HOSTS_AXIS)))
 
+  def connect(self, quiet: bool = True) -> None:
+    """Opens the connections between hosts with a one-byte all-gather (not counted in
+    `bytes_sent`). gloo prints `[Gloo] Rank i is connected to ...` to stdout from C++ as
+    it connects; `quiet` sends that line, and whatever else writes to fd 1 meanwhile, to
+    /dev/null."""
+    with _native_stdout_silenced() if quiet else contextlib.nullcontext():
+      self._gather_rows(np.zeros(1, np.uint8))
+
   def _global(self, row: np.ndarray) -> jax.Array:
     local = jax.device_put(np.asarray(row)[None], self.device)
     return jax.make_array_from_single_device_arrays((self.mesh.size, *np.shape(row)),
@@ -221,6 +235,20 @@ class HostCollective:
     """[hosts, *x.shape]: every host's `x`, in host order."""
     self.bytes_sent += (self.mesh.size - 1) * np.asarray(x).nbytes
     return self._gather_rows(x)
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced():
+  """File descriptor 1 on /dev/null meanwhile (Python's own buffer flushed first)."""
+  sys.stdout.flush()
+  saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, 1)
+    yield
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+    os.close(devnull)
 
 
 def make_collective() -> LocalCollective | HostCollective:

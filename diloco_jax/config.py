@@ -11,6 +11,7 @@ whether the model and replicas fit in memory).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import inspect
 import io
 import math
@@ -33,6 +34,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 INNER_OPTIMIZERS = ("adamw", "muon")
 MODEL_FAMILIES = ("gpt", "llama")
 REMAT = ("none", "block")
+WANDB_MODES = ("offline", "online")
 
 
 def get_default_config() -> ml_collections.ConfigDict:
@@ -122,6 +124,13 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
   c.checkpoint.keep = 3  # Newest checkpoints kept in workdir/checkpoints.
+  c.log = ml_collections.ConfigDict()
+  c.log.wandb_project = ""  # W&B project to log each round to (extra [wandb]); "": off.
+  c.log.wandb_mode = "offline"  # offline (files in workdir/wandb, for `wandb sync`) or online.
+
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start_round = 0  # First round traced by jax.profiler into workdir/profile; 0: none.
+  c.profile.num_rounds = 2  # Rounds the trace covers.
   c.elastic = False  # Experimental: survivors train on when a host dies (README).
   c.elastic_timeout = 60  # Elastic: seconds a sum or checkpoint waits for a dead host.
   return c
@@ -135,7 +144,9 @@ RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_c
                      "config.anchor_check_every",
                      "config.checkpoint.every", "config.checkpoint.keep",
                      "config.outer.max_skipped_rounds", "config.elastic",
-                     "config.elastic_timeout", "config.mesh.replicas", "config.mesh.fsdp")
+                     "config.elastic_timeout", "config.mesh.replicas", "config.mesh.fsdp",
+                     "config.log.wandb_project", "config.log.wandb_mode",
+                     "config.profile.start_round", "config.profile.num_rounds")
 
 
 class ConfigError(ValueError):
@@ -357,12 +368,24 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
         "must be >= 0 (0: checkpoints only at preemption and at the end)")
   check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
   _check_streaming(c, check)
+  _check_reporting(c, check)
   _check_wire(c, check, num_replicas=num_hosts * c.replicas_per_host)
   check("config.elastic_timeout", c.elastic_timeout >= 1, "must be >= 1")
   check("config.elastic", not c.elastic or c.mode == "sync",
         f"elastic mode is available for config.mode = 'sync' only (not {c.mode!r})")
   if errors:
     raise ConfigError("\n".join(errors))
+
+
+def _check_reporting(c: ml_collections.ConfigDict, check) -> None:
+  check("config.log.wandb_mode", c.log.wandb_mode in WANDB_MODES,
+        f"must be one of {WANDB_MODES}")
+  check("config.log.wandb_project", not c.log.wandb_project
+        or importlib.util.find_spec("wandb") is not None,
+        "is set, but the wandb package is not installed: pip install 'diloco_jax[wandb]'")
+  check("config.profile.start_round", 0 <= c.profile.start_round <= c.num_rounds,
+        f"must be in [0, num_rounds = {c.num_rounds}] (0: no profile)")
+  check("config.profile.num_rounds", c.profile.num_rounds >= 1, "must be >= 1")
 
 
 def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) -> None:

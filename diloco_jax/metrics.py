@@ -1,5 +1,6 @@
-"""What a run reports: run.json, the start-up lines, each round's record (metrics.jsonl,
-TensorBoard, the progress line and bar), the final report and the loss plot.
+"""What a run reports: run.json, the start-up lines, each round's record (written by
+`writers.py`: metrics.jsonl, TensorBoard, W&B), the progress line and bar, the ETA, the
+final report and the loss plot.
 
 Only host 0 writes files and prints rounds. A round's record is assembled here from the
 values the loop hands over (`RoundLog`): its own figures when the round ends, and the
@@ -24,6 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import diloco_jax
+from diloco_jax import writers
 
 # The parts of the outer step on the main thread's path (seconds; see README).
 OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
@@ -73,7 +75,8 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     parts.append(f"sent {format_count(r['bytes_sent'])}B")
   if "anchor_hash" in r:  # debug_checks: the same on every host, or the run has stopped
     parts.append(f"anchor {r['anchor_hash'][:8]} on all hosts")
-  parts.append(f"ETA {format_duration(r['eta'])}")
+  if "eta" in r:  # from this process's second round on
+    parts.append(f"ETA {format_duration(r['eta'])}")
   return " | ".join(parts)
 
 
@@ -88,115 +91,35 @@ def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
 
 
 class ProgressBar:
-  """A one-line bar of inner steps, redrawn in place; silent when stdout is not a terminal."""
+  """A bar of inner steps below the round lines (rich), on a terminal only: nothing when
+  stdout is not one (CI, SLURM logs, launch/local.py's pipes). While it runs, what the
+  process prints goes above it; `close()` removes it."""
 
   def __init__(self, total: int, enabled: bool = True, stream=None):
     self.stream = stream or sys.stdout
     self.total = total
     self.enabled = enabled and self.stream.isatty()
-    self._last = 0.0
+    self._progress = None
 
   def update(self, step: int, note: str = "") -> None:
-    now = time.monotonic()
-    if not self.enabled or (now - self._last < 0.1 and step < self.total):
-      return
-    self._last = now
-    filled = int(30 * step / self.total)
-    self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} {note}")
-    self.stream.flush()
-
-  def clear(self) -> None:
-    if self.enabled:
-      self.stream.write("\r\033[K")
-      self.stream.flush()
-
-
-class MetricsError(RuntimeError):
-  """metrics.jsonl cannot be continued; the message names the file and the line."""
-
-
-def read_records(path: str) -> tuple[list[dict[str, Any]], bool]:
-  """The records of a metrics.jsonl, and whether its last line was torn (a write cut
-  short by a crash or a full disk: dropped). Any other bad line is a MetricsError."""
-  with open(path, "rb") as f:
-    lines = f.read().decode(errors="replace").split("\n")
-  records, torn = [], False
-  last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-  for i, line in enumerate(lines):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-      if not isinstance(record, dict) or not isinstance(record.get("round"), int):
-        raise ValueError("not a round's record")
-    except ValueError as e:
-      if i == last:
-        torn = True
-        continue
-      raise MetricsError(f"{path}, line {i + 1}: {e}: {line[:80]!r}. Fix or remove that line "
-                         "(the records are this run's history) and run again") from None
-    records.append(record)
-  return records, torn
-
-
-class MetricsWriter:
-  """Appends one JSON record per round to workdir/metrics.jsonl and mirrors the scalars
-  to TensorBoard event files in workdir/tensorboard, with tokens seen as the x axis.
-
-  A run continues the file: the records of rounds before `first_round` are kept (the
-  rounds the checkpoint holds), later ones are dropped, since they are trained and logged
-  again, and TensorBoard is told to purge its events from `purge_step` on. Without
-  `enabled` (hosts other than 0) nothing is written."""
-
-  def __init__(self, workdir: str, enabled: bool = True, first_round: int | None = None,
-               purge_step: int | None = None):
-    self.enabled = enabled
-    self.records: list[dict[str, Any]] = []
-    path = os.path.join(workdir, "metrics.jsonl")
-    if first_round is None:  # in memory only (a Trainer used without `run`)
-      self.enabled = False
-      return
-    if os.path.exists(path):
-      records, torn = read_records(path)
-      self.records = [r for r in records if r["round"] < first_round]
-      dropped = len(records) - len(self.records)
-      if enabled and (torn or dropped):
-        print(f"WARNING: {path}: "
-              + ("a torn last line (a write cut short) removed" if torn else "")
-              + ("; " if torn and dropped else "")
-              + (f"{dropped} record(s) of rounds >= {first_round} removed (the checkpoint "
-                 "does not hold them: they are trained and logged again)" if dropped else ""),
-              file=sys.stderr, flush=True)
-        with open(path + ".tmp", "w") as f:
-          f.writelines(json.dumps(r) + "\n" for r in self.records)
-        os.replace(path + ".tmp", path)
-    if not enabled:
-      return
-    from tensorboardX import SummaryWriter  # Imported on host 0 only.
-    self._jsonl = open(path, "a")
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge_step)
-
-  def write(self, record: Mapping[str, Any]) -> None:
-    record = {k: _plain(v) for k, v in record.items()}
-    self.records.append(record)
     if not self.enabled:
       return
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    for key, value in record.items():
-      if isinstance(value, (int, float)) and key not in ("round", "tokens"):
-        self._tb.add_scalar(key, value, global_step=record["tokens"])
+    if self._progress is None:  # started at the first step, after the start-up lines
+      from rich.console import Console
+      from rich import progress
+      self._progress = progress.Progress(
+          progress.BarColumn(), progress.MofNCompleteColumn(),
+          progress.TextColumn("{task.description}"),
+          console=Console(file=self.stream, force_terminal=True), transient=True,
+          refresh_per_second=4)
+      self._task = self._progress.add_task(note, total=self.total)
+      self._progress.start()
+    self._progress.update(self._task, completed=step, description=note)
 
   def close(self) -> None:
-    if self.enabled:
-      self._jsonl.close()
-      self._tb.close()
-
-
-def _plain(v: Any) -> Any:
-  if isinstance(v, (np.generic, np.ndarray)):
-    return v.item()
-  return v
+    if self._progress is not None:
+      self._progress.stop()
+      self._progress = None
 
 
 def plot_losses(records: list[Mapping[str, Any]], path: str, *, floor: float | None,
@@ -248,7 +171,7 @@ class RoundLog:
   order, every record up to round r whose figures are all in (its loss-carrying sum,
   fragment 0's, has arrived)."""
 
-  def __init__(self, writer: MetricsWriter, bar: ProgressBar, *, num_rounds: int,
+  def __init__(self, writer: writers.MetricsWriter, bar: ProgressBar, *, num_rounds: int,
                inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
                bytes_per_token: Mapping[str, float] | None = None,
                flops_per_token: float | None = None, peak_flops: float | None = None):
@@ -261,21 +184,27 @@ class RoundLog:
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self._open: dict[int, dict[str, Any]] = {}
     self._round_times: list[float] = []
+    self._steady_times: list[float] = []  # what the ETA counts
+    self._ended: dict[int, float] = {}  # round -> when it ended (monotonic), with an ETA
 
   @property
   def elapsed(self) -> float:
     """Seconds of the rounds trained by this process."""
     return float(np.sum(self._round_times))
 
-  def timed(self, r: int, seconds: float) -> None:
-    """Round r took `seconds` of wall time: its speed, and the time left."""
-    times = self._round_times
-    times.append(seconds)
-    # The first round includes compilation; later rounds predict the rest better.
-    typical = np.mean(times[1:] if len(times) > 1 else times)
+  def timed(self, r: int, seconds: float, steady: bool = True) -> None:
+    """Round r took `seconds` of wall time: its speed, and the time left at the mean time
+    of the steady rounds so far. This process's first round is not one (it compiles the
+    outer step and the eval and opens the connections, after a resume too), nor is a
+    round with `steady` False (profiled)."""
+    self._round_times.append(seconds)
+    if steady and len(self._round_times) > 1:
+      self._steady_times.append(seconds)
     speed = self.tokens_per_round / seconds
-    self.add(r, round_time=seconds, tokens_per_sec=speed,
-             elapsed=self.elapsed, eta=float(typical * (self.num_rounds - r)))
+    self.add(r, round_time=seconds, tokens_per_sec=speed, elapsed=self.elapsed)
+    if self._steady_times:  # from the end of round r; `_write` takes off what passed since
+      self._ended[r] = time.monotonic()
+      self.add(r, eta=float(np.mean(self._steady_times) * (self.num_rounds - r)))
     if self.flops_per_token:  # over the whole round: inner steps, outer step, eval, saves
       self.add(r, flops_per_sec=speed * self.flops_per_token)
       if self.peak_flops:
@@ -344,11 +273,15 @@ class RoundLog:
                     bytes_peak=max(sent), fragments_synced=len(syncs),
                     overlap_steps=sum(a.overlap_steps for a in syncs),
                     overlap=float(np.clip(1 - waited / collective, 0, 1)) if collective else 0.0)
+    # Written (and printed) one round late: the time left is counted from now.
+    record["time"] = time.time()
+    if record["round"] in self._ended:
+      since = time.monotonic() - self._ended.pop(record["round"])
+      record["eta"] = max(record["eta"] - since, 0.0)
     if diagnostics is not None:  # [hosts, R, 3] -> per replica, in replica order
       stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # live replicas (elastic)
       record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
                     param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
-    self.bar.clear()
     if self.printing:
       print(round_line(record, self.num_rounds, self.num_rounds * self.h), flush=True)
     self.writer.write(record)

@@ -23,15 +23,15 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from diloco_jax import config as config_lib
 from diloco_jax import checkpoint
+from diloco_jax import config as config_lib
 from diloco_jax import dispatch
 from diloco_jax import distributed
 from diloco_jax import elastic
-from diloco_jax import metrics
 from diloco_jax import skips
 from diloco_jax import trainer
 from diloco_jax import workdir
+from diloco_jax import writers
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Required: the config file (configs/*.py); override its fields with "
@@ -257,7 +257,7 @@ def main(argv):
     _fail(f"Start-up failed: {e}")
   except checkpoint.CheckpointError as e:
     _fail(f"Checkpoint error: {e}")
-  except (workdir.WorkdirInUseError, metrics.MetricsError, skips.BadPseudoGradientError) as e:
+  except (workdir.WorkdirInUseError, writers.MetricsError, skips.BadPseudoGradientError) as e:
     _fail(f"Stopped: {e}")
   except dispatch.CollectiveError as e:
     if isinstance(e.__cause__, checkpoint.CheckpointError):  # a save on the dispatch thread

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 
 import diloco_jax
 from diloco_jax import checkpoint as checkpoint_lib
@@ -38,9 +39,11 @@ from diloco_jax import metrics
 from diloco_jax import model as model_lib
 from diloco_jax import optim
 from diloco_jax import outer as outer_lib
+from diloco_jax import profiling
 from diloco_jax import state as state_lib
 from diloco_jax import streaming_step
 from diloco_jax import workdir as workdir_lib
+from diloco_jax import writers
 
 # Each mode's outer step: a rule's driver, streaming's fragments, or ddp's per-step sums.
 DRIVERS = {"sync": outer_lib.OuterStep, "delayed": outer_lib.OuterStep,
@@ -100,6 +103,9 @@ class Trainer:
     self.elastic = config.elastic and self.num_hosts > 1
     self.collective = (elastic.ElasticCollective(config.elastic_timeout) if self.elastic
                        else collective_lib.make_collective())
+    if not self.elastic:  # gloo's connection line is third-party noise unless --verbosity
+      dispatcher.run(self.collective.connect, logging.get_verbosity() < logging.INFO,
+                     what="connecting the hosts")
     self.lock = workdir_lib.claim(  # before anything in the workdir is written
         workdir, is_host0=self.is_host0, restart_from_scratch=restart_from_scratch,
         agree=lambda ok: bool(dispatcher.run(self.collective.allgather, np.array([ok]),
@@ -128,7 +134,7 @@ class Trainer:
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
     self.bar = metrics.ProgressBar(self.num_rounds * self.h, enabled=self.is_host0)
     self.log = metrics.RoundLog(
-        metrics.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
+        writers.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
         inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
         tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token,
         flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
@@ -138,6 +144,9 @@ class Trainer:
         collective=self.collective,
         elastic_timeout=config.elastic_timeout if self.elastic else None)
     self.preemption = distributed.Preemption()
+    self.profile = profiling.ProfileWindow(
+        workdir, self.host, start=config.profile.start_round,
+        rounds=config.profile.num_rounds, last_round=self.num_rounds, announce=self.is_host0)
     self.anchor_check = integrity.AnchorCheck(
         self._hash_exchange(), every=config.anchor_check_every, last_round=self.num_rounds,
         always=config.debug_checks)
@@ -158,14 +167,16 @@ class Trainer:
     self.log.open(r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step)
     losses = []
     for i in range(self.h):
-      self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
-      losses.append(loss_R)
       step = (r - 1) * self.h + i + 1
+      with profiling.step_annotation("inner_step", step_num=step):
+        self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
+      losses.append(loss_R)
       if i + 1 < self.h:  # streaming syncs fragments mid-round
         self._take(r, self.outer_step.after_step(self.outer, self.replicas, step, r))
       self.bar.update(step, f"round {r}/{self.num_rounds}")
     loss_sum = jnp.sum(jnp.stack(losses))  # dispatched, not waited for
-    self._take(r, self.outer_step.end_round(self.outer, self.replicas, loss_sum, r))
+    with profiling.annotate("outer_step"):
+      self._take(r, self.outer_step.end_round(self.outer, self.replicas, loss_sum, r))
     self._round_checks(r)
     hostmem.trim()  # what the round's compiles and host copies freed
 
@@ -235,7 +246,8 @@ class Trainer:
   def run(self) -> TrainResult:
     metrics.print_startup(
         host=self.host, num_hosts=self.num_hosts, mode=self.config.mode,
-        devices=[str(d) for d in self.mesh.devices.flat],
+        devices=[f"{d.platform}:{jax.local_devices().index(d)}"  # this host's own numbering
+                 for d in self.mesh.devices.flat],
         replicas_per_host=self.replicas_per_host, num_params=self.num_params,
         model=self.model_cfg.module or self.model_cfg.family,
         flops_per_token=self.flops_per_token, num_rounds=self.num_rounds, inner_steps=self.h,
@@ -253,18 +265,23 @@ class Trainer:
                              tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
                              memory=memory, layout=self.train_step.layout.describe())
     first = done if self.outer.inflight else done + 1  # the first round logged from now on
-    self.log.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_host0,
-                                            first_round=first,
-                                            purge_step=first * self.h * self.tokens_per_step)
+    log = self.config.log
+    self.log.writer = writers.MetricsWriter(
+        self.workdir, enabled=self.is_host0, first_round=first,
+        purge_step=first * self.h * self.tokens_per_step,
+        wandb=dict(project=log.wandb_project, mode=log.wandb_mode, config=self.config.to_dict()))
     every, preempted_at = self.config.checkpoint.every, None
     if self.elastic and self.is_host0:
       elastic.mark_running()
 
     t_round = time.perf_counter()
     for r in range(done + 1, self.num_rounds + 1):
-      self.run_round(r)
+      self.profile.before_round(r)
+      with profiling.annotate(f"round {r}"):
+        self.run_round(r)
+      self.profile.after_round(r, self.replicas)
       self.log.write_through(r - 1)  # read after round r's work was dispatched
-      self.log.timed(r, time.perf_counter() - t_round)
+      self.log.timed(r, time.perf_counter() - t_round, steady=not self.profile.covers(r))
       if self.log.rejoin_requested(r) and r < self.num_rounds:
         self._restart_for_rejoin(r)
       preempted = self.preemption.reached(r)
@@ -275,6 +292,7 @@ class Trainer:
         break
       t_round = time.perf_counter()  # the save's blocking part is in the next round
 
+    self.bar.close()
     if preempted_at is None:
       self.finish_run()
     self.checkpointer.wait()
@@ -308,6 +326,7 @@ class Trainer:
         self.log.add(self.num_rounds, eval_loss=self.final_eval, floor=self.spec.floor)
     if not self.finished_before:
       self.checkpointer.save(self.snapshot(self.num_rounds, finished=True))
+      self.checkpointer.wait()  # the last line's "ETA 0s" is printed once it is on disk
       self.log.write_through(self.num_rounds)
 
   def _restart_for_rejoin(self, r: int) -> None:
@@ -341,5 +360,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       with trainer.preemption.handling_signals():
         return trainer.run()
     finally:
+      trainer.bar.close()  # after an error too: the terminal gets its cursor back
+      trainer.profile.close()
       if trainer.lock is not None:
         trainer.lock.release()

@@ -30,7 +30,7 @@ REFRESH_S = 10.0
 STALE_AFTER_S = 120.0
 # What a run writes into its workdir; moved aside together by --restart_from_scratch.
 RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "tensorboard",
-             "loss.png", "run.json")
+             "wandb", "profile", "loss.png", "run.json")
 _HELD: dict[str, Lock] = {}  # path -> this process's lock on it
 
 

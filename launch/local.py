@@ -158,7 +158,10 @@ def main(argv: list[str]) -> int:
     own, train_args = argv[:split], argv[split + 1:]
   else:
     own, train_args = argv, []
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      usage="python launch/local.py --hosts=N [options] -- TRAINER_FLAGS...",
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--hosts", type=int, required=True, help="host processes to start")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
   parser.add_argument("--max_restarts", type=int, default=0,
@@ -166,7 +169,13 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--rejoin_after", type=float, default=None,
                       help="elastic mode (--config.elastic=True): start a dead host other "
                            "than 0 again after this many seconds, without stopping the others")
-  args = parser.parse_args(own)
+  args, unknown = parser.parse_known_args(own)
+  example = "e.g. python launch/local.py --hosts=2 -- --config=configs/tiny.py --workdir=/tmp/run"
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}; the trainer's flags go after "
+                 f"`--`, {example}")
+  if not train_args:
+    parser.error(f"no trainer flags: give them after `--`, {example}")
   if args.hosts < 1:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
   if args.max_restarts < 0:

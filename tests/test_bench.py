@@ -18,8 +18,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("checkpoint", "data", "linkdrop", "memory", "models", "outer_step", "overhead",
-           "peer", "poison", "quality", "wan")
+BENCHES = ("checkpoint", "data", "eta", "linkdrop", "memory", "models", "outer_step",
+           "overhead", "peer", "poison", "quality", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -174,6 +174,20 @@ def check_quality(result: dict) -> None:
   assert share["muloco"] <= 0.07, share  # 2 bits per entry + a scale per 256: 0.066
 
 
+def check_eta(result: dict) -> None:
+  """--smoke: 6 rounds, fresh and preempted after round 3's line then resumed: every round
+  a process trains after its first has an ETA, compared with the time left (not judged
+  here: timing on a busy machine is for the bench's full run)."""
+  fresh, resumed = result["runs"]
+  assert fresh["run"] == "fresh" and fresh["rounds"] == [2, 3, 4, 5, 6]
+  assert resumed["run"].startswith("resumed after round ")
+  first = int(resumed["run"].split()[-1]) + 1  # the resumed process's first round: no ETA
+  assert resumed["rounds"] == list(range(first + 1, 7))
+  for run in result["runs"]:
+    for row in run["rows"]:
+      assert row["eta"] >= 0 and row["left"] > 0 and math.isfinite(row["error"])
+
+
 def check_wan(result: dict, out: str) -> None:
   has(result, WAN_KEYS)
   assert [r["mode"] for r in result["rows"]] == ["none", "sync"]
@@ -183,7 +197,8 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
-CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "linkdrop": check_linkdrop,
+CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "eta": check_eta,
+          "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
           "poison": check_poison, "quality": check_quality,

@@ -15,9 +15,9 @@ import pytest
 
 from diloco_jax import checkpoint
 from diloco_jax import distributed
-from diloco_jax import metrics
 from diloco_jax import trainer
 from diloco_jax import workdir as workdir_lib
+from diloco_jax import writers
 from tests import multihost
 
 TINY = ["--config=configs/tiny.py", "--config.num_rounds=200", "--config.inner_steps=2",
@@ -119,7 +119,7 @@ def test_torn_metrics_line_is_repaired_and_garbage_is_refused(tmp_path, monkeypa
                                                         reference.records]
   lines = path.read_text().splitlines()
   path.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
-  with pytest.raises(metrics.MetricsError, match=rf"{path}, line 2: .*'garbage'"):
+  with pytest.raises(writers.MetricsError, match=rf"{path}, line 2: .*'garbage'"):
     trainer.train_and_evaluate(config, str(run))
 
 

@@ -38,6 +38,9 @@ def test_two_hosts_equal_one_host(tmp_path, mode):
                             env={**multihost.ENV, "DILOCO_JOIN_TOKEN": TOKEN})
   assert "hosts authenticated by the join token from $DILOCO_JOIN_TOKEN" in two[0]["output"]
   assert not any(TOKEN in h["output"] for h in two)
+  # gloo's own connection lines are kept out; each host names its devices its own way
+  assert not any("[Gloo]" in h["output"] for h in two)
+  assert "host 1/2: 1 local device(s) ['cpu:0']" in two[1]["output"]
   written = [p for p in (tmp_path / "two").rglob("*") if p.is_file()]
   assert any(p.name == "run.json" for p in written) and any("checkpoints" in p.parts
                                                              for p in written)
