@@ -2,6 +2,7 @@
 
   python bench/quality.py [--methods=ddp,sync,...] [--rounds=20] [--inner_steps=24] [--out=...]
   python bench/quality.py --smoke  # a minute: a small corpus, 2 rounds of 2 steps, 2 methods
+  python bench/quality.py --methods=eager --variant=eager_m0.7=eager:--config.outer.momentum=0.7
 
 Each method trains configs/small_text.py's model (a 2-block GPT, BPE of 4,096 tokens) on
 2 host processes x 2 replicas (K = 4) through launch/local.py, from the same seed, data
@@ -11,11 +12,17 @@ the Python standard library's sources prepared by `python -m diloco_jax.prepare`
 Methods (METHODS): ddp (a sum of gradients every step), sync DiLoCo, eager, streaming
 (P = 2 fragments, 4-bit), sync with int8, SparseLoCo (configs/sparseloco.py's wire and
 outer step) and MuLoCo (configs/muloco.py: Muon inner, 2-bit with error feedback).
+`--variant=NAME=METHOD:FLAG,FLAG` adds a method: METHOD with more trainer flags (a sweep).
 Reports per method: final eval loss and bits per byte, bytes host 0 sent per round (the
-collective's own count; bench/wan.py checks it against a veth) and in all, wall time;
-writes bench/results/quality.json and quality.png (eval loss against total bytes, log x).
-On one machine the link is loopback: this measures what each method learns per byte, not
-how long the bytes take (bench/wan.py shapes a link for that).
+collective's own count; bench/wan.py checks it against a veth) and in all, wall time, and
+the compute utilization on a --link_mbit link (default 8 Mbit/s, bench/wan.py's),
+modelled from those bytes and the inner phase's time measured here: a round's sums take
+bytes x 8 / rate seconds; sync, int8, SparseLoCo, MuLoCo, streaming (tau = 0) and ddp
+(every step) wait for them, eager hides them behind the next inner phase up to its length:
+utilization = inner / (inner + comm), eager inner / max(inner, comm). Writes
+bench/results/quality.json and quality.png (eval loss against total bytes, log x). On one
+machine the link is loopback: this measures what each method learns per byte, not how
+long the bytes take (bench/wan.py shapes a link for that).
 """
 
 from __future__ import annotations
@@ -72,8 +79,11 @@ def prepare(output: str, smoke: bool) -> None:
                   f"--output={output}"], cwd=REPO, check=True, capture_output=True, text=True)
 
 
+OVERLAPPED = ("eager",)  # the methods whose sums run behind the next inner phase
+
+
 def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
-  config, extra = METHODS[name]
+  config, extra = args.methods_table[name]
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={args.hosts}",
            "--", f"--config=configs/{config}.py", f"--workdir={workdir}",
@@ -92,12 +102,20 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
     with open(os.path.join(workdir, "run.json")) as f:
       params = json.load(f)["num_params"]
   last = records[-1]
+  steady = records[1:] or records  # round 1 compiles
+  inner = statistics.median(r["round_time"] - r["outer_time"] for r in steady)
+  bytes_per_round = statistics.median(r.get("bytes_sent", 0) for r in records)
+  comm = bytes_per_round * 8 / (args.link_mbit * 1e6)
+  overlapped = args.base_of.get(name, name) in OVERLAPPED
+  utilization = inner / max(inner, comm) if overlapped else inner / (inner + comm)
   return {"method": name, "config": f"configs/{config}.py", "overrides": extra,
           "params": params,
           "final_eval_loss": last["eval_loss"], "final_eval_bpb": last.get("eval_bpb"),
           "tokens": last["tokens"], "wall_s": wall,
-          "bytes_per_round": statistics.median(r.get("bytes_sent", 0) for r in records),
+          "bytes_per_round": bytes_per_round,
           "total_bytes": sum(r.get("bytes_sent", 0) for r in records),
+          "inner_seconds_per_round": inner, "link_mbit": args.link_mbit,
+          "utilization": utilization,
           "curve": [(r["tokens"], r["eval_loss"]) for r in records if "eval_loss" in r]}
 
 
@@ -127,11 +145,27 @@ def main():
                       help="H (streaming's P = 2 must divide it)")
   parser.add_argument("--hosts", type=int, default=2)
   parser.add_argument("--replicas_per_host", type=int, default=2)
+  parser.add_argument("--variant", action="append", default=[],
+                      help="NAME=METHOD:FLAG,FLAG: METHOD with these trainer flags as NAME")
+  parser.add_argument("--link_mbit", type=float, default=8.0,
+                      help="the link of the modelled utilization, Mbit/s")
   parser.add_argument("--corpus", default=None,
                       help=f"a prepared directory (default {default_corpus()}, made if missing)")
   args = _smoke.parse_args(parser, "quality", dict(methods="sparseloco,muloco", rounds=2,
                                                    inner_steps=2))
-  unknown = set(args.methods.split(",")) - set(METHODS)
+  args.methods_table, args.base_of = dict(METHODS), {}
+  names = args.methods.split(",") if args.methods else []
+  for v in args.variant:
+    name, eq, rest = v.partition("=")
+    method, colon, flags = rest.partition(":")
+    if not (eq and colon and name) or method not in METHODS:
+      parser.error(f"--variant={v}: expected NAME=METHOD:FLAG,FLAG with METHOD from "
+                   f"{', '.join(METHODS)}")
+    config, extra = METHODS[method]
+    args.methods_table[name] = (config, [*extra, *flags.split(",")])
+    args.base_of[name] = method
+    names.append(name)
+  unknown = set(names) - set(args.methods_table)
   if unknown:
     parser.error(f"unknown --methods {sorted(unknown)}; from {', '.join(METHODS)}")
   corpus = args.corpus
@@ -142,7 +176,7 @@ def main():
     print(f"preparing {corpus} from the standard library's sources", flush=True)
     prepare(corpus, args.smoke)
   rows = []
-  for name in args.methods.split(","):
+  for name in names:
     rows.append(run(name, corpus, args))
     print(f"done: {name}", flush=True)
   result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
@@ -153,14 +187,14 @@ def main():
     json.dump(result, f, indent=2)
   plot(rows, os.path.splitext(args.out)[0] + ".png")
   ref = next((r for r in rows if r["method"] == "sync"), None)
-  print("\n| method | final eval loss | bits/byte | vs sync | MB/round | MB in all | wall s |\n"
-        "|---|---|---|---|---|---|---|")
+  print(f"\n| method | final eval loss | bits/byte | vs sync | MB/round | MB in all | "
+        f"utilization at {args.link_mbit:g} Mbit/s | wall s |\n|---|---|---|---|---|---|---|---|")
   for r in rows:
     vs = f"{r['final_eval_loss'] / ref['final_eval_loss']:.4f}" if ref else "-"
     bpb = f"{r['final_eval_bpb']:.3f}" if r["final_eval_bpb"] is not None else "-"
     print(f"| {r['method']} | {r['final_eval_loss']:.4f} | {bpb} | {vs} | "
           f"{r['bytes_per_round'] / 1e6:.3f} | {r['total_bytes'] / 1e6:.2f} | "
-          f"{r['wall_s']:.0f} |")
+          f"{100 * r['utilization']:.1f}% | {r['wall_s']:.0f} |")
   print(f"wrote {args.out}")
 
 

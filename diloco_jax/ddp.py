@@ -94,6 +94,7 @@ class DDPRound:
 
   def __init__(self, *, mesh: Mesh, exchange: exchange_lib.Exchange):
     self.exchange = exchange
+    self._sent = 0  # the collective's count at the end of the previous round
 
   @classmethod
   def from_config(cls, config, *, mesh: Mesh, exchange: exchange_lib.Exchange) -> DDPRound:
@@ -112,19 +113,22 @@ class DDPRound:
                    grad_accum_steps=grad_accum_steps)
 
   def init(self, anchor: Params) -> outer_lib.Outer:
+    self._sent = self.exchange.collective.bytes_sent
     return outer_lib.Outer(None, state_lib.SkipCounters.of(0, 0), {})
 
   def after_step(self, outer, replicas, step: int, round_: int) -> outer_lib.Update:
     return outer_lib.Update(outer, replicas, {})
 
   def end_round(self, outer, replicas, loss_sum, round_: int) -> outer_lib.Update:
-    """The round's loss summed over hosts (its only cross-host figure)."""
-    if self.exchange.collective.num_hosts > 1:
+    """The round's loss summed over hosts, and the bytes its gradient and loss sums sent
+    (round 1's also count the start-up's agreements: a few bytes per host)."""
+    collective = self.exchange.collective
+    if collective.num_hosts > 1:
       loss_sum = float(self.exchange.dispatcher.run(
-          self.exchange.collective.sum, np.asarray(loss_sum), round_=round_,
-          what="cross-host sum of losses"))
+          collective.sum, np.asarray(loss_sum), round_=round_, what="cross-host sum of losses"))
+    sent, self._sent = collective.bytes_sent - self._sent, collective.bytes_sent
     arrived = exchange_lib.Arrived(round_, 0, None, np.zeros(0, bool), loss_sum, None,
-                                   None, 0, 0)
+                                   None, sent, 0)
     return outer_lib.Update(outer, replicas, {}, (skips.Synced(arrived, True, 0, ""),))
 
   def drain(self, outer, replicas) -> outer_lib.Update:

@@ -255,7 +255,8 @@ class RoundLog:
       self._write(self._open.pop(q))
 
   def _write(self, record: dict[str, Any]) -> None:
-    syncs = [a for a in record.pop("_syncs", []) if a.collective_time is not None]
+    arrived = record.pop("_syncs", [])
+    syncs = [a for a in arrived if a.collective_time is not None]
     diagnostics = record.pop("_diagnostics", None)
     live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
     record["train_loss"] = float(record.pop("loss_sum")) / (live * self.h)
@@ -273,6 +274,8 @@ class RoundLog:
                     bytes_peak=max(sent), fragments_synced=len(syncs),
                     overlap_steps=sum(a.overlap_steps for a in syncs),
                     overlap=float(np.clip(1 - waited / collective, 0, 1)) if collective else 0.0)
+    elif any(a.bytes_sent for a in arrived):  # ddp: its per-step sums, timed by no one
+      record["bytes_sent"] = sum(a.bytes_sent for a in arrived)
     # Written (and printed) one round late: the time left is counted from now.
     record["time"] = time.time()
     if record["round"] in self._ended:

@@ -169,6 +169,7 @@ def check_quality(result: dict) -> None:
   assert [r["method"] for r in result["rows"]] == ["sparseloco", "muloco"]
   for row in result["rows"]:
     assert math.isfinite(row["final_eval_loss"]) and row["tokens"] > 0
+    assert row["inner_seconds_per_round"] > 0 and 0 < row["utilization"] <= 1
   share = {r["method"]: r["bytes_per_round"] / (4 * r["params"]) for r in result["rows"]}
   assert share["sparseloco"] <= 0.0105, share  # 64 of 4096 entries at 2 bits: 0.93%
   assert share["muloco"] <= 0.07, share  # 2 bits per entry + a scale per 256: 0.066

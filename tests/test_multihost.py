@@ -48,6 +48,9 @@ def test_two_hosts_equal_one_host(tmp_path, mode):
   one = multihost.run_hosts(tmp_path / "one", 1, mode=mode, replicas_per_host=2, num_rounds=3)
   assert_same_leaves(two[0]["leaves"], two[1]["leaves"])  # every host holds the same anchor
   assert_same_leaves(two[0]["leaves"], one[0]["leaves"])
+  if mode == "ddp":  # per step a float32 gradient sum (2 hosts: 4 bytes per param), per
+    params = sum(x.size for x in two[0]["leaves"])  # round one float32 loss sum
+    assert [r["bytes_sent"] for r in two[0]["records"][1:]] == [4 * 4 * params + 4] * 2
   if mode != "ddp":  # debug checks compared the replicated outer state after every round
     assert [len(r["anchor_hash"]) for r in two[0]["records"]] == [16, 16, 16]
   if mode != "ddp":  # the same math as simulate (float32; see test_trainer_equals_simulate)
