@@ -160,6 +160,8 @@ class Checkpointer:
     self.num_hosts, self.host = jax.process_count(), jax.process_index()
     self.keep = keep
     self._writing: int | None = None  # the round of the save orbax may still be writing
+    self._save_started = 0.0
+    self.write_seconds: float | None = None  # how long the last finished save took
     # Elastic mode: each save is finished within its job (so no host ever has one in
     # flight when the next starts, and all decide alike), and a save whose barriers wait
     # for a dead host gives up after this many seconds instead of holding the dispatch
@@ -182,13 +184,18 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep, create=False, enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # a save cut short by a crash
-        async_options=ocp.AsyncOptions(timeout_secs=self.elastic_timeout or 1200),
+        async_options=ocp.AsyncOptions(timeout_secs=self.elastic_timeout or 1200,
+                                       post_finalization_callback=self._written),
         multiprocessing_options=ocp.options.MultiprocessingOptions(
             active_processes=processes,
             # A new manager's barriers must not share names with an old one's, whose
             # barriers had other hosts in them (elastic mode).
             barrier_sync_key_prefix=f"diloco{self._generation}" if self._generation else None))
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def _written(self) -> None:
+    """orbax's callback (on its thread) once a save is complete on disk."""
+    self.write_seconds = time.monotonic() - self._save_started
 
   def _shardings(self, hosts: list[int]) -> tuple[NamedSharding, NamedSharding]:
     mesh = Mesh(np.array([self._first_cpu[h] for h in hosts]), (collective_lib.HOSTS_AXIS,))
@@ -227,6 +234,7 @@ class Checkpointer:
           self._open(hosts)
         self._finish_previous()
         self._check_space(snapshot.round, needed)
+        self._save_started = time.monotonic()
         self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
             shared=ocp.args.StandardSave(self._to_replicated(shared)),
             hosts=ocp.args.StandardSave(self._to_rows(own)),

@@ -174,7 +174,8 @@ class RoundLog:
   def __init__(self, writer: writers.MetricsWriter, bar: ProgressBar, *, num_rounds: int,
                inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
                bytes_per_token: Mapping[str, float] | None = None,
-               flops_per_token: float | None = None, peak_flops: float | None = None):
+               flops_per_token: float | None = None, peak_flops: float | None = None,
+               clock=time.monotonic):
     self.writer, self.bar, self.printing = writer, bar, printing
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
     self.tokens_per_round = tokens_per_round
@@ -185,6 +186,9 @@ class RoundLog:
     self._open: dict[int, dict[str, Any]] = {}
     self._round_times: list[float] = []
     self._steady_times: list[float] = []  # what the ETA counts
+    self._clock = clock
+    self._last_end: float | None = None  # when the previous round ended (on `clock`)
+    self.finish_estimate = lambda: 0.0  # seconds the run takes after its last round
     self._ended: dict[int, float] = {}  # round -> when it ended (monotonic), with an ETA
 
   @property
@@ -193,18 +197,23 @@ class RoundLog:
     return float(np.sum(self._round_times))
 
   def timed(self, r: int, seconds: float, steady: bool = True) -> None:
-    """Round r took `seconds` of wall time: its speed, and the time left at the mean time
-    of the steady rounds so far. This process's first round is not one (it compiles the
-    outer step and the eval and opens the connections, after a resume too), nor is a
-    round with `steady` False (profiled)."""
+    """Round r took `seconds` of wall time: its speed; and the time left: the rounds left
+    at the mean wall time from one steady round's end to the next (its save included),
+    plus the last checkpoint's write (`finish_estimate`: the run ends by writing one and
+    waiting for it). This process's first round is not steady (it compiles the outer
+    step and the eval and opens the connections, after a resume too), nor is a round
+    with `steady` False (profiled)."""
+    now = self._clock()
     self._round_times.append(seconds)
-    if steady and len(self._round_times) > 1:
-      self._steady_times.append(seconds)
+    if steady and self._last_end is not None:
+      self._steady_times.append(now - self._last_end)
+    self._last_end = now
     speed = self.tokens_per_round / seconds
     self.add(r, round_time=seconds, tokens_per_sec=speed, elapsed=self.elapsed)
     if self._steady_times:  # from the end of round r; `_write` takes off what passed since
-      self._ended[r] = time.monotonic()
-      self.add(r, eta=float(np.mean(self._steady_times) * (self.num_rounds - r)))
+      self._ended[r] = now
+      self.add(r, eta=float(np.mean(self._steady_times) * (self.num_rounds - r)
+                            + self.finish_estimate()))
     if self.flops_per_token:  # over the whole round: inner steps, outer step, eval, saves
       self.add(r, flops_per_sec=speed * self.flops_per_token)
       if self.peak_flops:
@@ -279,8 +288,9 @@ class RoundLog:
     # Written (and printed) one round late: the time left is counted from now.
     record["time"] = time.time()
     if record["round"] in self._ended:
-      since = time.monotonic() - self._ended.pop(record["round"])
-      record["eta"] = max(record["eta"] - since, 0.0)
+      since = self._clock() - self._ended.pop(record["round"])
+      # the last round's line comes once the final checkpoint is written: the end
+      record["eta"] = max(record["eta"] - since, 0.0) if record["round"] < self.num_rounds else 0.0
     if diagnostics is not None:  # [hosts, R, 3] -> per replica, in replica order
       stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # live replicas (elastic)
       record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),

@@ -143,6 +143,7 @@ class Trainer:
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
         collective=self.collective,
         elastic_timeout=config.elastic_timeout if self.elastic else None)
+    self.log.finish_estimate = lambda: self.checkpointer.write_seconds or 0.0
     self.preemption = distributed.Preemption()
     self.profile = profiling.ProfileWindow(
         workdir, self.host, start=config.profile.start_round,

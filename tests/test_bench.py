@@ -187,6 +187,7 @@ def check_eta(result: dict) -> None:
   for run in result["runs"]:
     for row in run["rows"]:
       assert row["eta"] >= 0 and row["left"] > 0 and math.isfinite(row["error"])
+    assert run["rows"][-1]["eta"] == 0  # the last round: printed as the run ends
 
 
 def check_wan(result: dict, out: str) -> None:

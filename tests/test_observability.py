@@ -95,20 +95,32 @@ def test_eta_counts_steady_rounds_only(observed_run):
   _, _, result = observed_run
   # round 1 compiles and rounds 2-3 are profiled: round 4 is the first steady one
   assert ["eta" in r for r in result.records] == [False, False, False, True]
+  clock = [0.0]
   log = metrics.RoundLog(writers.MetricsWriter("", enabled=False),
                          metrics.ProgressBar(40, enabled=False), num_rounds=10, inner_steps=4,
-                         num_replicas=1, printing=False, tokens_per_round=100)
-  times = {1: 30.0, 2: 2.0, 3: 4.0, 4: 100.0, 5: 3.0}  # 1: compiling, 4: profiled
-  for r, seconds in times.items():
+                         num_replicas=1, printing=False, tokens_per_round=100,
+                         clock=lambda: clock[0])
+  log.finish_estimate = lambda: 0.5  # the last checkpoint's write
+  # (round, its own time, when it ended): 1 compiles, 4 is profiled; from one round's end
+  # to the next are 2, 4, (100), 3 seconds (saves included)
+  for r, seconds, end in ((1, 29.0, 30.0), (2, 1.5, 32.0), (3, 3.5, 36.0), (4, 99.0, 136.0),
+                          (5, 2.5, 139.0)):
+    clock[0] = end
     log.open(r)
     log.timed(r, seconds, steady=r != 4)
   records = log._open  # noqa: SLF001 -- the figures as the rounds ended
   assert "eta" not in records[1]
-  assert records[2]["eta"] == pytest.approx(2.0 * 8)
-  assert records[3]["eta"] == pytest.approx(3.0 * 7)
-  assert records[4]["eta"] == pytest.approx(3.0 * 6)
-  assert records[5]["eta"] == pytest.approx(3.0 * 5)
-  assert records[5]["elapsed"] == pytest.approx(sum(times.values()))
+  assert records[2]["eta"] == pytest.approx(2.0 * 8 + 0.5)
+  assert records[3]["eta"] == pytest.approx(3.0 * 7 + 0.5)
+  assert records[4]["eta"] == pytest.approx(3.0 * 6 + 0.5)
+  assert records[5]["eta"] == pytest.approx(3.0 * 5 + 0.5)
+  assert records[5]["elapsed"] == pytest.approx(29 + 1.5 + 3.5 + 99 + 2.5)
+  # written one round late: what passed since the round ended is taken off
+  for record in records.values():
+    record["loss_sum"] = 4.0
+  clock[0] = 140.0
+  log.write_through(5)
+  assert log.writer.records[-1]["eta"] == pytest.approx(3.0 * 5 + 0.5 - 1.0)
 
 
 def test_progress_bar_draws_on_a_terminal_only():
