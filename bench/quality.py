@@ -83,7 +83,9 @@ OVERLAPPED = ("eager",)  # the methods whose sums run behind the next inner phas
 
 
 def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
-  config, extra = args.methods_table[name]
+  base, more = args.variants.get(name, (name, []))  # a variant: its method and flags
+  config, extra = METHODS[base]
+  extra = [*extra, *more]
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={args.hosts}",
            "--", f"--config=configs/{config}.py", f"--workdir={workdir}",
@@ -106,8 +108,7 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
   inner = statistics.median(r["round_time"] - r["outer_time"] for r in steady)
   bytes_per_round = statistics.median(r.get("bytes_sent", 0) for r in records)
   comm = bytes_per_round * 8 / (args.link_mbit * 1e6)
-  overlapped = args.base_of.get(name, name) in OVERLAPPED
-  utilization = inner / max(inner, comm) if overlapped else inner / (inner + comm)
+  utilization = inner / max(inner, comm) if base in OVERLAPPED else inner / (inner + comm)
   return {"method": name, "config": f"configs/{config}.py", "overrides": extra,
           "params": params,
           "final_eval_loss": last["eval_loss"], "final_eval_bpb": last.get("eval_bpb"),
@@ -153,7 +154,7 @@ def main():
                       help=f"a prepared directory (default {default_corpus()}, made if missing)")
   args = _smoke.parse_args(parser, "quality", dict(methods="sparseloco,muloco", rounds=2,
                                                    inner_steps=2))
-  args.methods_table, args.base_of = dict(METHODS), {}
+  args.variants = {}  # name -> (method, its extra flags)
   names = args.methods.split(",") if args.methods else []
   for v in args.variant:
     name, eq, rest = v.partition("=")
@@ -161,11 +162,9 @@ def main():
     if not (eq and colon and name) or method not in METHODS:
       parser.error(f"--variant={v}: expected NAME=METHOD:FLAG,FLAG with METHOD from "
                    f"{', '.join(METHODS)}")
-    config, extra = METHODS[method]
-    args.methods_table[name] = (config, [*extra, *flags.split(",")])
-    args.base_of[name] = method
+    args.variants[name] = (method, flags.split(","))
     names.append(name)
-  unknown = set(names) - set(args.methods_table)
+  unknown = set(names) - set(METHODS) - set(args.variants)
   if unknown:
     parser.error(f"unknown --methods {sorted(unknown)}; from {', '.join(METHODS)}")
   corpus = args.corpus

@@ -175,7 +175,7 @@ class RoundLog:
                inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
                bytes_per_token: Mapping[str, float] | None = None,
                flops_per_token: float | None = None, peak_flops: float | None = None,
-               clock=time.monotonic):
+               finish_estimate=lambda: 0.0, clock=time.monotonic):
     self.writer, self.bar, self.printing = writer, bar, printing
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
     self.tokens_per_round = tokens_per_round
@@ -188,8 +188,8 @@ class RoundLog:
     self._steady_times: list[float] = []  # what the ETA counts
     self._clock = clock
     self._last_end: float | None = None  # when the previous round ended (on `clock`)
-    self.finish_estimate = lambda: 0.0  # seconds the run takes after its last round
-    self._ended: dict[int, float] = {}  # round -> when it ended (monotonic), with an ETA
+    self.finish_estimate = finish_estimate  # seconds the run takes after its last round
+    self._ended: dict[int, float] = {}  # round -> when it ended (on `clock`), with an ETA
 
   @property
   def elapsed(self) -> float:

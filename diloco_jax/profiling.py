@@ -4,8 +4,8 @@ Each host writes a `jax.profiler` trace of those rounds into workdir/profile/hos
 an XPlane (`plugins/profile/<time>/*.xplane.pb`, for TensorBoard's profile plugin or
 XProf) and a Perfetto trace (`perfetto_trace.json.gz`, for ui.perfetto.dev). The trainer
 names what it does with annotations, so the trace shows, besides XLA's own ops, each
-`round r`, its `inner_step`s, the `outer_step`, and on the dispatch thread each cross-host
-job by name (`sum of round r`, ...).
+`round r`, its `inner_step`s, the `outer_step`, and on the dispatch thread each job by
+name and round (`cross-host sum of pseudo-gradients (round r)`, ...).
 """
 
 from __future__ import annotations

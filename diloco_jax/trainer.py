@@ -137,13 +137,14 @@ class Trainer:
         writers.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
         inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
         tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token,
-        flops_per_token=self.flops_per_token, peak_flops=self.peak_flops)
+        flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
+        # the run ends by writing a checkpoint and waiting for it: as long as the last did
+        finish_estimate=lambda: self.checkpointer.write_seconds or 0.0)
     self.finished_before = False  # resumed from the checkpoint of a finished run
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
         collective=self.collective,
         elastic_timeout=config.elastic_timeout if self.elastic else None)
-    self.log.finish_estimate = lambda: self.checkpointer.write_seconds or 0.0
     self.preemption = distributed.Preemption()
     self.profile = profiling.ProfileWindow(
         workdir, self.host, start=config.profile.start_round,

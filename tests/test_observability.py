@@ -99,8 +99,8 @@ def test_eta_counts_steady_rounds_only(observed_run):
   log = metrics.RoundLog(writers.MetricsWriter("", enabled=False),
                          metrics.ProgressBar(40, enabled=False), num_rounds=10, inner_steps=4,
                          num_replicas=1, printing=False, tokens_per_round=100,
+                         finish_estimate=lambda: 0.5,  # the last checkpoint's write
                          clock=lambda: clock[0])
-  log.finish_estimate = lambda: 0.5  # the last checkpoint's write
   # (round, its own time, when it ended): 1 compiles, 4 is profiled; from one round's end
   # to the next are 2, 4, (100), 3 seconds (saves included)
   for r, seconds, end in ((1, 29.0, 30.0), (2, 1.5, 32.0), (3, 3.5, 36.0), (4, 99.0, 136.0),
