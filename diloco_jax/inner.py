@@ -178,8 +178,14 @@ class ReplicaStep(Step):
   """The jitted inner step of all this host's replicas: ReplicaState, batch -> state, loss_R.
 
   Compiled once for the whole run, with the state's shardings in and out (so the next
-  call takes its output as it is); the state is donated so no second copy of the params
-  or optimizer state is ever alive.
+  call takes its output as it is). On accelerators the state is donated, so no second
+  copy of the params or optimizer state is ever alive. On CPU it is not
+  (`donates_state`): there the donated step was slower, not faster. A replica's update
+  is computed on [...]-shaped slices of the [R, ...] state (the program of one replica,
+  for the same bits on every host layout), and to write it into the donated [R, ...]
+  buffers XLA:CPU copies every state leaf first, on every step: 85 copies and ~4% of
+  the step on configs/peer.py's model (bench/overhead.py), for one extra state's worth
+  of host memory saved.
   """
 
   def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
@@ -194,11 +200,13 @@ class ReplicaStep(Step):
       return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_R
 
     self._traced = traced
+    self.donates_state = mesh.devices.flat[0].platform != "cpu"
 
   def _jit(self, state):
     shardings = self.state_shardings(state)
     return jax.jit(self._traced, in_shardings=(shardings, self.batch_sharding),
-                   out_shardings=(shardings, self.layout.per_replica), donate_argnums=0)
+                   out_shardings=(shardings, self.layout.per_replica),
+                   donate_argnums=0 if self.donates_state else ())
 
 
 def memory_per_device(compiled: jax.stages.Compiled) -> dict[str, int] | None:
