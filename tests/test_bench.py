@@ -19,7 +19,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("checkpoint", "data", "eta", "linkdrop", "memory", "models", "outer_step",
-           "overhead", "peer", "poison", "quality", "wan")
+           "overhead", "peer", "poison", "quality", "restart", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -190,6 +190,17 @@ def check_eta(result: dict) -> None:
     assert run["rows"][-1]["eta"] == 0  # the last round: printed as the run ends
 
 
+def check_restart(result: dict) -> None:
+  """--smoke: a preempted run resumed once with the cache it filled and once without: the
+  resume with the cache found every program there (its figures are for the full run)."""
+  assert result["fresh"]["start_to_first_step_s"] > 0
+  assert [len(result["runs"][k]) for k in ("cache", "no_cache")] == [1, 1]
+  assert result["runs"]["cache"][0]["compiled_anew"] == 0
+  for kind in ("cache", "no_cache"):
+    run = result["median"][kind]
+    assert 0 < run["start_to_first_step_s"] < run["wall_s"]
+
+
 def check_wan(result: dict, out: str) -> None:
   has(result, WAN_KEYS)
   assert [r["mode"] for r in result["rows"]] == ["none", "sync"]
@@ -203,7 +214,7 @@ CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "eta": check_eta,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
-          "poison": check_poison, "quality": check_quality,
+          "poison": check_poison, "quality": check_quality, "restart": check_restart,
           "wan": check_wan}
 
 
