@@ -1,10 +1,21 @@
-"""Gives the host memory the process has freed back to the operating system.
+"""Host memory: freed pages given back to the operating system, and huge pages for big
+buffers.
 
 glibc's malloc keeps what is freed for reuse, and what compiling (LLVM) and the first
 rounds free stays counted in the process's RSS: measured on configs/peer.py's model, the
 trainer's peak RSS grew to 767 MiB without trimming and to 639 MiB with a trim after
 compiling and after every round. A trim costs a few milliseconds; where the C library is
 not glibc, `trim` does nothing.
+
+XLA:CPU allocates each step's temporaries as one buffer (106 MB for configs/peer.py's
+inner step), too big for malloc's heap: it is mapped fresh and returned on every step,
+and the kernel faults its pages in one by one, 27,000 page faults per step. With
+transparent huge pages they come 2 MiB at a time (64 faults per step) and the step ran
+1.18x faster (one core: 310 -> 262 ms; two hosts: 16.1 -> 14.0 s per round), with the
+same peak RSS. Linux gives huge pages to the memory a process asks for them
+(`madvise`), which glibc's malloc does when started with the tunable
+`glibc.malloc.hugetlb=1`; tunables are read once at process start, so
+`restart_with_huge_pages` starts the trainer's process again with it.
 """
 
 from __future__ import annotations
@@ -12,6 +23,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import sys
+
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 @functools.cache
@@ -28,3 +44,35 @@ def trim() -> None:
   fn = _malloc_trim()
   if fn is not None:
     fn(0)
+
+
+def _thp_mode() -> str | None:
+  """The kernel's transparent-huge-page mode: "always", "madvise", "never" (None: unknown)."""
+  try:
+    with open(_THP_MODE) as f:
+      return f.read().split("[", 1)[1].split("]", 1)[0]
+  except (OSError, IndexError):
+    return None
+
+
+def huge_pages() -> bool:
+  """Whether this process's big buffers get transparent huge pages."""
+  mode = _thp_mode()
+  return mode == "always" or (
+      mode == "madvise" and f"{HUGE_PAGES_TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", ""))
+
+
+def restart_with_huge_pages() -> None:
+  """Replaces this process (exec: the same PID, arguments and environment) by one whose
+  malloc asks for huge pages: on Linux with glibc, where the kernel gives them on request
+  only ("madvise"), unless GLIBC_TUNABLES already sets `glibc.malloc.hugetlb` (also the
+  way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Call it first thing: what
+  ran before is run again."""
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  if (not sys.platform.startswith("linux") or _malloc_trim() is None
+      or _thp_mode() != "madvise" or HUGE_PAGES_TUNABLE in tunables):
+    return
+  os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, f"{HUGE_PAGES_TUNABLE}=1")))
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

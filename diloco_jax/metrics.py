@@ -25,6 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import diloco_jax
+from diloco_jax import hostmem
 from diloco_jax import writers
 
 # The parts of the outer step on the main thread's path (seconds; see README).
@@ -315,6 +316,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          # XLA's plan for the compiled inner step on one device (None: the backend has none)
          "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
          "layout": layout,
+         "huge_pages": hostmem.huge_pages(),  # for big host buffers (hostmem.py)
          "versions": {"diloco_jax": diloco_jax.__version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,
                       "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,

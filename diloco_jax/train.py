@@ -16,7 +16,12 @@ import signal
 import sys
 import traceback
 
-import jax
+from diloco_jax import hostmem
+
+if __name__ == "__main__":  # before the heavy imports below: this may start the process again
+  hostmem.restart_with_huge_pages()
+
+import jax  # noqa: E402
 import ml_collections
 from absl import app
 from absl import flags

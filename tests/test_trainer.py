@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from diloco_jax import hostmem
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics
 from diloco_jax import model as model_lib
@@ -138,7 +139,10 @@ def run_cli(*args, timeout=300, env=None):
 
 def test_cli_runs_and_prints_round_lines(tmp_path):
   """...and keeps its compiled programs in workdir/compilation_cache (without the test
-  session's cache in the environment), where running the command again finds them all."""
+  session's cache in the environment), where running the command again finds them all.
+  Its big host buffers get huge pages where the kernel gives them on request (the
+  trainer starts itself again with glibc's tunable; `hugetlb=0` opts out), as run.json
+  says."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   args = ("--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.num_rounds=2",
           "--config.inner_steps=3", "--config.model.d_model=32", "--config.model.mlp_dim=64",
@@ -149,12 +153,18 @@ def test_cli_runs_and_prints_round_lines(tmp_path):
   assert "loss floor" in proc.stdout and "best unigram loss" in proc.stdout
   cached = set(os.listdir(tmp_path / "compilation_cache"))
   assert cached
+  mode = hostmem._thp_mode()  # pylint: disable=protected-access
+  glibc = hostmem._malloc_trim() is not None  # pylint: disable=protected-access
+  with open(tmp_path / "run.json") as f:
+    assert json.load(f)["huge_pages"] == (mode == "always" or (mode == "madvise" and glibc))
   again = run_cli(*args, env={**env, "JAX_PLATFORMS": "cpu"})  # the finished run: no training
   assert again.returncode == 0 and "final eval loss" in again.stdout, again.stderr[-3000:]
   assert set(os.listdir(tmp_path / "compilation_cache")) == cached  # nothing compiled anew
   off = run_cli(*args[:1], f"--workdir={tmp_path / 'off'}", *args[2:], "--compilation_cache=none",
-                env={**env, "JAX_PLATFORMS": "cpu"})
+                env={**env, "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
   assert off.returncode == 0 and not os.path.exists(tmp_path / "off" / "compilation_cache")
+  with open(tmp_path / "off" / "run.json") as f:
+    assert json.load(f)["huge_pages"] == (mode == "always")
 
 
 @pytest.mark.parametrize("override, field", [
