@@ -62,12 +62,16 @@ def huge_pages() -> bool:
       mode == "madvise" and f"{HUGE_PAGES_TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", ""))
 
 
-def restart_with_huge_pages() -> None:
+def restart_with_huge_pages(only_module: str | None = None) -> None:
   """Replaces this process (exec: the same PID, arguments and environment) by one whose
   malloc asks for huge pages: on Linux with glibc, where the kernel gives them on request
   only ("madvise"), unless GLIBC_TUNABLES already sets `glibc.malloc.hugetlb` (also the
   way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Call it first thing: what
-  ran before is run again."""
+  ran before is run again. `only_module`: only when this process is `python -m` it."""
+  argv = sys.orig_argv
+  if only_module is not None and not any(
+      a == "-m" and argv[i + 1:i + 2] == [only_module] for i, a in enumerate(argv)):
+    return
   tunables = os.environ.get("GLIBC_TUNABLES", "")
   if (not sys.platform.startswith("linux") or _malloc_trim() is None
       or _thp_mode() != "madvise" or HUGE_PAGES_TUNABLE in tunables):
