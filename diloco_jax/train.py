@@ -16,12 +16,7 @@ import signal
 import sys
 import traceback
 
-from diloco_jax import hostmem
-
-if __name__ == "__main__":  # before the heavy imports below: this may start the process again
-  hostmem.restart_with_huge_pages()
-
-import jax  # noqa: E402
+import jax
 import ml_collections
 from absl import app
 from absl import flags
@@ -33,6 +28,7 @@ from diloco_jax import config as config_lib
 from diloco_jax import dispatch
 from diloco_jax import distributed
 from diloco_jax import elastic
+from diloco_jax import hostmem
 from diloco_jax import skips
 from diloco_jax import trainer
 from diloco_jax import workdir
@@ -306,4 +302,7 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
+  # `python -m diloco_jax.train` was started again for huge pages by the package's import,
+  # before jax's: this catches the other ways in (`python diloco_jax/train.py`).
+  hostmem.restart_with_huge_pages()
   app.run(main, flags_parser=parse_flags)
