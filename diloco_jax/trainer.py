@@ -327,7 +327,8 @@ class Trainer:
       if not self.finished_before:
         self.log.add(self.num_rounds, eval_loss=self.final_eval, floor=self.spec.floor)
     if not self.finished_before:
-      self.checkpointer.save(self.snapshot(self.num_rounds, finished=True))
+      hostmem.trim()  # what the eval's compile freed, before the save adds its buffers
+      self.checkpointer.save(self.snapshot(self.num_rounds, finished=True), last=True)
       self.checkpointer.wait()  # the last line's "ETA 0s" is printed once it is on disk
       self.log.write_through(self.num_rounds)
 
