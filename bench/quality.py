@@ -20,8 +20,8 @@ modelled from those bytes and the inner phase's time measured here: a round's su
 bytes x 8 / rate seconds; sync, int8, SparseLoCo, MuLoCo, streaming (tau = 0) and ddp
 (every step) wait for them, eager hides them behind the next inner phase up to its length:
 utilization = inner / (inner + comm), eager inner / max(inner, comm). Writes
-bench/results/quality.json and quality.png (eval loss against total bytes, log x). On one
-machine the link is loopback: this measures what each method learns per byte, not how
+bench/results/quality.json (again after every method; `complete`: all of them ran) and
+quality.png (eval loss against total bytes, log x). On one machine the link is loopback: this measures what each method learns per byte, not how
 long the bytes take (bench/wan.py shapes a link for that).
 """
 
@@ -175,15 +175,16 @@ def main():
     print(f"preparing {corpus} from the standard library's sources", flush=True)
     prepare(corpus, args.smoke)
   rows = []
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   for name in names:
     rows.append(run(name, corpus, args))
-    print(f"done: {name}", flush=True)
-  result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
-            "rounds": args.rounds, "inner_steps": args.inner_steps, "corpus": corpus,
-            "smoke": args.smoke}
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+    # Written after every method: a long study stopped part way keeps what it measured.
+    result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
+              "rounds": args.rounds, "inner_steps": args.inner_steps, "corpus": corpus,
+              "smoke": args.smoke, "complete": len(rows) == len(names)}
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"done: {name} (written to {args.out})", flush=True)
   plot(rows, os.path.splitext(args.out)[0] + ".png")
   ref = next((r for r in rows if r["method"] == "sync"), None)
   print(f"\n| method | final eval loss | bits/byte | vs sync | MB/round | MB in all | "

@@ -167,6 +167,7 @@ def check_quality(result: dict) -> None:
   0 sends per round is their format's share of a float32 exchange of the model (a ring
   all-reduce on 2 hosts sends 4 bytes per param)."""
   assert [r["method"] for r in result["rows"]] == ["sparseloco", "muloco"]
+  assert result["complete"]  # the file is rewritten after each method; this is the last
   for row in result["rows"]:
     assert math.isfinite(row["final_eval_loss"]) and row["tokens"] > 0
     assert row["inner_seconds_per_round"] > 0 and 0 < row["utilization"] <= 1
