@@ -104,12 +104,16 @@ def shim(command: list[str], cpu: int | None = None) -> list[str]:
 class Watcher(threading.Thread):
   """Every 0.1 s: keeps every thread of each watched process on its core, and reads the
   process's peak RSS (VmHWM, which only grows: the last reading is the peak but for the
-  process's last 0.1 s) and its number of threads."""
+  process's last 0.1 s), the largest of its anonymous RSS readings (RssAnon: the heap,
+  not the pages of mapped files such as the libraries' code, which the page cache holds
+  once for every process mapping them; a sample, so a peak shorter than 0.1 s may be
+  missed) and its number of threads."""
 
   def __init__(self):
     super().__init__(daemon=True)
     self._cpus: dict[int, int | None] = {}
     self.peak_kib: dict[int, int] = {}
+    self.anon_kib: dict[int, int] = {}
     self.threads: dict[int, int] = {}
     self._lock, self._done = threading.Lock(), threading.Event()
     self.start()
@@ -144,8 +148,10 @@ class Watcher(threading.Thread):
         if os.sched_getaffinity(int(tid)) != {cpu}:
           os.sched_setaffinity(int(tid), {cpu})
       with open(f"/proc/{pid}/status") as f:
-        hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
-      self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), hwm)
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+      for peaks, key in ((self.peak_kib, "VmHWM"), (self.anon_kib, "RssAnon")):
+        if key in status:
+          peaks[pid] = max(peaks.get(pid, 0), int(status[key].split()[0]))
     except (FileNotFoundError, ProcessLookupError, PermissionError):
       pass  # exited (or a thread did) between the listing and the call
 
@@ -227,6 +233,7 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
           "train_losses": [r["train_loss"] for r in records],
           "startup_s": startup, "first_round_s": rounds[0], "wall_s": wall,
           "peak_rss_mib": [watcher.peak_kib.get(pids[h], 0) / 1024 for h in range(2)],
+          "peak_anon_mib": [watcher.anon_kib.get(pids[h], 0) / 1024 for h in range(2)],
           "threads": [watcher.threads.get(pids[h], 0) for h in range(2)]}
 
 
@@ -376,6 +383,7 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
                            - both_start,
           "wall_s": wall, "peak_rss_mib": [watcher.peak_kib.get(p.pid, 0) / 1024
                                            for p in procs[1:]],
+          "peak_anon_mib": [watcher.anon_kib.get(p.pid, 0) / 1024 for p in procs[1:]],
           "lighthouse_rss_mib": watcher.peak_kib.get(lighthouse.pid, 0) / 1024,
           "lighthouse_startup_s": lighthouse_startup, "torch": results[0]["torch"],
           "torch_threads": [r["threads"] for r in results],
@@ -390,11 +398,12 @@ def summarize(run: dict, tokens_per_round: int) -> dict:
           "tokens_per_sec_per_replica": tokens_per_round / round_time,
           "outer_time_s": statistics.median(steady(run["outer_times"])),
           "max_peak_rss_mib": max(run["peak_rss_mib"]),
+          "max_peak_anon_mib": max(run["peak_anon_mib"]),
           "final_train_loss": run["train_losses"][-1]}
 
 
 FIGURES = ("tokens_per_sec_per_replica", "round_time_s", "outer_time_s", "first_round_s",
-           "startup_s", "max_peak_rss_mib", "final_train_loss")
+           "startup_s", "max_peak_rss_mib", "max_peak_anon_mib", "final_train_loss")
 
 
 def medians(runs: list[dict]) -> dict | None:
@@ -413,6 +422,7 @@ def table(summary: dict, ratio: float | None) -> str:
           ("first round (s)", "first_round_s", "{:.2f}"),
           ("start-up to first step (s)", "startup_s", "{:.1f}"),
           ("peak RSS per replica process (MiB)", "max_peak_rss_mib", "{:,.0f}"),
+          ("of it anonymous, peak (MiB)", "max_peak_anon_mib", "{:,.0f}"),
           ("train loss, last round", "final_train_loss", "{:.3f}")]
   sides = [s for s in ("diloco_jax", "torchft") if summary.get(s)]
   lines = ["| | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]

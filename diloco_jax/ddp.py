@@ -65,9 +65,11 @@ class DDPStep(inner.Step):
     gradient sum comes out sharded as one replica's params."""
     grad_sum, apply = self._traced
     shardings = self.state_shardings(state)
-    self._grad_sharding = self.layout.params(jax.tree.map(lambda x: x[0], state.params))
+    self._grad_sharding = self.layout.params(  # `state` may be arrays or their shapes
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params))
     grads = jax.jit(grad_sum, in_shardings=(shardings.params, self.batch_sharding),
-                    out_shardings=(self._grad_sharding, self.layout.per_replica))
+                    out_shardings=(self._grad_sharding, self.layout.per_replica),
+                    compiler_options=inner.compiler_options(self.layout.mesh))
     self._apply = jax.jit(apply, in_shardings=(shardings, self._grad_sharding),
                           out_shardings=shardings, donate_argnums=0)
     return grads

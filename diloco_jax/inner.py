@@ -67,6 +67,17 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   return train_step
 
 
+def compiler_options(mesh: Mesh) -> dict[str, str] | None:
+  """XLA options for the inner step's programs on `mesh`: on CPU, the scheduler that
+  orders the program for the fewest live bytes rather than for running independent ops
+  side by side. On configs/peer.py's model it plans 85 MB of temporaries per step
+  instead of 106, with the same bits and no slower on one core per host (bench/peer.py).
+  None (XLA's defaults) elsewhere: GPU and TPU have schedulers of their own."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return None
+  return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
 def map_replicas(step):
   """Runs `step` over the leading replica axis of every argument, one replica at a time.
 
@@ -206,7 +217,8 @@ class ReplicaStep(Step):
     shardings = self.state_shardings(state)
     return jax.jit(self._traced, in_shardings=(shardings, self.batch_sharding),
                    out_shardings=(shardings, self.layout.per_replica),
-                   donate_argnums=0 if self.donates_state else ())
+                   donate_argnums=0 if self.donates_state else (),
+                   compiler_options=compiler_options(self.layout.mesh))
 
 
 def memory_per_device(compiled: jax.stages.Compiled) -> dict[str, int] | None:

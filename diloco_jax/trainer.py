@@ -99,6 +99,7 @@ class Trainer:
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
+    self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
     checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
     self.elastic = config.elastic and self.num_hosts > 1
     self.collective = (elastic.ElasticCollective(config.elastic_timeout) if self.elastic
@@ -120,6 +121,14 @@ class Trainer:
         replicas_per_host=self.replicas_per_host,
         steps_finished=self.train_step.steps_finished, elastic_mode=self.elastic)
     self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange)
+    self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
+                                            num_replicas=self.outer_step.param_sets)
+    # Compiled from the state's shapes before the state exists: compiling is start-up's
+    # biggest use of host memory (LLVM), and the state (65 MB on configs/peer.py's model)
+    # would add to that peak.
+    self.step_memory = self.train_step.compile(
+        jax.eval_shape(self._init_replicas, model_lib.param_shapes(self.model_cfg)),
+        (self.replicas_per_host, config.batch_size, config.model.seq_len + 1))
     with jax.default_device(self.exchange.host_device):
       anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
     self.num_params = model_lib.count_params(anchor)
@@ -127,8 +136,6 @@ class Trainer:
     peak = mesh_lib.peak_flops(self.mesh.devices.flat[0])  # every host has the same devices
     self.peak_flops = peak and peak * self.mesh.devices.size * self.num_hosts
     self.outer = self.outer_step.init(anchor)
-    self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
-                                            num_replicas=self.outer_step.param_sets)
     self.replicas = self._init_replicas(anchor)
     self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
     self.eval_batches = self.eval_step.put(self.data.eval_batches)
@@ -176,6 +183,13 @@ class Trainer:
       if i + 1 < self.h:  # streaming syncs fragments mid-round
         self._take(r, self.outer_step.after_step(self.outer, self.replicas, step, r))
       self.bar.update(step, f"round {r}/{self.num_rounds}")
+    if self._await_steps_once:
+      # The round's end compiles its programs (the outer step's, the loss sum's) on first
+      # use, while the steps dispatched ahead still run. On CPU they run on the same cores
+      # (nothing is gained) and the compiler's memory adds to the steps' peak: the first
+      # round waits for its steps. Accelerators keep the overlap.
+      jax.block_until_ready(self.replicas)
+      self._await_steps_once = False
     loss_sum = jnp.sum(jnp.stack(losses))  # dispatched, not waited for
     with profiling.annotate("outer_step"):
       self._take(r, self.outer_step.end_round(self.outer, self.replicas, loss_sum, r))
@@ -256,8 +270,12 @@ class Trainer:
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)
     done = self.resume()
-    memory = self.train_step.compile(self.replicas, (
-        self.replicas_per_host, self.config.batch_size, self.config.model.seq_len + 1))
+    memory = self.step_memory
+    # jax keeps every program it compiled for the life of the process, with its traces:
+    # start-up's one-off programs (params and optimizer-state init) held 23-32 MiB on
+    # configs/peer.py's model. The inner step keeps its own executable; what else runs
+    # later compiles on first use.
+    jax.clear_caches()
     hostmem.trim()  # what compiling freed
     if self.is_host0:  # once the workdir is known to be this run's
       metrics.print_memory(memory, self.mesh)

@@ -61,8 +61,8 @@ OVERHEAD_CONFIG_KEYS = {"batch_size", "d_model", "inner_steps", "num_layers", "r
 LOOPS = {"diloco", "plain", "plain_big", "local"}
 PEER_KEYS = {"config", "pair_ratios", "params", "ratio_tokens_per_sec", "runs", "same_model",
              "summary", "torchft_skipped"}
-PEER_FIGURES = {"first_round_s", "max_peak_rss_mib", "outer_time_s", "round_time_s",
-                "startup_s", "tokens_per_sec_per_replica"}
+PEER_FIGURES = {"first_round_s", "max_peak_anon_mib", "max_peak_rss_mib", "outer_time_s",
+                "round_time_s", "startup_s", "tokens_per_sec_per_replica"}
 POISON_KEYS = {"poisoned_replica", "replicas", "rounds", "rows"}
 POISON_ROW_KEYS = {"aggregation", "attack", "final_eval_loss", "skipped_rounds"}
 WAN_KEYS = {"hosts", "rate_mbit", "rounds", "rows"}

@@ -192,6 +192,68 @@ TRIM_CHECK = textwrap.dedent("""
 """)
 
 
+RELEASE_CHECK = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import jax, jax.numpy as jnp, numpy as np
+    from diloco_jax import hostmem
+
+    def file_mb():
+      with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile")) / 1024
+
+    step = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0))
+    x = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64) / 4096
+    before = np.asarray(step(x))
+    mapped = file_mb()
+    released = hostmem.release_file_pages() / 1024
+    after_release = file_mb()
+    again = np.asarray(step(x))  # the same program, its code read back from the file
+    fresh = np.asarray(jax.jit(lambda x: jnp.sin(x).sum(axis=0))(x))  # the compiler's too
+    print(f"{mapped:.0f} {released:.0f} {after_release:.0f} "
+          f"{int(again.tobytes() == before.tobytes())} {int(np.allclose(fresh, np.sin(np.asarray(x)).sum(0), atol=1e-5))}")
+""")
+
+
+def test_release_file_pages_drops_the_compilers_code_and_the_process_runs_on():
+  """After compiling, most of jaxlib's mapped code is the compiler's: released, the RSS of
+  mapped files falls by most of what it was, and the process runs its compiled program
+  (same bytes) and compiles another, its code read back from the file."""
+  if hostmem._madvise() is None:  # pylint: disable=protected-access
+    pytest.skip("no madvise in the C library")
+  out = subprocess.run([sys.executable, "-c", RELEASE_CHECK, multihost.REPO],
+                       capture_output=True, text=True, timeout=120, check=True).stdout
+  mapped, released, after, same, ok = (int(v) for v in out.split())
+  assert mapped > 80 and released > 0.7 * mapped and after < 0.3 * mapped, out
+  assert same == 1 and ok == 1, out
+
+
+def test_release_file_pages_keeps_what_cannot_be_read_back(tmp_path):
+  """Only clean pages of private read-only file mappings are released: writable, shared,
+  copied-on-write (relocated constants), anonymous, device and deleted-file mappings stay."""
+  smaps = tmp_path / "smaps"
+  entries = [
+      ("7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /usr/lib/libcode.so", 0, 0, True),
+      ("7f0000100000-7f0000200000 r--p 00100000 08:01 11 /usr/lib/libcode.so", 0, 0, True),
+      ("7f0000200000-7f0000210000 r--p 00200000 08:01 11 /usr/lib/libcode.so", 64, 64, False),
+      ("7f0000210000-7f0000220000 rw-p 00210000 08:01 11 /usr/lib/libcode.so", 0, 0, False),
+      ("7f0000300000-7f0000400000 r--s 00000000 08:01 12 /data/shard.bin", 0, 0, False),
+      ("7f0000400000-7f0000500000 r--p 00000000 00:00 0 ", 0, 0, False),
+      ("7f0000500000-7f0000600000 r--p 00000000 00:05 13 /dev/nvidia0", 0, 0, False),
+      ("7f0000600000-7f0000700000 r-xp 00000000 08:01 14 /tmp/gone.so (deleted)", 0, 0, False),
+  ]
+  with open(smaps, "w") as f:
+    for head, dirty, anon, _ in entries:
+      f.write(f"{head}\nSize:               1024 kB\nRss:                 512 kB\n"
+              f"Private_Dirty:  {dirty:8d} kB\nAnonymous:      {anon:8d} kB\n"
+              f"Swap:                  0 kB\nVmFlags: rd ex mr mw me\n")
+  mappings = list(hostmem._mappings(str(smaps)))  # pylint: disable=protected-access
+  assert [m["start"] for m in mappings] == [int(e[0].split("-")[0], 16) for e in entries]
+  assert mappings[0]["Rss"] == 512 and mappings[2]["Private_Dirty"] == 64
+  got = [hostmem._releasable(m) for m in mappings]  # pylint: disable=protected-access
+  assert got == [e[3] for e in entries]
+
+
 def test_trim_returns_freed_memory_to_the_os():
   """`hostmem.trim` hands back what malloc keeps after a free: 190 MB freed between
   allocations that stay alive (so the heap cannot simply shrink) leave the RSS until the
