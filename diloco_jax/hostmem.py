@@ -52,11 +52,34 @@ def _malloc_trim():
 
 def trim() -> None:
   """Returns the free pages of every malloc arena to the OS (glibc's malloc_trim(0)), and
-  drops the mappings of clean file pages (`release_file_pages`)."""
+  drops the mappings of clean file pages (`release_file_pages`) if jax compiled anything
+  since the last trim: a round that only runs its programs touches no more code than the
+  next one needs again."""
   fn = _malloc_trim()
   if fn is not None:
     fn(0)
-  release_file_pages()
+  global _compiled
+  _listen_for_compiles()
+  if _compiled:
+    _compiled = False
+    release_file_pages()
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's, per XLA compile
+_compiled = True  # since the last release (the process's first trim releases)
+
+
+def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
+  del duration_secs, kwargs
+  if event == _COMPILE_EVENT:
+    global _compiled
+    _compiled = True
+
+
+@functools.cache
+def _listen_for_compiles() -> None:
+  import jax  # pylint: disable=import-outside-toplevel  # not before the restart above
+  jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 _MADV_DONTNEED = 4

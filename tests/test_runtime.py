@@ -228,6 +228,18 @@ def test_release_file_pages_drops_the_compilers_code_and_the_process_runs_on():
   assert same == 1 and ok == 1, out
 
 
+def test_trim_releases_file_pages_only_after_a_compile():
+  """A trim releases the libraries' pages only if jax compiled something since the last
+  one: steady rounds, which compile nothing, keep the code they run."""
+  import jax  # pylint: disable=import-outside-toplevel
+  hostmem.trim()
+  assert not hostmem._compiled  # pylint: disable=protected-access
+  np.asarray(jax.jit(lambda x: x * 3 + 1)(np.arange(5.0)))  # a program compiled anew
+  assert hostmem._compiled  # pylint: disable=protected-access
+  hostmem.trim()
+  assert not hostmem._compiled  # pylint: disable=protected-access
+
+
 def test_release_file_pages_keeps_what_cannot_be_read_back(tmp_path):
   """Only clean pages of private read-only file mappings are released: writable, shared,
   copied-on-write (relocated constants), anonymous, device and deleted-file mappings stay."""
