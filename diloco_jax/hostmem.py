@@ -78,7 +78,8 @@ def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
 
 @functools.cache
 def _listen_for_compiles() -> None:
-  import jax  # pylint: disable=import-outside-toplevel  # not before the restart above
+  # Imported on first use: this module runs before jax is (`restart_with_huge_pages`).
+  import jax  # pylint: disable=import-outside-toplevel
   jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
