@@ -10,7 +10,8 @@ not glibc, it leaves malloc alone.
 Compiling also runs code: XLA's and LLVM's, in jaxlib's shared library, whose pages stay
 mapped into the process once touched. After configs/peer.py's compiles, 96 MiB of that
 library's code and 17 MiB of its read-only data were resident, most of it for compiling
-only. `trim` also drops the process's mappings of such pages (`release_file_pages`): clean
+only. After a compile, `trim` also drops the process's mappings of such pages
+(`release_file_pages`): clean
 pages of read-only, private mappings of files, whose contents the kernel reads back from
 the file (the page cache, usually) when they are touched again, so what still runs comes
 back at a minor fault per page. This lowers the process's RSS, which counts every mapped
