@@ -11,10 +11,9 @@ Compiling also runs code: XLA's and LLVM's, in jaxlib's shared library, whose pa
 mapped into the process once touched. After configs/peer.py's compiles, 96 MiB of that
 library's code and 17 MiB of its read-only data were resident, most of it for compiling
 only. After a compile, `trim` also drops the process's mappings of such pages
-(`release_file_pages`): clean
-pages of read-only, private mappings of files, whose contents the kernel reads back from
-the file (the page cache, usually) when they are touched again, so what still runs comes
-back at a minor fault per page. This lowers the process's RSS, which counts every mapped
+(`release_file_pages`): clean pages of read-only, private mappings of files, whose
+contents the kernel reads back from the file (the page cache, usually) when they are
+touched again, so what still runs comes back at a minor fault per page. This lowers the process's RSS, which counts every mapped
 page, by what it stopped using; the page cache, shared by every process mapping the same
 library, keeps the pages as long as the kernel does not need the memory, and a cgroup's
 memory accounting still counts them there.
