@@ -42,12 +42,17 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 @functools.cache
-def _malloc_trim():
+def _libc():
   name = ctypes.util.find_library("c")
   try:
-    return ctypes.CDLL(name).malloc_trim if name else None
-  except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+    return ctypes.CDLL(name, use_errno=True) if name else None
+  except OSError:
     return None
+
+
+@functools.cache
+def _malloc_trim():
+  return getattr(_libc(), "malloc_trim", None)  # not glibc (musl, macOS): nothing to trim
 
 
 def trim() -> None:
@@ -89,11 +94,7 @@ _SMAPS = "/proc/self/smaps"
 
 @functools.cache
 def _madvise():
-  name = ctypes.util.find_library("c")
-  try:
-    fn = ctypes.CDLL(name, use_errno=True).madvise if name else None
-  except (OSError, AttributeError):
-    return None
+  fn = getattr(_libc(), "madvise", None)
   if fn is not None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
   return fn

@@ -270,7 +270,6 @@ class Trainer:
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss)
     done = self.resume()
-    memory = self.step_memory
     # jax keeps every program it compiled for the life of the process, with its traces:
     # start-up's one-off programs (params and optimizer-state init) held 23-32 MiB on
     # configs/peer.py's model. The inner step keeps its own executable; what else runs
@@ -278,12 +277,13 @@ class Trainer:
     jax.clear_caches()
     hostmem.trim()  # what compiling freed
     if self.is_host0:  # once the workdir is known to be this run's
-      metrics.print_memory(memory, self.mesh)
+      metrics.print_memory(self.step_memory, self.mesh)
       metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,
                              devices=self.mesh.devices.flat, num_params=self.num_params,
                              flops_per_token=self.flops_per_token,
                              tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
-                             memory=memory, layout=self.train_step.layout.describe())
+                             memory=self.step_memory,
+                             layout=self.train_step.layout.describe())
     first = done if self.outer.inflight else done + 1  # the first round logged from now on
     log = self.config.log
     self.log.writer = writers.MetricsWriter(
