@@ -111,6 +111,13 @@ class Trainer:
         workdir, is_host0=self.is_host0, restart_from_scratch=restart_from_scratch,
         agree=lambda ok: bool(dispatcher.run(self.collective.allgather, np.array([ok]),
                                              what="agreeing on the workdir lock").all()))
+    # Opening the checkpoint directory waits at a barrier for every host, in elastic mode
+    # for only `elastic_timeout` seconds: it comes right after the lock's agreement, before
+    # the compiles that finish at different times on different hosts.
+    self.checkpointer = checkpoint_lib.Checkpointer(
+        workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
+        collective=self.collective,
+        elastic_timeout=config.elastic_timeout if self.elastic else None)
     driver = DRIVERS[config.mode]
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
                                         grad_accum_steps=config.grad_accum_steps,
@@ -148,10 +155,6 @@ class Trainer:
         # the run ends by writing a checkpoint and waiting for it: as long as the last did
         finish_estimate=lambda: self.checkpointer.write_seconds or 0.0)
     self.finished_before = False  # resumed from the checkpoint of a finished run
-    self.checkpointer = checkpoint_lib.Checkpointer(
-        workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
-        collective=self.collective,
-        elastic_timeout=config.elastic_timeout if self.elastic else None)
     self.preemption = distributed.Preemption()
     self.profile = profiling.ProfileWindow(
         workdir, self.host, start=config.profile.start_round,
