@@ -13,10 +13,10 @@ library's code and 17 MiB of its read-only data were resident, most of it for co
 only. After a compile, `trim` also drops the process's mappings of such pages
 (`release_file_pages`): clean pages of read-only, private mappings of files, whose
 contents the kernel reads back from the file (the page cache, usually) when they are
-touched again, so what still runs comes back at a minor fault per page. This lowers the process's RSS, which counts every mapped
-page, by what it stopped using; the page cache, shared by every process mapping the same
-library, keeps the pages as long as the kernel does not need the memory, and a cgroup's
-memory accounting still counts them there.
+touched again, so what still runs comes back at a minor fault per page. This lowers the
+process's RSS, which counts every mapped page, by what it stopped using; the page cache,
+shared by every process mapping the same library, keeps the pages as long as the kernel
+does not need the memory, and a cgroup's memory accounting still counts them there.
 
 XLA:CPU allocates each step's temporaries as one buffer (106 MB for configs/peer.py's
 inner step), too big for malloc's heap: it is mapped fresh and returned on every step,
