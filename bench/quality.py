@@ -8,11 +8,14 @@ Each method trains configs/small_text.py's model (a 2-block GPT, BPE of 4,096 to
 2 host processes x 2 replicas (K = 4) through launch/local.py, from the same seed, data
 and tokens: `rounds` x `inner_steps` steps of 16 x 128 tokens per replica. The corpus is
 the Python standard library's sources prepared by `python -m diloco_jax.prepare`
-(--corpus; made on first use in ~/.cache/diloco_jax/stdlib_bpe4k, as in small_text.py).
+(--corpus; made on first use in ~/.cache/diloco_jax/stdlib_bpe4k, as in small_text.py;
+`--stdlib=tree`: every source file of the library's tree, 6.7x the text, for runs long
+enough to overfit the first).
 Methods (METHODS): ddp (a sum of gradients every step), sync DiLoCo, eager, streaming
 (P = 2 fragments, 4-bit), sync with int8, SparseLoCo (configs/sparseloco.py's wire and
 outer step) and MuLoCo (configs/muloco.py: Muon inner, 2-bit with error feedback).
-`--variant=NAME=METHOD:FLAG,FLAG` adds a method: METHOD with more trainer flags (a sweep).
+`--variant=NAME=METHOD:FLAG,FLAG` adds a method: METHOD with these trainer flags (a sweep;
+a flag METHOD already sets is replaced).
 Reports per method: final eval loss and bits per byte, bytes host 0 sent per round (the
 collective's own count; bench/wan.py checks it against a veth) and in all, wall time, and
 the compute utilization on a --link_mbit link (default 8 Mbit/s, bench/wan.py's),
@@ -44,13 +47,12 @@ sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
 
-# name -> (config file, overrides). configs/sparseloco.py and configs/muloco.py are
-# small_text.py's model and corpus with their own wire and optimizers. Eager's outer
-# momentum 0.5 is bench/wan.py's sweep's best.
+# name -> (config file, overrides). configs/eager.py, sparseloco.py and muloco.py are
+# small_text.py's model and corpus with their own mode, wire, optimizers and outer step.
 METHODS = {
     "ddp": ("small_text", ["--config.mode=ddp"]),
     "sync": ("small_text", []),
-    "eager": ("small_text", ["--config.mode=eager", "--config.outer.momentum=0.5"]),
+    "eager": ("eager", []),
     "streaming": ("small_text", ["--config.mode=streaming", "--config.outer.fragments=2",
                                  "--config.outer.compression=4bit"]),
     "int8": ("small_text", ["--config.outer.compression=int8"]),
@@ -61,21 +63,30 @@ SMOKE_FLAGS = ["--config.batch_size=2", "--config.eval_batches=1",
                "--config.model.num_layers=1", "--config.inner.warmup_steps=1"]
 
 
-def default_corpus() -> str:
-  return os.path.join(os.path.expanduser("~"), ".cache", "diloco_jax", "stdlib_bpe4k")
+# --stdlib: which of the standard library's sources make the corpus. `modules`: the ~170
+# top-level modules (4.7 MB, 1.3M tokens; configs/small_text.py's corpus); `tree`: every
+# source file of the tree but site-packages, tests included (~31 MB, 6.7x the text).
+CORPORA = {"modules": "stdlib_bpe4k", "tree": "stdlib_tree_bpe4k"}
 
 
-def prepare(output: str, smoke: bool) -> None:
+def default_corpus(stdlib: str = "modules") -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "diloco_jax", CORPORA[stdlib])
+
+
+def prepare(output: str, smoke: bool, stdlib: str) -> None:
   """The standard library's sources as a prepared corpus (smoke: its 10 largest modules,
   as bytes)."""
-  stdlib = sysconfig.get_path("stdlib")
+  root = sysconfig.get_path("stdlib")
   if smoke:
-    inputs = sorted(glob.glob(os.path.join(stdlib, "*.py")), key=os.path.getsize)[-10:]
-    tokenizer = ["--tokenizer=bytes", "--eval_fraction=0.2"]  # 2 for eval, 8 for 4 replicas
+    inputs = sorted(glob.glob(os.path.join(root, "*.py")), key=os.path.getsize)[-10:]
+    options = ["--tokenizer=bytes", "--eval_fraction=0.2"]  # 2 for eval, 8 for 4 replicas
   else:
-    inputs = [os.path.join(stdlib, "*.py")]
-    tokenizer = ["--tokenizer=train", "--vocab_size=4096", "--eval_fraction=0.05"]
-  subprocess.run([sys.executable, "-m", "diloco_jax.prepare", *tokenizer,
+    options = ["--tokenizer=train", "--vocab_size=4096", "--eval_fraction=0.05"]
+    if stdlib == "modules":
+      inputs = [os.path.join(root, "*.py")]
+    else:
+      inputs, options = [root], [*options, "--exclude=site-packages"]
+  subprocess.run([sys.executable, "-m", "diloco_jax.prepare", *options,
                   *[f"--input={i}" for i in inputs],
                   f"--output={output}"], cwd=REPO, check=True, capture_output=True, text=True)
 
@@ -83,10 +94,18 @@ def prepare(output: str, smoke: bool) -> None:
 OVERLAPPED = ("eager",)  # the methods whose sums run behind the next inner phase
 
 
+def override(flags: list[str], more: list[str]) -> list[str]:
+  """flags with more's: one of more that sets a key flags sets replaces it, in its place."""
+  key = lambda flag: flag.partition("=")[0]
+  new = {key(f): f for f in more}
+  out = [new.pop(key(f), f) for f in flags]
+  return out + [f for f in more if key(f) in new]
+
+
 def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
   base, more = args.variants.get(name, (name, []))  # a variant: its method and flags
   config, extra = METHODS[base]
-  extra = [*extra, *more]
+  extra = override(extra, more)
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={args.hosts}",
            "--", f"--config=configs/{config}.py", f"--workdir={workdir}",
@@ -152,7 +171,11 @@ def main():
   parser.add_argument("--link_mbit", type=float, default=8.0,
                       help="the link of the modelled utilization, Mbit/s")
   parser.add_argument("--corpus", default=None,
-                      help=f"a prepared directory (default {default_corpus()}, made if missing)")
+                      help="a prepared directory (default: --stdlib's in "
+                      f"{os.path.dirname(default_corpus())}, made if missing)")
+  parser.add_argument("--stdlib", default="modules", choices=sorted(CORPORA),
+                      help="the default corpus: the standard library's top-level modules "
+                      "(4.7 MB of text) or its whole tree but site-packages (31 MB)")
   args = _smoke.parse_args(parser, "quality", dict(methods="sparseloco,muloco", rounds=2,
                                                    inner_steps=2))
   args.variants = {}  # name -> (method, its extra flags)
@@ -171,10 +194,10 @@ def main():
   corpus = args.corpus
   if corpus is None:
     corpus = (os.path.join(os.path.dirname(args.out), "corpus") if args.smoke
-              else default_corpus())
+              else default_corpus(args.stdlib))
   if not os.path.exists(os.path.join(corpus, "manifest.json")):
     print(f"preparing {corpus} from the standard library's sources", flush=True)
-    prepare(corpus, args.smoke)
+    prepare(corpus, args.smoke, args.stdlib)
   rows = []
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   for name in names:

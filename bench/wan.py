@@ -8,7 +8,9 @@ to `--rate_mbit` in both directions with `tc tbf` (this kernel has no netem, so 
 modelled by bandwidth, not delay), and runs the trainer (configs/tiny.py's model and data,
 one replica per host, the same token budget) in each mode, plus a no-communication
 reference (the same hosts as independent one-host jobs). `--modes` also takes the
-compression and streaming runs of RUNS (sync-int8, sync-4bit, streaming-p2, ...).
+compression and streaming runs of RUNS (sync-int8, sync-4bit, streaming-p2, ...), and
+configs/sparseloco.py's own run beside float32 sync of its model (sparseloco-small_text,
+sync-small_text; on bench/quality.py's corpus, which must be prepared).
 Reports per run: wall time, compute utilization (reference wall time / run wall time),
 tokens/s, bytes each host put on the wire (the veth's own counter), the most bytes one
 sync sent (streaming: one fragment; the peak in flight) and the final eval loss.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -41,7 +44,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench import _smoke  # noqa: E402
+from bench import _smoke, quality  # noqa: E402
 from bench.netns import Localhost, Network  # noqa: E402
 
 # The same model, data and tokens for every mode.
@@ -60,6 +63,19 @@ OUTER_LR = {"sync": 0.7, "delayed": 0.4, "eager": 0.7, "ddp": 0.7, "none": 0.7,
             "streaming": 0.7}
 OUTER_MOMENTUM = {"sync": 0.9, "delayed": 0.9, "eager": 0.5, "ddp": 0.9, "none": 0.9,
                   "streaming": 0.9}
+def sparseloco_flags() -> list[str]:
+  """configs/sparseloco.py's outer fields as flags: the wire this bench checks is the
+  config's, whatever it is set to."""
+  config = runpy.run_path(os.path.join(REPO, "configs", "sparseloco.py"))["get_config"]()
+  keys = ("compression", "topk_chunk", "topk_fraction", "topk_value_bits", "error_feedback",
+          "error_feedback_decay", "lr", "momentum")
+  return [f"--config.outer.{key}={config.outer[key]}" for key in keys]
+
+
+SMALL_TEXT = ["--config=configs/small_text.py", f"--config.data.path={quality.default_corpus()}",
+              "--config.batch_size=4"]
+
+
 # Runs by name: a mode, config overrides and H (tiny's 25; the rounds are scaled so that
 # every run trains the same tokens). Streaming splits tiny's 2 blocks into P = 2 fragments
 # (fragment 0 also holds the embeddings, final norm and head: 53% of the params); P must
@@ -71,12 +87,13 @@ RUNS.update({
 RUNS.update({
     "sync-topk": ("sync", ["--config.outer.compression=topk",
                            "--config.outer.topk_fraction=0.05"], 25),
-    # configs/sparseloco.py's wire: 64 of every 4096 entries at 2 bits, the accumulator
-    # decayed by 0.95, plain outer SGD (the flags after the mode's lr and momentum win).
-    "sparseloco": ("sync", ["--config.outer.compression=chunk_topk",
-                            "--config.outer.topk_fraction=0.015625",
-                            "--config.outer.error_feedback_decay=0.95",
-                            "--config.outer.lr=1.0", "--config.outer.momentum=0.0"], 25),
+    # configs/sparseloco.py's wire and outer step on tiny's model (the flags after the
+    # mode's lr and momentum win).
+    "sparseloco": ("sync", sparseloco_flags(), 25),
+    # configs/sparseloco.py itself: small_text's 1.47M-param model on bench/quality.py's
+    # corpus, beside float32 sync of that model (batch 4: the bytes do not depend on it).
+    "sync-small_text": ("sync", SMALL_TEXT, 25),
+    "sparseloco-small_text": ("sync", [*SMALL_TEXT, *sparseloco_flags()], 25),
     "sync-h20": ("sync", [], 20),
     "streaming-p2": ("streaming", ["--config.outer.fragments=2"], 20),
     "streaming-p2-4bit-overlap": ("streaming", [
@@ -99,7 +116,12 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   num_rounds = rounds * 25 // h
   if smoke:
     h, num_rounds = SMOKE_H, rounds
-  args = [*(SMOKE_COMMON if smoke else COMMON), f"--config.num_rounds={num_rounds}",
+  common = SMOKE_COMMON if smoke else COMMON
+  own = [flag for flag in extra if flag.startswith("--config=")]
+  if own:  # the run's own config file, first (overrides must come after it)
+    common = [*own, *(flag for flag in common if not flag.startswith("--config="))]
+    extra = [flag for flag in extra if flag not in own]
+  args = [*common, f"--config.num_rounds={num_rounds}",
           f"--config.inner_steps={h}",
           f"--config.outer.lr={OUTER_LR[mode]}",
           f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra]
@@ -134,7 +156,10 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   # The main thread's time in outer steps (waiting for the mean included): the time the
   # devices sat idle because of DiLoCo, whatever else slowed the host down.
   idle = sum(r.get("outer_time", 0.0) for r in records[1:])
-  row = {"mode": name, "outer_lr": OUTER_LR[mode], "outer_momentum": OUTER_MOMENTUM[mode],
+  # The outer step the run used: the last of each flag wins, as in the trainer.
+  last = {flag.partition("=")[0]: flag.partition("=")[2] for flag in args}
+  row = {"mode": name, "outer_lr": float(last["--config.outer.lr"]),
+         "outer_momentum": float(last["--config.outer.momentum"]),
          "wall_s": wall, "idle_fraction": idle / wall,
          "tokens_per_sec": tokens / wall, "final_eval_loss": records[-1]["eval_loss"],
          "curve": [(sum(r["round_time"] for r in records[1:i + 1]), r["eval_loss"])
@@ -205,7 +230,8 @@ def main():
   for r in rows:
     r["compute_utilization"] = reference / r["wall_s"] if reference else None
   title = (f"smoke: {args.hosts} hosts on 127.0.0.1, unshaped, H={SMOKE_H}" if args.smoke else
-           f"{args.hosts} hosts, {args.rate_mbit:g} Mbit/s each way, tiny model, H=25")
+           f"{args.hosts} hosts, {args.rate_mbit:g} Mbit/s each way, H=25, tiny model unless "
+           "the run names another")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"hosts": args.hosts, "rate_mbit": None if args.smoke else args.rate_mbit,

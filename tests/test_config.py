@@ -44,6 +44,16 @@ def test_peer_valid_once_given_data(tmp_path):
   assert config.inner.warmup_steps == 0 and config.inner.final_lr_fraction == 1.0
 
 
+@pytest.mark.parametrize("name", ["small_text", "eager", "sparseloco", "muloco"])
+def test_small_text_family_valid_on_two_hosts(name, tmp_path):
+  """configs/small_text.py and the configs built on it (bench/quality.py's methods) pass
+  validation on 2 hosts once their prepared corpus is there, each in its own mode."""
+  config = load_config(name)
+  config.data.path = str(tmp_path)
+  config_lib.validate(config, num_hosts=2)
+  assert config.mode == ("eager" if name == "eager" else "sync")
+
+
 # (field, bad value, fragment of the message); one case per rule.
 CASES = [
     ("mode", "async", "one of"),
