@@ -63,6 +63,8 @@ OUTER_LR = {"sync": 0.7, "delayed": 0.4, "eager": 0.7, "ddp": 0.7, "none": 0.7,
             "streaming": 0.7}
 OUTER_MOMENTUM = {"sync": 0.9, "delayed": 0.9, "eager": 0.5, "ddp": 0.9, "none": 0.9,
                   "streaming": 0.9}
+
+
 def sparseloco_flags() -> list[str]:
   """configs/sparseloco.py's outer fields as flags: the wire this bench checks is the
   config's, whatever it is set to."""
