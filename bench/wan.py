@@ -74,6 +74,7 @@ def sparseloco_flags() -> list[str]:
   return [f"--config.outer.{key}={config.outer[key]}" for key in keys]
 
 
+SPARSELOCO = sparseloco_flags()
 SMALL_TEXT = ["--config=configs/small_text.py", f"--config.data.path={quality.default_corpus()}",
               "--config.batch_size=4"]
 
@@ -91,11 +92,11 @@ RUNS.update({
                            "--config.outer.topk_fraction=0.05"], 25),
     # configs/sparseloco.py's wire and outer step on tiny's model (the flags after the
     # mode's lr and momentum win).
-    "sparseloco": ("sync", sparseloco_flags(), 25),
+    "sparseloco": ("sync", SPARSELOCO, 25),
     # configs/sparseloco.py itself: small_text's 1.47M-param model on bench/quality.py's
     # corpus, beside float32 sync of that model (batch 4: the bytes do not depend on it).
     "sync-small_text": ("sync", SMALL_TEXT, 25),
-    "sparseloco-small_text": ("sync", [*SMALL_TEXT, *sparseloco_flags()], 25),
+    "sparseloco-small_text": ("sync", [*SMALL_TEXT, *SPARSELOCO], 25),
     "sync-h20": ("sync", [], 20),
     "streaming-p2": ("streaming", ["--config.outer.fragments=2"], 20),
     "streaming-p2-4bit-overlap": ("streaming", [
