@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchft import Manager, ProcessGroupGloo
+from torchft import Manager
+from torchft import ProcessGroupGloo
 from torchft.local_sgd import DiLoCo
 
 

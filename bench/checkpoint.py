@@ -48,8 +48,8 @@ import diloco_jax  # noqa: E402
 from bench import _smoke  # noqa: E402
 from bench.outer_step import MODELS  # noqa: E402
 from configs import tiny  # noqa: E402
-from diloco_jax import dispatch  # noqa: E402
-from diloco_jax import trainer as trainer_lib  # noqa: E402
+from diloco_jax.loop import trainer as trainer_lib  # noqa: E402
+from diloco_jax.wire import dispatch  # noqa: E402
 
 
 def bench_config(args, total_rounds: int):

@@ -39,8 +39,8 @@ sys.path[0] = REPO  # not bench/: this file would shadow any module named `data`
 
 from bench import _smoke  # noqa: E402
 from configs import gpt_150m  # noqa: E402
-from diloco_jax import data as data_lib  # noqa: E402
-from diloco_jax import model as model_lib  # noqa: E402
+from diloco_jax.data import pipeline as data_lib  # noqa: E402
+from diloco_jax.models import model as model_lib  # noqa: E402
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak (SXM)
 MFU = 0.4

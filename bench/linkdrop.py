@@ -44,7 +44,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
-from bench.netns import Localhost, Network, free_port  # noqa: E402
+from bench.netns import Localhost  # noqa: E402
+from bench.netns import Network  # noqa: E402
+from bench.netns import free_port  # noqa: E402
 
 NUM_HOSTS = 2
 ROUND_LINE = re.compile(r"^round (\d+)/(\d+) ")

@@ -38,8 +38,12 @@ def layout_memory(config, replicas: int, fsdp: int) -> dict:
   """The compiled inner step's bytes per device for `config` under replicas x fsdp."""
   import jax
   import jax.numpy as jnp
-  from diloco_jax import inner, mesh as mesh_lib, model as model_lib, optim
-  from diloco_jax import state as state_lib
+
+  from diloco_jax.algo import optim
+  from diloco_jax.algo import state as state_lib
+  from diloco_jax.device import inner
+  from diloco_jax.device import mesh as mesh_lib
+  from diloco_jax.models import model as model_lib
   config = config.copy_and_resolve_references()
   config.replicas_per_host, config.mesh.replicas, config.mesh.fsdp = replicas, replicas, fsdp
   cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
@@ -86,7 +90,8 @@ def main(argv=None):
                              f"--xla_force_host_platform_device_count={args.devices}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
-  from diloco_jax.metrics import format_bytes
+
+  from diloco_jax.units import format_bytes
 
   rows = []
   for path in args.configs.split(","):

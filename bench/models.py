@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from bench import _smoke  # noqa: E402
-from diloco_jax import model as model_lib  # noqa: E402
+from diloco_jax.models import model as model_lib  # noqa: E402
 
 SMOKE = {"d_model": 32, "num_layers": 2, "num_heads": 2, "gpt_mlp_dim": 64, "seq_len": 16,
          "batch_size": 2, "vocab_size": 64, "steps": 2, "rounds": 2}

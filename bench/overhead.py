@@ -49,13 +49,13 @@ from bench import _smoke  # noqa: E402
 from bench import peer  # noqa: E402
 from configs import peer as peer_config  # noqa: E402
 from configs import tiny  # noqa: E402
-from diloco_jax import data as data_lib  # noqa: E402
-from diloco_jax import dispatch  # noqa: E402
-from diloco_jax import inner  # noqa: E402
-from diloco_jax import model as model_lib  # noqa: E402
-from diloco_jax import optim  # noqa: E402
-from diloco_jax import state as state_lib  # noqa: E402
-from diloco_jax import trainer  # noqa: E402
+from diloco_jax.algo import optim  # noqa: E402
+from diloco_jax.algo import state as state_lib  # noqa: E402
+from diloco_jax.data import pipeline as data_lib  # noqa: E402
+from diloco_jax.device import inner  # noqa: E402
+from diloco_jax.loop import trainer  # noqa: E402
+from diloco_jax.models import model as model_lib  # noqa: E402
+from diloco_jax.wire import dispatch  # noqa: E402
 
 
 def bench_config(args):

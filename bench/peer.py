@@ -288,7 +288,7 @@ def check_same_model(args, python: str) -> dict:
   import jax  # noqa: PLC0415 -- only this check needs jax in this process
   import numpy as np  # noqa: PLC0415
 
-  from diloco_jax import model as model_lib  # noqa: PLC0415
+  from diloco_jax.models import model as model_lib  # noqa: PLC0415
 
   config = peer_config.get_config()
   for k in SHAPE:

@@ -34,8 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import _smoke  # noqa: E402
-from diloco_jax import outer  # noqa: E402
-from diloco_jax import trainer  # noqa: E402
+from diloco_jax.loop import trainer  # noqa: E402
+from diloco_jax.modes import outer  # noqa: E402
 
 ATTACKS = ("none", "scaled", "noise", "nan")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")

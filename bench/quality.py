@@ -141,8 +141,9 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
 
 
 def plot(rows: list[dict], path: str) -> None:
-  from diloco_jax import metrics
   import matplotlib
+
+  from diloco_jax.loop import metrics
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

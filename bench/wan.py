@@ -44,8 +44,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench import _smoke, quality  # noqa: E402
-from bench.netns import Localhost, Network  # noqa: E402
+from bench import _smoke  # noqa: E402
+from bench import quality  # noqa: E402
+from bench.netns import Localhost  # noqa: E402
+from bench.netns import Network  # noqa: E402
 
 # The same model, data and tokens for every mode.
 COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
@@ -183,8 +185,9 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-  from diloco_jax import metrics
   import matplotlib
+
+  from diloco_jax.loop import metrics
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

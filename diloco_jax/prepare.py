@@ -20,15 +20,16 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from diloco_jax import corpus
-from diloco_jax import sources as sources_lib
-from diloco_jax import tokenizer as tokenizer_lib
-from diloco_jax.sources import InputError
+from diloco_jax.corpus import format as corpus
+from diloco_jax.corpus import sources as sources_lib
+from diloco_jax.corpus import tokenizer as tokenizer_lib
+from diloco_jax.corpus.sources import InputError
 
 _CHUNK_BYTES, _CHUNK_DOCUMENTS = 1 << 20, 1024  # the documents a worker gets at a time
 

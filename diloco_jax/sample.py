@@ -20,7 +20,8 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,11 +31,11 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from diloco_jax import corpus_reader
-from diloco_jax import model as model_lib
-from diloco_jax import sources
-from diloco_jax import tokenizer as tokenizer_lib
-from diloco_jax import trained as trained_lib
+from diloco_jax.corpus import sources
+from diloco_jax.corpus import tokenizer as tokenizer_lib
+from diloco_jax.data import prepared as corpus_reader
+from diloco_jax.loop import trained as trained_lib
+from diloco_jax.models import model as model_lib
 
 Params = Any
 

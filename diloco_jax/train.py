@@ -23,16 +23,16 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from diloco_jax import checkpoint
 from diloco_jax import config as config_lib
-from diloco_jax import dispatch
-from diloco_jax import distributed
-from diloco_jax import elastic
-from diloco_jax import hostmem
-from diloco_jax import skips
-from diloco_jax import trainer
-from diloco_jax import workdir
-from diloco_jax import writers
+from diloco_jax.loop import checkpoint
+from diloco_jax.loop import trainer
+from diloco_jax.loop import writers
+from diloco_jax.modes import skips
+from diloco_jax.runtime import cluster as distributed
+from diloco_jax.runtime import elastic
+from diloco_jax.runtime import hostmem
+from diloco_jax.runtime import workdir
+from diloco_jax.wire import dispatch
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Required: the config file (configs/*.py); override its fields with "
@@ -240,6 +240,8 @@ def main(argv):
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)
+      # Orbax's barriers (coordination service) otherwise wait 300 s for a dead host.
+      checkpoint.set_barrier_timeout(config.elastic_timeout)
     distributed.initialize(cluster)
     multi_host_elastic = config.elastic and jax.process_count() > 1
     if multi_host_elastic and elastic.is_returning():

@@ -19,18 +19,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(out_dir, host_id, num_hosts, port, overrides):
-  from diloco_jax import distributed
+  from diloco_jax.runtime import cluster as distributed
   distributed.initialize(distributed.Cluster(
       coordinator_address=f"127.0.0.1:{port}", num_hosts=int(num_hosts), host_id=int(host_id),
       initialization_timeout=60, heartbeat_timeout=30))
   import jax
   import numpy as np
-  from diloco_jax import trainer
+
+  from diloco_jax.loop import trainer
   from tests import multihost
   overrides = json.loads(overrides)
   bad = overrides.pop("_poison", None)
   if bad is not None and bad["host"] == int(host_id):
-    from diloco_jax import outer
+    from diloco_jax.modes import outer
     outer.HostSide.pseudo_gradients = multihost.poisoned(
         outer.HostSide.pseudo_gradients, bad["replica"], bad["value"], bad.get("calls"))
   corrupt = overrides.pop("_corrupt", None)

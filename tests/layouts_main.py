@@ -33,7 +33,9 @@ def config_for(mode, replicas, fsdp):
 def main(out_dir):
   import jax
   import numpy as np
-  from diloco_jax import dispatch, trainer
+
+  from diloco_jax.loop import trainer
+  from diloco_jax.wire import dispatch
   assert jax.local_device_count() == 4, jax.devices()
   out = {}
   for mode, replicas, fsdp in LAYOUTS:

@@ -9,17 +9,16 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import diloco_jax
 from diloco_jax import config as config_lib
-from diloco_jax import data as data_lib
-from diloco_jax import model as model_lib
-from diloco_jax import optim
-from diloco_jax import streaming
+from diloco_jax.algo import fragments as streaming
+from diloco_jax.algo import optim
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.models import model as model_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}

@@ -7,9 +7,15 @@ import optax
 import pytest
 
 import diloco_jax
-from diloco_jax import optim
-from tests.test_simulate import (H, K, T, NumpyAdamW, inner_config, loss_fn, make_problem,
-                                 np_grads)
+from diloco_jax.algo import optim
+from tests.test_simulate import H
+from tests.test_simulate import K
+from tests.test_simulate import NumpyAdamW
+from tests.test_simulate import T
+from tests.test_simulate import inner_config
+from tests.test_simulate import loss_fn
+from tests.test_simulate import make_problem
+from tests.test_simulate import np_grads
 
 LR, MU = 0.7, 0.9
 

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import checkpoint
-from diloco_jax import distributed
-from diloco_jax import trained
-from diloco_jax import trainer
+from diloco_jax.loop import checkpoint
+from diloco_jax.loop import trained
+from diloco_jax.loop import trainer
+from diloco_jax.runtime import preemption
 from tests import multihost
 from tests import test_trained
 
@@ -37,7 +37,7 @@ def checkpoint_has(workdir, name: str) -> bool:
 
 
 def preempt_at(monkeypatch, round_):
-  monkeypatch.setattr(distributed.Preemption, "reached", lambda self, r: r == round_)
+  monkeypatch.setattr(preemption.Preemption, "reached", lambda self, r: r == round_)
 
 
 STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps": 1,

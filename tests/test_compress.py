@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax import aggregate, compress
+from diloco_jax.algo import aggregate
+from diloco_jax.algo import compress
 
 
 def sample(n=10_000, seed=0):
@@ -104,7 +105,7 @@ def test_too_few_replicas_for_the_trim_is_an_error():
 
 
 def test_one_host_encoded_sum_is_the_round_trip_twice():
-  from diloco_jax import collective
+  from diloco_jax.wire import collective
   x = sample(1000)
   rt = lambda v: compress.decode(compress.encode(v, "int8"))
   padded = np.pad(x, (0, 24))  # whole 256-entry blocks

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import data as data_lib
+from diloco_jax.data import pipeline as data_lib
 
 
 def data_config(**overrides):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import mesh
-from diloco_jax import data as data_lib
-from diloco_jax import model as model_lib
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.device import mesh
+from diloco_jax.models import model as model_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "--config=configs/tiny.py"

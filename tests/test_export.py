@@ -15,9 +15,10 @@ import pytest
 import safetensors.numpy
 
 from diloco_jax import export as export_lib
-from diloco_jax import model as model_lib
-from diloco_jax import trained as trained_lib
-from diloco_jax import trainer
+from diloco_jax.loop import trained as trained_lib
+from diloco_jax.loop import trainer
+from diloco_jax.models import exported
+from diloco_jax.models import model as model_lib
 from tests.multihost import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,7 +206,7 @@ def test_tied_llama_numpy_forward_tokenizer_and_round_trip(tmp_path):
   tokenizer = tmp_path / "corpus" / "tokenizer.json"
   tokenizer.write_text('{"model": {}}')
   output = str(tmp_path / "out" / "model.safetensors")
-  export_lib.write(output, cfg, params, tokenizer=str(tokenizer), eos_id=3)
+  exported.write(output, cfg, params, tokenizer=str(tokenizer), eos_id=3)
   tensors, config = _read(output)
   assert "lm_head.weight" not in tensors and config["tie_word_embeddings"] is True
   assert (config["bos_token_id"], config["eos_token_id"]) == (3, 3)
@@ -218,8 +219,8 @@ def test_tied_llama_numpy_forward_tokenizer_and_round_trip(tmp_path):
   assert_round_trip(output, cfg, params)
   os.remove(output)
   os.remove(tmp_path / "out" / "config.json")
-  with pytest.raises(export_lib.ExportError, match="tokenizer.json exists"):
-    export_lib.write(output, cfg, params, tokenizer=str(tokenizer), overwrite=False)
+  with pytest.raises(exported.ExportError, match="tokenizer.json exists"):
+    exported.write(output, cfg, params, tokenizer=str(tokenizer), overwrite=False)
 
 
 def assert_round_trip(output: str, cfg, params):
@@ -236,9 +237,9 @@ def test_gpt_numpy_forward_and_round_trip(tmp_path):
                               num_heads=4, mlp_dim=64, family="gpt")
   params = _perturbed_init(cfg)
   output = str(tmp_path / "gpt.safetensors")
-  export_lib.write(output, cfg, params)
+  exported.write(output, cfg, params)
   tensors, config = _read(output)
-  assert config["format"] == config["diloco_jax"]["format"] == export_lib.FLAX
+  assert config["format"] == config["diloco_jax"]["format"] == exported.FLAX
   assert "architectures" not in config
   umask = os.umask(0)
   os.umask(umask)
@@ -260,15 +261,15 @@ def test_load_exported_names_what_is_wrong(tmp_path):
   cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=1, d_model=32,
                               num_heads=4, mlp_dim=64, family="llama")
   output = str(tmp_path / "model.safetensors")
-  export_lib.write(output, cfg, model_lib.init_params(cfg, jax.random.key(0)))
+  exported.write(output, cfg, model_lib.init_params(cfg, jax.random.key(0)))
   tensors = safetensors.numpy.load_file(output)
   del tensors["model.layers.0.mlp.up_proj.weight"]
   safetensors.numpy.save_file(tensors, output)
-  with pytest.raises(export_lib.ExportError, match="'model.layers.0.mlp.up_proj.weight' is "
+  with pytest.raises(exported.ExportError, match="'model.layers.0.mlp.up_proj.weight' is "
                      "missing"):
     model_lib.load_exported(output)
   os.remove(tmp_path / "config.json")
-  with pytest.raises(export_lib.ExportError, match="not the config.json of an export"):
+  with pytest.raises(exported.ExportError, match="not the config.json of an export"):
     model_lib.load_exported(output)
 
 
@@ -308,8 +309,8 @@ def test_cli_errors(llama_run, tmp_path):
   line = _one_line_error(_cli(f"--workdir={workdir}", f"--output={tmp_path / 'model.bin'}"))
   assert "must end in .safetensors" in line
   missing = tmp_path / "nowhere" / "model.safetensors"
-  with pytest.raises(export_lib.ExportError, match="nowhere does not exist"):
+  with pytest.raises(exported.ExportError, match="nowhere does not exist"):
     export_lib.export(workdir, str(missing))
   (tmp_path / "config.json").write_text("{}")  # config.json is not replaced either
-  with pytest.raises(export_lib.ExportError, match="config.json exists"):
+  with pytest.raises(exported.ExportError, match="config.json exists"):
     export_lib.export(workdir, str(tmp_path / "other.safetensors"))

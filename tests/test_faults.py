@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from diloco_jax import checkpoint
-from diloco_jax import distributed
-from diloco_jax import trainer
-from diloco_jax import workdir as workdir_lib
-from diloco_jax import writers
+from diloco_jax.loop import checkpoint
+from diloco_jax.loop import trainer
+from diloco_jax.loop import writers
+from diloco_jax.runtime import preemption
+from diloco_jax.runtime import workdir as workdir_lib
 from tests import multihost
 
 TINY = ["--config=configs/tiny.py", "--config.num_rounds=200", "--config.inner_steps=2",
@@ -105,7 +105,7 @@ def test_torn_metrics_line_is_repaired_and_garbage_is_refused(tmp_path, monkeypa
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
   run = tmp_path / "run"
   with monkeypatch.context() as m:
-    m.setattr(distributed.Preemption, "reached", lambda self, r: r == 2)
+    m.setattr(preemption.Preemption, "reached", lambda self, r: r == 2)
     trainer.train_and_evaluate(config, str(run))
   path = run / "metrics.jsonl"
   good = path.read_text()

@@ -8,15 +8,17 @@ import textwrap
 import jax
 import numpy as np
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs R=2 replicas for 3 steps and prints the params' checksum; used in-process and in a
 # subprocess with 2 CPU devices.
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
-    from diloco_jax import config as config_lib, inner, model as model_lib, optim
-    from diloco_jax import state as state_lib
+    from diloco_jax import config as config_lib
+    from diloco_jax.device import inner
+    from diloco_jax.models import model as model_lib
+    from diloco_jax.algo import optim
+    from diloco_jax.algo import state as state_lib
 
     def run(grad_accum_steps):
       cfg = model_lib.ModelConfig(vocab_size=11, seq_len=8, num_layers=1, d_model=16,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import mesh as mesh_lib
+from diloco_jax.device import mesh as mesh_lib
 from tests import multihost
 
 # Float32 sums taken in another order (gradients over fsdp shards, vmapped replica groups)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import model as model_lib
+from diloco_jax.models import model as model_lib
 
 CFG = model_lib.ModelConfig(vocab_size=17, seq_len=12, num_layers=2, d_model=32, num_heads=4,
                           mlp_dim=64)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import layers
-from diloco_jax import model as model_lib
-from diloco_jax import trainer
-from tests.multihost import simulate_trainer, small_config
+from diloco_jax.loop import trainer
+from diloco_jax.models import layers
+from diloco_jax.models import model as model_lib
+from tests.multihost import simulate_trainer
+from tests.multihost import small_config
 
 OWN = "tests.custom_model:make"
 

@@ -3,6 +3,7 @@ window, the ETA, the progress bar, the launcher's help."""
 
 import glob
 import gzip
+import importlib.util
 import io
 import json
 import os
@@ -14,10 +15,10 @@ from jax.profiler import ProfileData
 from tensorboard.backend.event_processing import event_accumulator
 
 from diloco_jax import config as config_lib
-from diloco_jax import metrics
-from diloco_jax import profiling
-from diloco_jax import trainer
-from diloco_jax import writers
+from diloco_jax.loop import metrics
+from diloco_jax.loop import profiling
+from diloco_jax.loop import trainer
+from diloco_jax.loop import writers
 from tests.multihost import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,8 +150,8 @@ def test_bad_reporting_fields_are_named(field, value, message):
 
 
 def test_wandb_project_without_wandb_installed_is_refused(monkeypatch):
-  real = config_lib.importlib.util.find_spec
-  monkeypatch.setattr(config_lib.importlib.util, "find_spec",
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "wandb" else real(name, *a))
   with pytest.raises(config_lib.ConfigError, match=r"pip install 'diloco_jax\[wandb\]'"):
     config_lib.validate(small_config(**{"log.wandb_project": "p"}))

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax import optim
+from diloco_jax.algo import optim
 
 NS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz coefficients of Muon's paper
 

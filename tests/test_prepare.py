@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from diloco_jax import corpus
 from diloco_jax import prepare
-from diloco_jax import sources
+from diloco_jax.corpus import format as corpus
+from diloco_jax.corpus import sources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_DOCS = 300
@@ -299,7 +299,8 @@ def test_rerun_is_a_no_op_until_something_changes(tmp_path, capsys):
 
 KILLED_AFTER_FIRST_SHARD = """
 import os, signal, sys
-from diloco_jax import corpus, prepare
+from diloco_jax import prepare
+from diloco_jax.corpus import format as corpus
 close = corpus.SplitWriter._close
 def close_and_die(self):
   close(self)

@@ -22,12 +22,12 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import checkpoint
 from diloco_jax import config as config_lib
-from diloco_jax import corpus_reader
-from diloco_jax import data as data_lib
-from diloco_jax import distributed
-from diloco_jax import trainer
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.data import prepared as corpus_reader
+from diloco_jax.loop import checkpoint
+from diloco_jax.loop import trainer
+from diloco_jax.runtime import preemption
 from tests import multihost
 
 EOS, VOCAB = 256, 257
@@ -236,7 +236,7 @@ def test_preempted_run_resumes_bit_identically(prepared, tmp_path, monkeypatch):
   config = train_config(prepared, num_rounds=4, **{"checkpoint.every": 0})
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
   with monkeypatch.context() as m:
-    m.setattr(distributed.Preemption, "reached", lambda self, r: r == 2)
+    m.setattr(preemption.Preemption, "reached", lambda self, r: r == 2)
     first = trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert first.preempted_at == 2
   resumed = trainer.train_and_evaluate(config, str(tmp_path / "run"))

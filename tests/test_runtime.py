@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from diloco_jax import collective
-from diloco_jax import dispatch
-from diloco_jax import distributed
-from diloco_jax import hostmem
+from diloco_jax.runtime import cluster as distributed
+from diloco_jax.runtime import hostmem
+from diloco_jax.wire import collective
+from diloco_jax.wire import dispatch
 from tests import multihost
 
 
@@ -105,11 +105,11 @@ def test_pack_unpack_round_trip():
 COLLECTIVE_HOST = textwrap.dedent("""
     import sys
     import numpy as np
-    from diloco_jax import distributed
+    from diloco_jax.runtime import cluster as distributed
     host, port = int(sys.argv[1]), sys.argv[2]
     distributed.initialize(distributed.Cluster(f"127.0.0.1:{port}", 3, host,
                                                initialization_timeout=60))
-    from diloco_jax import collective
+    from diloco_jax.wire import collective
     c = collective.make_collective()
     assert isinstance(c, collective.HostCollective) and c.num_hosts == 3
     rng = np.random.default_rng(host)
@@ -127,7 +127,7 @@ COLLECTIVE_HOST = textwrap.dedent("""
     assert c.bytes_sent == expected, (c.bytes_sent, expected)
     np.save(sys.argv[3] + f"/sum{host}.npy", total["w"])
     # Encoded sums: the protocol restated on all three hosts' vectors (regenerated).
-    from diloco_jax import compress
+    from diloco_jax.algo import compress
     xs = [np.random.default_rng(10 + h).normal(size=1000).astype(np.float32) for h in range(3)]
     chunk = 512  # ceil(1000 / 3) = 334, rounded up to whole 256-entry blocks
     for fmt, ratio in (("int8", 0.27), ("4bit", 0.15)):
@@ -146,7 +146,7 @@ COLLECTIVE_HOST = textwrap.dedent("""
     # Robust aggregation in the same layout: 2 replicas per host, host 2's second replica
     # sends Δ x 1e6; each host trims its chunk's 6 values per coordinate.
     import jax.numpy as jnp
-    from diloco_jax import aggregate
+    from diloco_jax.algo import aggregate
     honest = lambda h, m: 1.0 + 0.01 * np.random.default_rng(20 + 2 * h + m).normal(
         size=1000).astype(np.float32)
     mine = np.stack([honest(host, m) * (1e6 if (host, m) == (2, 1) else 1) for m in (0, 1)])
@@ -175,7 +175,7 @@ def test_host_collective_three_hosts(tmp_path):
 TRIM_CHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
-    from diloco_jax import hostmem
+    from diloco_jax.runtime import hostmem
 
     def rss_mb():
       with open("/proc/self/status") as f:
@@ -196,7 +196,7 @@ RELEASE_CHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
     import jax, jax.numpy as jnp, numpy as np
-    from diloco_jax import hostmem
+    from diloco_jax.runtime import hostmem
 
     def file_mb():
       with open("/proc/self/status") as f:

@@ -10,12 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import model as model_lib
 from diloco_jax import sample
-from diloco_jax import tokenizer as tokenizer_lib
-from diloco_jax import trainer
+from diloco_jax.corpus import tokenizer as tokenizer_lib
+from diloco_jax.loop import trainer
+from diloco_jax.models import model as model_lib
 from tests.multihost import small_config
-from tests.test_prepared_data import corpus_documents, write_prepared
+from tests.test_prepared_data import corpus_documents
+from tests.test_prepared_data import write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=32, seq_len=32, num_layers=2, d_model=32, num_heads=4, mlp_dim=64)

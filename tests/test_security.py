@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from diloco_jax import distributed
-from diloco_jax import integrity
-from diloco_jax import security
+from diloco_jax.runtime import cluster as distributed
+from diloco_jax.runtime import security
+from diloco_jax.wire import integrity
 
 # Documentation ranges (RFC 5737, RFC 3849): public addresses that route nowhere.
 PUBLIC = ["192.0.2.10", "198.51.100.7", "203.0.113.5", "[2001:db8::1]", "8.8.8.8"]
@@ -238,7 +238,7 @@ def test_anchor_check_compares_a_round_late_and_the_last_at_once():
 
 def test_fingerprint_sees_every_bit_shape_and_order(monkeypatch):
   """Chunked and threaded (chunks of 64 bytes here): still one hash of every byte, in order."""
-  from diloco_jax import state
+  from diloco_jax.algo import state
   monkeypatch.setattr(state, "_CHUNK", 64)
   rng = np.random.default_rng(0)
   tree = {"a": rng.standard_normal((33, 7)).astype(np.float32), "b": np.arange(5),

@@ -9,7 +9,7 @@ import pytest
 
 import diloco_jax
 from diloco_jax import config as config_lib
-from diloco_jax import optim
+from diloco_jax.algo import optim
 
 T, K, H, B, D, O = 3, 3, 4, 5, 4, 2  # rounds, replicas, inner steps, batch, in, out
 

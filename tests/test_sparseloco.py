@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from diloco_jax import compress
+from diloco_jax.algo import compress
 from tests import multihost
 from tests.wire_main import wire_deltas
 

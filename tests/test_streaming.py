@@ -7,10 +7,10 @@ import optax
 import pytest
 
 import diloco_jax
-from diloco_jax import model as model_lib
-from diloco_jax import outer
-from diloco_jax import streaming
-from diloco_jax import trainer
+from diloco_jax.algo import fragments as streaming
+from diloco_jax.loop import trainer
+from diloco_jax.models import model as model_lib
+from diloco_jax.modes import outer
 from tests import multihost
 
 

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax import data as data_lib
-from diloco_jax import model as model_lib
-from diloco_jax import trained
-from diloco_jax import trainer
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.loop import trained
+from diloco_jax.loop import trainer
+from diloco_jax.models import model as model_lib
 from tests.multihost import small_config
 
 

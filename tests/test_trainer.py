@@ -12,16 +12,18 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import hostmem
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import metrics
-from diloco_jax import model as model_lib
-from diloco_jax import optim
-from diloco_jax import trained
-from diloco_jax import trainer
-from diloco_jax import writers
+from diloco_jax.algo import optim
+from diloco_jax.device import mesh as mesh_lib
+from diloco_jax.loop import metrics
+from diloco_jax.loop import trained
+from diloco_jax.loop import trainer
+from diloco_jax.loop import writers
+from diloco_jax.models import model as model_lib
+from diloco_jax.runtime import hostmem
 from tests import test_trained
-from tests.multihost import simulate_trainer, small_config, trainer_batches
+from tests.multihost import simulate_trainer
+from tests.multihost import small_config
+from tests.multihost import trainer_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,7 +189,7 @@ def test_anchor_check_names_the_host_that_diverged(tmp_path):
   """Three hosts, of which host 1 hashes its outer state differently: every 2 rounds the
   hash is published, and read a round later; the run stops in round 3, naming round 2
   and host 1."""
-  from diloco_jax import dispatch
+  from diloco_jax.wire import dispatch
   config = small_config(anchor_check_every=2, num_rounds=4)
 
   class ThreeHosts:  # what the key-value store would hand back on 3 hosts
@@ -217,7 +219,7 @@ def test_anchor_check_names_the_host_that_diverged(tmp_path):
 
 
 def _rounds_with_slow_collective(tmp_path, mode, slow_sum_of, num_rounds=5, inner_steps=40):
-  from diloco_jax import dispatch
+  from diloco_jax.wire import dispatch
   config = small_config(mode=mode, num_rounds=num_rounds, inner_steps=inner_steps,
                         eval_every=100)
   with dispatch.Dispatcher() as d:

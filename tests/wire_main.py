@@ -24,12 +24,16 @@ def wire_deltas(host: int, replica: int, round_: int, size: int):
 
 
 def main(out_dir, host_id, num_hosts, port, spec):
-  from diloco_jax import distributed
+  from diloco_jax.runtime import cluster as distributed
   distributed.initialize(distributed.Cluster(
       coordinator_address=f"127.0.0.1:{port}", num_hosts=int(num_hosts), host_id=int(host_id),
       initialization_timeout=60, heartbeat_timeout=30))
   import numpy as np
-  from diloco_jax import collective, config as config_lib, dispatch, exchange
+
+  from diloco_jax import config as config_lib
+  from diloco_jax.wire import collective
+  from diloco_jax.wire import dispatch
+  from diloco_jax.wire import exchange
   spec = json.loads(spec)
   outer = config_lib.get_default_config().outer
   outer.update(spec["outer"])

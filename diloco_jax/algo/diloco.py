@@ -1,0 +1,261 @@
+"""The DiLoCo math as pure functions, and one `Rule` per mode (docs/algorithms.md §2–§4).
+
+No I/O, no threads. A rule is one mode's outer step over its state (a flax.struct pytree);
+`simulate` drives it with `lax.scan` over rounds, and the host driver (`outer.py`) drives
+the same rule with the mean coming from the other hosts. So each mode's schedule is
+written once, here, and gives the same numbers wherever it runs.
+
+The interface every rule has (optimizer and K fixed when the rule is made):
+  delay        rounds between sending a round's Δ and applying its mean: 0 waits for it
+               (sync), 1 applies it one round late (delayed, eager).
+  per_replica  whether the state holds one set of outer params per replica ([R, ...]: eager)
+               rather than one anchor; the final model is then the mean over all K.
+  init         (anchor, R) -> state, for the R replicas held here.
+  start        state -> where the replicas start their next inner phase, which is also
+               what Δ is measured against: the anchor, or [R, ...] per replica.
+  apply        (state, Δ_R, mean) -> state: one outer step, given this host's Δ_m and the
+               mean that arrived (this round's when delay = 0, the previous round's when
+               delay = 1; None when nothing arrived or it was skipped).
+  drain        (state, mean) -> state: the end of the run, when the mean still in flight
+               after the last inner phase arrives (None: there is none, or it was skipped).
+  final        state -> the trained params (per replica when per_replica).
+  model        state -> the params to evaluate during the run.
+  split, join  state <-> (what every host holds bit for bit, what is this host's own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diloco_jax.algo import state as state_lib
+
+Params = Any
+
+
+def pseudo_gradients(start: Params, local_params_R: Params) -> Params:
+  """Δ_m = start − θ_m for every replica m (leading replica axis), in `start`'s dtype.
+
+  `start` is the anchor (one set, broadcast over the replicas) or one start point per
+  replica ([R, ...], eager mode).
+  """
+  return jax.tree.map(lambda s, l: (s if s.ndim == l.ndim else s[None]) - l.astype(s.dtype),
+                      start, local_params_R)
+
+
+def replica_sum(deltas_R: Params) -> Params:
+  """Σ_m Δ_m over the leading replica axis.
+
+  Means are taken as a sum followed by one division by the total replica count, so that a
+  mean over hosts of per-host sums rounds exactly like a mean over one host's replicas.
+  """
+  return jax.tree.map(lambda d: jnp.sum(d, axis=0), deltas_R)
+
+
+def divide(tree: Params, count: int | jax.Array) -> Params:
+  return jax.tree.map(lambda x: x / jnp.asarray(count, x.dtype), tree)
+
+
+def replica_mean(tree_R: Params) -> Params:
+  """(1/R) Σ_m over the leading replica axis of every leaf."""
+  return divide(replica_sum(tree_R), jax.tree.leaves(tree_R)[0].shape[0])
+
+
+def outer_update(outer_optimizer: optax.GradientTransformation,
+                 outer_state: state_lib.OuterState,
+                 mean_delta: Params) -> state_lib.OuterState:
+  """One outer step: the mean pseudo-gradient is the outer optimizer's gradient."""
+  updates, opt_state = outer_optimizer.update(mean_delta, outer_state.opt_state,
+                                              outer_state.anchor)
+  return state_lib.OuterState(anchor=optax.apply_updates(outer_state.anchor, updates),
+                              opt_state=opt_state, step=outer_state.step + 1)
+
+
+def eager_gradients(deltas_R: Params, prev_mean: Params, prev_deltas_R: Params,
+                    num_replicas: int) -> Params:
+  """docs/algorithms.md §4, per replica m: Δ̃_m = Δ_m/K + (Δ̄_prev − Δ_m,prev/K).
+
+  The replica's fresh Δ stands in (weight 1/K) for its own stale contribution to the
+  delayed mean of round r−1. In this form K = 1 is sync DiLoCo bit for bit: Δ̄_prev and
+  Δ_m,prev are then the same number, so the bracket is exactly 0.
+  """
+  def one(d_R, mean, prev_R):
+    k = jnp.asarray(num_replicas, d_R.dtype)
+    return d_R / k + (mean[None] - prev_R / k)
+
+  return jax.tree.map(one, deltas_R, prev_mean, prev_deltas_R)
+
+
+def eager_update(outer_optimizer: optax.GradientTransformation,
+                 eager: state_lib.EagerState, deltas_R: Params, prev_mean: Params,
+                 num_replicas: int) -> state_lib.EagerState:
+  """One eager outer step of every replica held here (leading axis R): each applies its
+  own Δ̃_m with its own outer optimizer state, from its own start point θ_m."""
+  grads_R = eager_gradients(deltas_R, prev_mean, eager.prev_deltas, num_replicas)
+
+  def one(params, opt_state, grads):
+    updates, opt_state = outer_optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # lax.map, not vmap: each replica runs the unbatched update program, so one replica
+  # rounds exactly like sync DiLoCo's update of the anchor.
+  params_R, opt_state_R = jax.lax.map(lambda a: one(*a),
+                                      (eager.params, eager.opt_state, grads_R))
+  return state_lib.EagerState(params=params_R, opt_state=opt_state_R, prev_deltas=deltas_R,
+                              prev_mean=prev_mean, step=eager.step + 1)
+
+
+def eager_drain(outer_optimizer: optax.GradientTransformation, eager: state_lib.EagerState,
+                last_mean: Params, num_replicas: int) -> Params:
+  """The end of an eager run: the mean of the last round arrives after the last inner phase.
+
+  Each replica replaces its fresh proxy Δ_m/K by the true mean, g_m = Δ̄ − Δ_m/K, applying
+  only g's immediate effect: the outer optimizer's update of g from a fresh state (for
+  Nesterov −η(1+μ)g), since no new round happened to advance the momentum. With K = 1,
+  g = 0 exactly and the params stay those of sync DiLoCo, bit for bit. Returns θ_m [R, ...].
+  """
+  zeros_R = jax.tree.map(jnp.zeros_like, eager.prev_deltas)
+  grads_R = eager_gradients(zeros_R, last_mean, eager.prev_deltas, num_replicas)
+
+  def one(params, grads):
+    updates, _ = outer_optimizer.update(grads, outer_optimizer.init(params), params)
+    return optax.apply_updates(params, updates)
+
+  return jax.lax.map(lambda a: one(*a), (eager.params, grads_R))
+
+
+def finite_replicas(deltas_R: Params) -> jax.Array:
+  """[R] bool: whether every entry of replica m's Δ_m is finite (no NaN or Inf)."""
+  per_leaf = [jnp.all(jnp.isfinite(d), axis=tuple(range(1, d.ndim)))
+              for d in jax.tree.leaves(deltas_R)]
+  return jnp.all(jnp.stack(per_leaf), axis=0)
+
+
+def drop_replicas(deltas_R: Params, keep_R: jax.Array) -> Params:
+  """Δ_m where keep_R[m], else zeros: a dropped replica contributes nothing."""
+  return jax.tree.map(
+      lambda d: jnp.where(keep_R.reshape((-1,) + (1,) * (d.ndim - 1)), d, jnp.zeros_like(d)),
+      deltas_R)
+
+
+def zero_nonfinite(tree: Any) -> Any:
+  """Every NaN or Inf entry replaced by 0 (an inner optimizer state after a replica
+  diverged: its moments restart from zero where they broke)."""
+  return jax.tree.map(
+      lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+      if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
+
+
+# The rules. Each is a frozen value holding the outer optimizer and K, with pure methods
+# that `jax.jit` and `lax.scan` accept; a `None` mean is static (a separate trace).
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+  """docs/algorithms.md §2: wait for the mean of this round's Δ, then apply it."""
+  optimizer: optax.GradientTransformation
+  num_replicas: int  # K, over all hosts
+  delay: ClassVar[int] = 0
+  per_replica: ClassVar[bool] = False
+
+  def init(self, anchor: Params, replicas_here: int) -> state_lib.OuterState:
+    del replicas_here  # every replica starts from the one anchor
+    return state_lib.init_outer_state(self.optimizer, anchor)
+
+  def start(self, state: state_lib.OuterState) -> Params:
+    return state.anchor
+
+  def apply(self, state: state_lib.OuterState, deltas_R: Params | None,
+            mean: Params | None) -> state_lib.OuterState:
+    del deltas_R  # only the mean moves the anchor
+    return state if mean is None else outer_update(self.optimizer, state, mean)
+
+  def drain(self, state: state_lib.OuterState, mean: Params | None) -> state_lib.OuterState:
+    return self.apply(state, None, mean)
+
+  def final(self, state: state_lib.OuterState) -> Params:
+    return state.anchor
+
+  def model(self, state: state_lib.OuterState) -> Params:
+    return state.anchor
+
+  def split(self, state: state_lib.OuterState) -> tuple[Any, Any]:
+    return state, None
+
+  def join(self, shared: Any, own: Any) -> state_lib.OuterState:
+    del own
+    return shared
+
+
+@dataclasses.dataclass(frozen=True)
+class Delayed(Sync):
+  """docs/algorithms.md §3: Δ is measured against this round's start s_r and sent; the
+  previous round's mean moves the anchor, s_{r+1} = OuterOpt(s_r, Δ̄^(r−1)); the last
+  mean is applied by `drain`."""
+  delay: ClassVar[int] = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Eager:
+  """docs/algorithms.md §4: each replica applies its fresh Δ_m/K plus the delayed mean of
+  the others, Δ̄^(r−1) − Δ_m^(r−1)/K, from its own θ_m with its own momentum.
+
+  A mean of None (round 1, or a round skipped for NaN) makes the delayed term exactly 0:
+  Δ̄ = 0 and Δ_m,prev = 0, so the replica applies Δ_m/K alone.
+  """
+  optimizer: optax.GradientTransformation
+  num_replicas: int
+  delay: ClassVar[int] = 1
+  per_replica: ClassVar[bool] = True
+
+  def init(self, anchor: Params, replicas_here: int) -> state_lib.EagerState:
+    return state_lib.init_eager_state(self.optimizer, anchor, replicas_here)
+
+  def start(self, state: state_lib.EagerState) -> Params:
+    return state.params
+
+  def _arrived(self, state: state_lib.EagerState, mean: Params | None):
+    if mean is not None:
+      return state, mean
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+    return state.replace(prev_deltas=zeros(state.prev_deltas)), zeros(state.prev_mean)
+
+  def apply(self, state: state_lib.EagerState, deltas_R: Params,
+            mean: Params | None) -> state_lib.EagerState:
+    state, mean = self._arrived(state, mean)
+    return eager_update(self.optimizer, state, deltas_R, mean, self.num_replicas)
+
+  def drain(self, state: state_lib.EagerState, mean: Params | None) -> state_lib.EagerState:
+    """Records the last mean; `final` then swaps each replica's proxy for it."""
+    state, mean = self._arrived(state, mean)
+    return state.replace(prev_mean=mean)
+
+  def final(self, state: state_lib.EagerState) -> Params:
+    return eager_drain(self.optimizer, state, state.prev_mean, self.num_replicas)
+
+  def model(self, state: state_lib.EagerState) -> Params:
+    # The replicas differ by their fresh terms: this host's first one is evaluated.
+    return jax.tree.map(lambda x: x[0], state.params)
+
+  def split(self, state: state_lib.EagerState) -> tuple[Any, Any]:
+    return ({"prev_mean": state.prev_mean, "step": state.step},
+            {"params": state.params, "opt_state": state.opt_state,
+             "prev_deltas": state.prev_deltas})
+
+  def join(self, shared: Any, own: Any) -> state_lib.EagerState:
+    return state_lib.EagerState(params=own["params"], opt_state=own["opt_state"],
+                                prev_deltas=own["prev_deltas"], prev_mean=shared["prev_mean"],
+                                step=shared["step"])
+
+
+RULES = {"sync": Sync, "delayed": Delayed, "eager": Eager}
+
+
+def make_rule(mode: str, outer_optimizer: optax.GradientTransformation, num_replicas: int):
+  """The rule of `mode` ('sync', 'delayed' or 'eager') for K = `num_replicas`."""
+  return RULES[mode](outer_optimizer, num_replicas)

@@ -1,0 +1,182 @@
+"""`simulate`: K DiLoCo replicas of any loss function in one process, for research and tests.
+
+It runs exactly the math of the trainer, under one `jax.jit` with the replicas vmapped:
+`step.make_train_step` for the inner steps, a `diloco` rule for the outer step (the rule
+the host driver calls too), and for streaming the schedule of `streaming.events` (the
+table the host driver follows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diloco_jax.algo import diloco
+from diloco_jax.algo import fragments as streaming
+from diloco_jax.algo import state as state_lib
+from diloco_jax.algo import step as step_lib
+
+Params = Any
+MODES = (*diloco.RULES, "streaming")
+
+
+class SimulateResult(NamedTuple):
+  """Attributes: params, the trained params (the anchor after T outer steps; eager: the
+  mean of the replicas' drained params); losses, [T, K, H] inner losses; outer_state, the
+  rule's final state (OuterState; eager: EagerState, whose params are from before the
+  drain; streaming: the list of the fragments' OuterStates); replicas, the final
+  ReplicaState [K, ...]."""
+  params: Params
+  losses: jax.Array
+  outer_state: Any
+  replicas: state_lib.ReplicaState
+
+
+def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, batches: Any,
+             *, inner_optimizer: optax.GradientTransformation,
+             outer_optimizer: optax.GradientTransformation,
+             mode: str = "sync", fragment_ids: Params | None = None,
+             overlap_steps: int = 0, merge_alpha: float = 0.0) -> SimulateResult:
+  """Trains K replicas of `loss_fn` from `init_params` with DiLoCo for T rounds of H steps.
+
+  Args:
+    loss_fn: (params, batch) -> scalar loss, where batch is one leaf-slice of `batches`.
+    init_params: the initial anchor (any pytree, any float dtype, e.g. float64 under
+      `jax_enable_x64`).
+    batches: a pytree whose leaves have leading dims [T, K, H, ...]: outer step, replica,
+      inner step.
+    inner_optimizer, outer_optimizer: any optax transformations.
+    mode: 'sync', 'delayed' or 'eager' (docs/algorithms.md §2–§4). In the async modes the
+      mean of the last round, still in flight when the rounds end, is applied at the end
+      (drained), so `params` contains every round. 'streaming': docs/algorithms.md §5.
+    fragment_ids, overlap_steps, merge_alpha: streaming only. A pytree like
+      `init_params` giving each leaf's fragment in 0..P−1 (None: one fragment), τ, and α.
+  """
+  if mode not in MODES:
+    raise ValueError(f"simulate: mode={mode!r} is not one of {MODES}")
+  leaves = jax.tree.leaves(batches)
+  if not leaves or any(x.ndim < 3 for x in leaves):
+    raise ValueError("simulate: every leaf of `batches` needs leading dims [T, K, H, ...]")
+  t, k, h = leaves[0].shape[:3]
+  if any(x.shape[:3] != (t, k, h) for x in leaves):
+    raise ValueError("simulate: the leaves of `batches` disagree on [T, K, H]: "
+                     f"{[x.shape[:3] for x in leaves]}")
+
+  train_step = jax.vmap(step_lib.make_train_step(loss_fn, inner_optimizer))
+
+  def inner_steps(replicas, batches_KxH, start=0, stop=None):
+    """Inner steps start..stop−1 of a round on every replica; losses [K, steps]."""
+    batches_HxK = jax.tree.map(lambda x: x[:, start:stop].swapaxes(0, 1), batches_KxH)
+
+    def one_step(replicas, batch_K):
+      params, opt_state, loss_K = train_step(replicas.params, replicas.opt_state, batch_K)
+      return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_K
+
+    replicas, losses_HxK = jax.lax.scan(one_step, replicas, batches_HxK)
+    return replicas, losses_HxK.T
+
+  @jax.jit
+  def run(init_params, batches):
+    replicas = state_lib.init_replica_state(inner_optimizer, init_params, k)
+    if mode == "streaming":
+      return _streaming(inner_steps, outer_optimizer, init_params, replicas, batches,
+                        fragment_ids, overlap_steps, merge_alpha, t, k, h)
+    return _rounds(diloco.make_rule(mode, outer_optimizer, k), inner_steps, init_params,
+                   replicas, batches, k)
+
+  return run(init_params, batches)
+
+
+def _scan_rounds(round_fn, carry, batches):
+  """Round 1 on its own (nothing is in flight before it), then `lax.scan` over the rest;
+  losses [T, K, H]."""
+  carry, first = round_fn(carry, jax.tree.map(lambda x: x[0], batches))
+  carry, rest = jax.lax.scan(round_fn, carry, jax.tree.map(lambda x: x[1:], batches))
+  return carry, jnp.concatenate([first[None], rest])
+
+
+def _rounds(rule, inner_steps, init_params, replicas, batches, k) -> SimulateResult:
+  """sync, delayed, eager: the rule's round, as the host driver runs it."""
+
+  def round_fn(carry, batches_KxH):
+    state, replicas, in_flight = carry
+    replicas, losses = inner_steps(replicas, batches_KxH)
+    deltas_K = diloco.pseudo_gradients(rule.start(state), replicas.params)
+    mean = diloco.replica_mean(deltas_K)  # what the all-reduce of this round brings
+    state = rule.apply(state, deltas_K, in_flight if rule.delay else mean)
+    start = rule.start(state)
+    if not rule.per_replica:
+      start = state_lib.broadcast_to_replicas(start, k)
+    return (state, replicas.replace(params=start), mean), losses
+
+  (state, replicas, in_flight), losses = _scan_rounds(
+      round_fn, (rule.init(init_params, k), replicas, None), batches)
+  if rule.delay:
+    state = rule.drain(state, in_flight)
+  params = rule.final(state)
+  if rule.per_replica:
+    params = diloco.replica_mean(params)
+  return SimulateResult(params, losses, state, replicas)
+
+
+def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fragment_ids,
+               tau, alpha, t, k, h) -> SimulateResult:
+  """Streaming DiLoCo, following `streaming.events` step by step within each round."""
+  leaves, treedef = jax.tree.flatten(init_params)
+  ids = jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves)
+  num_p = max(ids) + 1
+  events = streaming.events(t, h, num_p, tau)
+  fragment_rule = diloco.Sync(outer_optimizer, k)  # each fragment's outer step
+
+  def round_fn(round_events):
+    """One round's body for the given [(step within the round, kind, fragment), ...]."""
+
+    def body(carry, batches_KxH):
+      outer, replicas, in_flight = list(carry[0]), carry[1], dict(carry[2])
+      losses, done = [], 0
+      for step, kind, p in round_events:
+        if step > done:
+          replicas, l = inner_steps(replicas, batches_KxH, done, step)
+          losses.append(l)
+          done = step
+        parts = streaming.split(replicas.params, ids, num_p)
+        if kind == "send":  # Δ̄_p against the fragment's global copy θᵍ_p
+          in_flight[p] = diloco.replica_mean(
+              diloco.pseudo_gradients(fragment_rule.start(outer[p]), parts[p]))
+        else:
+          outer[p] = fragment_rule.apply(outer[p], None, in_flight.pop(p))
+          parts[p] = streaming.merge(parts[p], outer[p].anchor, alpha, k)
+          replicas = replicas.replace(params=streaming.join(parts, ids, treedef))
+      if done < h:
+        replicas, l = inner_steps(replicas, batches_KxH, done, h)
+        losses.append(l)
+      return (outer, replicas, in_flight), jnp.concatenate(losses, axis=1)
+
+    return body
+
+  def events_of(r):  # round r is global steps (r−1)H+1 .. rH
+    return [(s - (r - 1) * h, kind, p) for s in range((r - 1) * h + 1, r * h + 1)
+            for kind, p in events.get(s, ())]
+
+  carry = (streaming.outer_states(outer_optimizer, init_params, ids, num_p), replicas, {})
+  at = lambda r: jax.tree.map(lambda x: x[r - 1], batches)
+  carry, first = round_fn(events_of(1))(carry, at(1))
+  losses = [first[None]]
+  if t > 2:  # rounds 2..T−1 follow one pattern: scanned
+    steady = events_of(2)
+    assert all(events_of(r) == steady for r in range(3, t)), "streaming schedule not periodic"
+    carry, middle = jax.lax.scan(round_fn(steady), carry,
+                                 jax.tree.map(lambda x: x[1:t - 1], batches))
+    losses.append(middle)
+  if t > 1:  # the last round also receives what its last send started
+    carry, last = round_fn(events_of(t))(carry, at(t))
+    losses.append(last[None])
+  outer, replicas, in_flight = carry
+  assert not in_flight, "streaming.events receives every send by the last step"
+  anchor = streaming.join([o.anchor for o in outer], ids, treedef)
+  return SimulateResult(anchor, jnp.concatenate(losses), outer, replicas)

@@ -1,0 +1,391 @@
+"""Checkpoints at round boundaries: orbax, written in the background, restored on start.
+
+A checkpoint is one orbax step directory, workdir/checkpoints/<round>, with three items:
+
+  shared  what every host holds bit for bit (the outer state): fully replicated global
+          arrays, read by every host on restore.
+  hosts   what each host holds for itself (its replicas' params and inner optimizer
+          state, its data iterators, in async modes the pseudo-gradients still in flight):
+          global arrays with a leading hosts axis, each host writing and reading its row.
+          (In a multi-host job orbax refuses host-local jax.Arrays, and numpy leaves
+          are written by host 0 alone: measured with orbax 0.12.8.)
+  meta    JSON: the round, the config, the world (hosts × replicas), versions.
+
+Saving costs the main thread one copy of the state into host memory; the dispatch thread
+hands that copy to orbax, which writes it in the background while training goes on. All
+orbax calls run on the dispatch thread (the one thread that issues cross-host collectives,
+`dispatch.py`), and orbax's barriers go through the coordination service rather than gloo
+collectives, so they never interleave with a cross-host sum.
+
+Restoring tries the newest checkpoint first. Every host reads its part, and the hosts
+agree (an all-gather of ok flags) before anyone uses it; when a checkpoint that any host
+cannot read is followed by an older readable one, it is moved to
+workdir/checkpoints_unreadable/ with a warning naming it. When none can be read, they all
+stay where they are and the run is refused, on this attempt and every later one: a run
+never starts over from round 1 while checkpoints it could not read exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from typing import Any
+from typing import Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diloco_jax import config as config_lib
+from diloco_jax import units
+from diloco_jax.wire import collective as collective_lib
+
+CHECKPOINTS = "checkpoints"
+UNREADABLE = "checkpoints_unreadable"
+JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint cannot be written or used; the message says which and why."""
+
+
+@dataclasses.dataclass
+class Snapshot:
+  """Everything needed to continue after round `round`, bit for bit (checkpoints are
+  taken at round boundaries only).
+
+  Attributes:
+    round: the last round whose outer step is in `shared`.
+    shared: pytree identical on every host (written once).
+    own: pytree of this host's state (one row per host on disk).
+    meta: JSON-serializable description (round, config, world, versions).
+  """
+  round: int
+  shared: Any
+  own: Any
+  meta: dict[str, Any]
+
+
+def encode_json(items: list[Any]) -> np.ndarray:
+  """[len(items), JSON_BYTES] uint8: each item as JSON, zero-padded (a fixed shape, so
+  the same array layout on every host)."""
+  out = np.zeros((len(items), JSON_BYTES), np.uint8)
+  for i, item in enumerate(items):
+    raw = json.dumps(item).encode()
+    if len(raw) > JSON_BYTES:
+      raise CheckpointError(f"a data iterator's state is {len(raw)} bytes of JSON, more "
+                            f"than the {JSON_BYTES} bytes reserved for it")
+    out[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+  return out
+
+
+def decode_json(rows: np.ndarray) -> list[Any]:
+  return [json.loads(bytes(row).rstrip(b"\0")) for row in np.asarray(rows)]
+
+
+def set_barrier_timeout(seconds: int) -> None:
+  """How long orbax's coordination-service barriers wait for a host (default 300 s).
+  Private: orbax has no option for it; a barrier timeout in `MultiprocessingOptions` would
+  replace this module constant."""
+  from orbax.checkpoint._src.multihost import multihost as orbax_multihost
+  orbax_multihost._DEFAULT_BARRIER_TIMEOUT = seconds
+
+
+def check_writable(workdir: str) -> None:
+  """Fails at start, not at the first checkpoint, when `workdir` cannot be written."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_test_{uuid.uuid4().hex}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise CheckpointError(f"--workdir={workdir} is not a writable directory: {e}") from e
+
+
+def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: int,
+                     where: str) -> None:
+  """Refuses a checkpoint written by another world, or with a config whose math differs."""
+  saved = (meta["num_hosts"], meta["replicas_per_host"])
+  if saved != (num_hosts, replicas_per_host):
+    raise CheckpointError(
+        f"{where} was written by {saved[0]} host(s) x {saved[1]} replica(s); this run has "
+        f"{num_hosts} x {replicas_per_host}. A run resumes only in the world that wrote it "
+        f"(each replica's inner state, data iterator and in-flight pseudo-gradient belong "
+        f"to one host and replica): restart with {saved[0]} host(s) and "
+        f"--config.replicas_per_host={saved[1]}, or use a new --workdir")
+  before = config_lib.flatten(config_lib.from_saved(meta["config"]))
+  now = config_lib.flatten(config)
+  changed = sorted(k for k in before.keys() | now.keys()
+                   if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
+  if changed:
+    lines = "\n".join(f"  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}"
+                      for k in changed)
+    raise CheckpointError(
+        f"the config differs from {where} in fields that change the math:\n{lines}\n"
+        f"Run with the checkpoint's values to resume, or use a new --workdir. Fields a "
+        f"resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+  """(fn(), None), or (None, the exception)."""
+  try:
+    return fn(), None
+  except Exception as e:  # noqa: BLE001 -- any read failure: the caller tries the one before
+    return None, e
+
+
+def _to_host(tree: Any, private: bool) -> Any:
+  """The tree in host memory: a private copy (`private`: the live arrays are donated by
+  the next step), else the arrays themselves where they already are in host memory (a
+  CPU jax.Array is read in place; a GPU one is copied, as it must be)."""
+  if private:
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+  return jax.tree.map(np.asarray, tree)
+
+
+class Checkpointer:
+  """Saves and restores `Snapshot`s under workdir/checkpoints, keeping the newest `keep`.
+
+  Orbax deletes an old checkpoint only after a newer one is complete, so a crash during a
+  save never leaves the run without a good one.
+  """
+
+  def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
+               elastic_timeout: int | None = None):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, CHECKPOINTS)
+    self.dispatcher, self.collective = dispatcher, collective
+    self.num_hosts, self.host = jax.process_count(), jax.process_index()
+    self.keep = keep
+    self._writing: int | None = None  # the round of the save orbax may still be writing
+    self._save_started = 0.0
+    self.write_seconds: float | None = None  # how long the last finished save took
+    # Elastic mode: each save is finished within its job (so no host ever has one in
+    # flight when the next starts, and all decide alike), and a save whose barriers wait
+    # for a dead host gives up after this many seconds instead of holding the dispatch
+    # thread (and the sum that will find the host dead) for orbax's default 20 minutes.
+    self.elastic_timeout = elastic_timeout
+    self._first_cpu = list(collective_lib.host_mesh().devices.flat)
+    self.device = self._first_cpu[self.host]
+    os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
+    dispatcher.run(self._open, list(range(self.num_hosts)),
+                   what="opening the checkpoint directory")
+
+  def _open(self, hosts: list[int]) -> None:
+    """A manager for the hosts that write (all, unless elastic mode lost some)."""
+    self.hosts = hosts
+    self._generation = getattr(self, "_generation", -1) + 1
+    self._replicated, self._rows = self._shardings(hosts)
+    # An explicit set of processes makes orbax use coordination-service barriers, not
+    # collective ones that could interleave with a sum on the dispatch thread.
+    processes = set(hosts) if self.num_hosts > 1 else None
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=self.keep, create=False, enable_async_checkpointing=True,
+        cleanup_tmp_directories=True,  # a save cut short by a crash
+        async_options=ocp.AsyncOptions(timeout_secs=self.elastic_timeout or 1200,
+                                       post_finalization_callback=self._written),
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            active_processes=processes,
+            # A new manager's barriers must not share names with an old one's, whose
+            # barriers had other hosts in them (elastic mode).
+            barrier_sync_key_prefix=f"diloco{self._generation}" if self._generation else None))
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def _written(self) -> None:
+    """orbax's callback (on its thread) once a save is complete on disk."""
+    self.write_seconds = time.monotonic() - self._save_started
+
+  def _shardings(self, hosts: list[int]) -> tuple[NamedSharding, NamedSharding]:
+    mesh = Mesh(np.array([self._first_cpu[h] for h in hosts]), (collective_lib.HOSTS_AXIS,))
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P(collective_lib.HOSTS_AXIS))
+
+  # Global arrays over the host mesh, built from (and read back into) host memory.
+  def _to_replicated(self, tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        x.shape, self._replicated, [jax.device_put(x, self.device)]), tree)
+
+  def _to_rows(self, tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        (len(self.hosts), *x.shape), self._rows, [jax.device_put(x[None], self.device)]),
+        tree)
+
+  def _abstract(self, tree: Any, sharding: NamedSharding, rows: int = 0) -> Any:
+    lead = (rows,) if rows else ()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *np.shape(x)), x.dtype,
+                                                       sharding=sharding), tree)
+
+  def save(self, snapshot: Snapshot, last: bool = False) -> float:
+    """Starts writing `snapshot`; returns the seconds the caller was blocked (the copy).
+    `last`: nothing will change the snapshot's arrays any more (the run's final save),
+    so they are written without a private copy first: on CPU that copy was the biggest
+    part of the host memory a save adds (65 MB of the ~140 MB on configs/peer.py)."""
+    t = time.perf_counter()
+    shared, own = _to_host(snapshot.shared, not last), _to_host(snapshot.own, not last)
+    blocked = time.perf_counter() - t
+    # Elastic mode: only the live hosts write (the manager of the whole world is dropped,
+    # with any save it still had in flight).
+    hosts = list(getattr(self.collective, "live", self.hosts))
+    snapshot.meta["hosts_in_rows"] = hosts
+    # On a shared workdir host 0 writes the shared item and every host its row.
+    needed = collective_lib.payload_bytes(shared) + len(hosts) * collective_lib.payload_bytes(own)
+
+    def job():
+      try:
+        if hosts != self.hosts:
+          self._open(hosts)
+        self._finish_previous()
+        self._check_space(snapshot.round, needed)
+        self._save_started = time.monotonic()
+        self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
+            shared=ocp.args.StandardSave(self._to_replicated(shared)),
+            hosts=ocp.args.StandardSave(self._to_rows(own)),
+            meta=ocp.args.JsonSave(snapshot.meta)))
+        self._writing = snapshot.round
+        if self.elastic_timeout:
+          self.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001
+        if not self.elastic_timeout:
+          raise
+        print(f"WARNING: host {self.host}: checkpoint {snapshot.round} failed (a host "
+              f"stopped?): {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+        # The manager may still wait for the dead host; the next save opens a new one
+        # for the hosts live then (opening one now would wait at a barrier for the dead).
+        self.hosts = None
+
+    self.dispatcher.submit(job, round_=snapshot.round, what="checkpoint save")
+    return blocked
+
+  def _finish_previous(self) -> None:
+    """Waits for the save still being written (orbax would, first thing in the next
+    save) so that a failure is reported with the round it belongs to."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._failed(self._writing, e) from None
+    self._writing = None
+
+  def _check_space(self, r: int, needed: int) -> None:
+    """Refuses a save the filesystem cannot hold, before orbax writes a byte of it."""
+    free = shutil.disk_usage(self.directory).free
+    if free < needed + needed // 10:
+      raise CheckpointError(
+          f"checkpoint {r} needs about {units.format_bytes(needed)} in {self.directory}, which has "
+          f"{units.format_bytes(free)} free: not written. The checkpoints before it are intact; free some "
+          f"space and run the same command to continue")
+
+  def _failed(self, r: int | None, error: BaseException) -> CheckpointError:
+    text = str(error)
+    full = "No space left on device" in text or "os_error_code='28'" in text
+    reason = "no space left on device" if full else f"{type(error).__name__}: {text[:300]}"
+    free = shutil.disk_usage(self.directory).free
+    return CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
+                           f"{reason} ({units.format_bytes(free)} free there). The checkpoints before it "
+                           f"are intact")
+
+  def wait(self) -> None:
+    """Until every started save is complete on disk."""
+    if self.hosts is not None:  # else the last save failed (elastic) and was reported
+      self.dispatcher.run(self._finish_previous, what="checkpoint save (finish)")
+
+  def close(self) -> None:
+    if self.hosts is not None:
+      self.dispatcher.run(self.manager.close, what="closing the checkpoint manager")
+
+  def steps(self) -> list[int]:
+    """Complete checkpoints, newest first; the same list on every host or an error."""
+    steps = sorted(self.dispatcher.run(self._listed_steps), reverse=True)
+    newest = np.array([steps[0] if steps else -1, len(steps)], np.int64)
+    seen = self.dispatcher.run(self.collective.allgather, newest,
+                               what="agreeing on the checkpoints")
+    if not (seen == newest).all():
+      raise CheckpointError(
+          f"hosts see different checkpoints in {self.directory} (newest, count per host: "
+          f"{seen.tolist()}): the workdir must be one directory shared by every host")
+    return steps
+
+  def _listed_steps(self) -> list[int]:
+    self.manager.reload()  # what is on disk now, not what this manager saw
+    return list(self.manager.all_steps())
+
+  def restore(self, like: Callable[[dict], Snapshot],
+              check_meta: Callable[[dict], None]) -> Snapshot | None:
+    """The newest checkpoint every host can read, or None if there is none.
+
+    `like(meta)` gives the structure, shapes and dtypes; `check_meta(meta)` raises a
+    CheckpointError if the checkpoint does not fit this run (not a read failure: it stops
+    the run rather than falling back to an older checkpoint)."""
+    tried = []
+    for step in self.steps():
+      # A read failure is caught on the dispatch thread: it must not count as a failed
+      # collective (after which the dispatcher refuses every job).
+      meta, error = self.dispatcher.run(_attempt, lambda: self.manager.restore(  # noqa: B023
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+      snapshot = None
+      if error is None:
+        check_meta(meta)
+        want = like(meta)
+        # The hosts that wrote rows: all of them, except after elastic mode lost some
+        # (then a host without a row gets own=None and starts its replicas afresh).
+        writers = meta.get("hosts_in_rows", list(range(self.num_hosts)))
+        everyone = self._shardings(list(range(self.num_hosts)))[0]  # a copy on every host
+        # Each host reads its own row; if some host has none, every host reads all rows
+        # (orbax cannot restore an array of which a host holds no shard).
+        rows = self._rows if writers == self.hosts else everyone
+        restored, error = self.dispatcher.run(_attempt, lambda: self.manager.restore(  # noqa: B023
+            step, args=ocp.args.Composite(
+                shared=ocp.args.StandardRestore(self._abstract(want.shared, everyone)),
+                hosts=ocp.args.StandardRestore(self._abstract(want.own, rows,
+                                                              len(writers))))))
+        if error is None:
+          shared = jax.tree.map(lambda g: np.asarray(g.addressable_data(0)), restored.shared)
+          own = None
+          if self.host in writers:
+            row = 0 if rows is self._rows else writers.index(self.host)
+            own = jax.tree.map(lambda g: np.asarray(g.addressable_data(0))[row],  # noqa: B023
+                               restored.hosts)
+          snapshot = Snapshot(step, shared, own, meta)
+      ok = error is None
+      flags = self.dispatcher.run(self.collective.allgather, np.array([ok], np.int32),
+                                  what="agreeing on a readable checkpoint")[:, 0]
+      if flags.all():
+        for newer, bad_hosts in tried:  # only now that an older one could be read
+          self._set_aside(newer, bad_hosts, step)
+        return snapshot
+      if error is not None:
+        detail = " ".join(str(error).split())  # one line (orbax's errors span many)
+        sys.stderr.write(f"host {self.host}: cannot read checkpoint {step}: "
+                         f"{type(error).__name__}: {detail[:300]}\n")
+      tried.append((step, [h for h, f in enumerate(flags) if not f]))
+    if tried:  # left where they are: every later attempt refuses the same way
+      rounds = ", ".join(f"{step} (unreadable on host(s) {bad})" for step, bad in tried)
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} could be read: rounds {rounds}. They are "
+          f"left where they are, and this run is not started again from round 1 while "
+          f"they exist. If a filesystem was missing for a moment, run the same command "
+          f"again; to start this workdir from scratch anyway, add --restart_from_scratch "
+          f"(the old run is moved to {self.workdir}/previous/, nothing is deleted)")
+    return None
+
+  def _set_aside(self, step: int, bad_hosts: list[int], resumed: int) -> None:
+    """Moves an unreadable checkpoint newer than the one resumed from out of orbax's way
+    (kept for inspection), on every host's view, with a warning naming it."""
+    if self.host == 0:
+      target = os.path.join(self.workdir, UNREADABLE, f"{step}-{int(time.time())}")
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), target)
+      print(f"WARNING: checkpoint {step} in {self.directory} is incomplete or corrupt "
+            f"(unreadable on host(s) {bad_hosts}); moved to {target}; resuming from "
+            f"checkpoint {resumed}", file=sys.stderr, flush=True)
+    # Nobody lists the directory again before host 0 has moved it.
+    self.dispatcher.run(self.collective.allgather, np.zeros(1, np.int32),
+                        what="waiting for an unreadable checkpoint to be set aside")
+    self.dispatcher.run(self.manager.reload, what="listing the checkpoints again")

@@ -1,0 +1,360 @@
+"""What a run reports: run.json, the start-up lines, each round's record (written by
+`writers.py`: metrics.jsonl, TensorBoard, W&B), the progress line and bar, the ETA, the
+final report and the loss plot.
+
+Only host 0 writes files and prints rounds. A round's record is assembled here from the
+values the loop hands over (`RoundLog`): its own figures when the round ends, and the
+figures of its cross-host sums when they arrive (one round later in the async modes). It
+is written once complete, and one round late, so reading its device values (the eval
+loss) never stalls the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+from typing import Iterable
+from typing import Mapping
+
+import flax
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from diloco_jax._version import __version__
+from diloco_jax.loop import writers
+from diloco_jax.runtime import hostmem
+from diloco_jax.units import format_bytes  # noqa: F401
+from diloco_jax.units import format_count  # noqa: F401
+from diloco_jax.units import format_duration  # noqa: F401
+
+# The parts of the outer step on the main thread's path (seconds; see README).
+OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
+
+
+def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
+  """The one line printed per round (README: "Reading the progress line")."""
+  width = len(str(num_rounds))
+  parts = [f"round {r['round']:>{width}}/{num_rounds}",
+           f"step {r['inner_step']:>{len(str(total_steps))}}/{total_steps}",
+           f"train {r['train_loss']:.4f}" + _bpb(r, "train")]
+  if "eval_loss" in r:
+    floor = f" (floor {r['floor']:.4f})" if r.get("floor") is not None else ""
+    parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
+  if "replicas" in r:  # elastic mode: the replicas in this round's mean
+    parts.append(f"{int(r['replicas'])} replicas")
+  parts.append(f"{format_count(r['tokens_per_sec'])} tok/s" + (
+      f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else
+      f" ({format_count(r['flops_per_sec'])}FLOP/s)" if "flops_per_sec" in r else ""))
+  parts.append(f"outer {1e3 * r['outer_time']:.0f} ms")
+  if "collective_time" in r:  # how long the cross-host sum took, and how much of it the
+    # next inner phase hid (async modes; 0% in sync, which waits for all of it)
+    parts.append(f"comm {1e3 * r['collective_time']:.0f} ms ({100 * r['overlap']:.0f}% hidden)")
+  if r.get("bytes_sent"):
+    parts.append(f"sent {format_count(r['bytes_sent'])}B")
+  if "anchor_hash" in r:  # debug_checks: the same on every host, or the run has stopped
+    parts.append(f"anchor {r['anchor_hash'][:8]} on all hosts")
+  if "eta" in r:  # from this process's second round on
+    parts.append(f"ETA {format_duration(r['eta'])}")
+  return " | ".join(parts)
+
+
+def _bpb(record: Mapping[str, Any], split: str) -> str:
+  """' (1.234 bpb)' beside a loss in nats/token, where the record has bits per byte."""
+  return f" ({record[split + '_bpb']:.3f} bpb)" if split + "_bpb" in record else ""
+
+
+def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
+  """A loss in nats per token as bits per byte of text: comparable across tokenizers."""
+  return nats_per_token / (math.log(2) * bytes_per_token)
+
+
+class ProgressBar:
+  """A bar of inner steps below the round lines (rich), on a terminal only: nothing when
+  stdout is not one (CI, SLURM logs, launch/local.py's pipes). While it runs, what the
+  process prints goes above it; `close()` removes it."""
+
+  def __init__(self, total: int, enabled: bool = True, stream=None):
+    self.stream = stream or sys.stdout
+    self.total = total
+    self.enabled = enabled and self.stream.isatty()
+    self._progress = None
+
+  def update(self, step: int, note: str = "") -> None:
+    if not self.enabled:
+      return
+    if self._progress is None:  # started at the first step, after the start-up lines
+      from rich import progress
+      from rich.console import Console
+      self._progress = progress.Progress(
+          progress.BarColumn(), progress.MofNCompleteColumn(),
+          progress.TextColumn("{task.description}"),
+          console=Console(file=self.stream, force_terminal=True), transient=True,
+          refresh_per_second=4)
+      self._task = self._progress.add_task(note, total=self.total)
+      self._progress.start()
+    self._progress.update(self._task, completed=step, description=note)
+
+  def close(self) -> None:
+    if self._progress is not None:
+      self._progress.stop()
+      self._progress = None
+
+
+def plot_losses(records: list[Mapping[str, Any]], path: str, *, floor: float | None,
+                unigram: float | None, title: str = "") -> None:
+  """Train and eval loss against tokens seen, with the loss floor and unigram loss drawn;
+  records with bits per byte (prepared data) add a right axis in bits per byte of the
+  train split and the last figures to the legend."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+  tokens = [r["tokens"] for r in records]
+  last = {s: next((f", last {r[s + '_bpb']:.3f} bpb" for r in reversed(records)
+                   if s + "_bpb" in r), "") for s in ("train", "eval")}
+  ax.plot(tokens, [r["train_loss"] for r in records],
+          label=f"train (mean over replicas){last['train']}")
+  evals = [(r["tokens"], r["eval_loss"]) for r in records if "eval_loss" in r]
+  if evals:
+    ax.plot(*zip(*evals), "o-", markersize=3, label=f"eval (anchor){last['eval']}")
+  scaled = next((r for r in records if r.get("train_bpb")), None)
+  if scaled is not None:  # nats/token -> bits/byte is a fixed factor for the train split
+    k = scaled["train_loss"] / scaled["train_bpb"]
+    ax.secondary_yaxis("right", functions=(lambda x: x / k, lambda y: y * k)).set_ylabel(
+        "bits per byte (train split)")
+  if floor is not None:
+    ax.axhline(floor, color="k", linestyle="--", label=f"floor (true model) {floor:.3f}")
+  if unigram is not None:
+    ax.axhline(unigram, color="gray", linestyle=":", label=f"best unigram {unigram:.3f}")
+  save_figure(fig, ax, path, xlabel="tokens seen (all replicas)",
+              ylabel="loss (nats/token)", title=title)
+
+
+def save_figure(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str) -> None:
+  """Labels, grid and legend, then writes the figure to `path` and closes it."""
+  import matplotlib.pyplot as plt
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+class RoundLog:
+  """The open records of rounds not yet written, by round; `write_through(r)` writes, in
+  order, every record up to round r whose figures are all in (its loss-carrying sum,
+  fragment 0's, has arrived)."""
+
+  def __init__(self, writer: writers.MetricsWriter, bar: ProgressBar, *, num_rounds: int,
+               inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
+               bytes_per_token: Mapping[str, float] | None = None,
+               flops_per_token: float | None = None, peak_flops: float | None = None,
+               finish_estimate=lambda: 0.0, clock=time.monotonic):
+    self.writer, self.bar, self.printing = writer, bar, printing
+    self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
+    self.tokens_per_round = tokens_per_round
+    self.bytes_per_token = bytes_per_token  # per split; None: no bits per byte
+    # Model FLOPs per token, and the peak of every device of every host together (None:
+    # devices without a known peak, such as CPUs: FLOP/s only, no MFU).
+    self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+    self._open: dict[int, dict[str, Any]] = {}
+    self._round_times: list[float] = []
+    self._steady_times: list[float] = []  # what the ETA counts
+    self._clock = clock
+    self._last_end: float | None = None  # when the previous round ended (on `clock`)
+    self.finish_estimate = finish_estimate  # seconds the run takes after its last round
+    self._ended: dict[int, float] = {}  # round -> when it ended (on `clock`), with an ETA
+
+  @property
+  def elapsed(self) -> float:
+    """Seconds of the rounds trained by this process."""
+    return float(np.sum(self._round_times))
+
+  def timed(self, r: int, seconds: float, steady: bool = True) -> None:
+    """Round r took `seconds` of wall time: its speed; and the time left: the rounds left
+    at the mean wall time from one steady round's end to the next (its save included),
+    plus the last checkpoint's write (`finish_estimate`: the run ends by writing one and
+    waiting for it). This process's first round is not steady (it compiles the outer
+    step and the eval and opens the connections, after a resume too), nor is a round
+    with `steady` False (profiled)."""
+    now = self._clock()
+    self._round_times.append(seconds)
+    if steady and self._last_end is not None:
+      self._steady_times.append(now - self._last_end)
+    self._last_end = now
+    speed = self.tokens_per_round / seconds
+    self.add(r, round_time=seconds, tokens_per_sec=speed, elapsed=self.elapsed)
+    if self._steady_times:  # from the end of round r; `_write` takes off what passed since
+      self._ended[r] = now
+      self.add(r, eta=float(np.mean(self._steady_times) * (self.num_rounds - r)
+                            + self.finish_estimate()))
+    if self.flops_per_token:  # over the whole round: inner steps, outer step, eval, saves
+      self.add(r, flops_per_sec=speed * self.flops_per_token)
+      if self.peak_flops:
+        self.add(r, mfu=speed * self.flops_per_token / self.peak_flops)
+
+  def open(self, r: int, **figures) -> None:
+    self._open[r] = {"round": r, **figures}
+
+  def add(self, r: int, **figures) -> None:
+    self._open[r].update(figures)
+
+  def add_times(self, r: int, times: Mapping[str, float]) -> None:
+    record = self._open[r]
+    for key, seconds in times.items():
+      record[key] = record.get(key, 0.0) + seconds
+
+  def add_synced(self, synced: Iterable[Any]) -> None:
+    """The sums that arrived (`skips.Synced`), each into the record of the round that sent
+    it. A round with several (streaming's fragments) sums their bytes and times."""
+    for s in synced:
+      a, record = s.arrived, self._open.get(s.arrived.round)
+      if record is None:  # logged before a resume: this is the drain of a finished run
+        continue
+      syncs = record.setdefault("_syncs", [])
+      syncs.append(a)
+      if a.key == 0:
+        record["loss_sum"] = a.loss_sum
+        record["_diagnostics"] = a.diagnostics
+      record["skipped_rounds"] = s.skipped_rounds
+      if not s.applied:
+        record["skipped"] = record.get("skipped", 0) + 1
+      if s.bad_replicas:
+        record["bad_replicas"] = ", ".join(filter(None, (record.get("bad_replicas"),
+                                                         s.bad_replicas)))
+      if a.live_replicas is not None:
+        record.update(replicas=a.live_replicas, rejoin=a.rejoin)
+
+  def complete(self, r: int) -> bool:
+    return "loss_sum" in self._open.get(r, {})
+
+  def rejoin_requested(self, r: int) -> bool:
+    return bool(self._open.get(r, {}).get("rejoin"))
+
+  def write_through(self, r: int) -> None:
+    for q in sorted(self._open):
+      if q > r or not self.complete(q):
+        return
+      self._write(self._open.pop(q))
+
+  def _write(self, record: dict[str, Any]) -> None:
+    arrived = record.pop("_syncs", [])
+    syncs = [a for a in arrived if a.collective_time is not None]
+    diagnostics = record.pop("_diagnostics", None)
+    live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
+    record["train_loss"] = float(record.pop("loss_sum")) / (live * self.h)
+    if "eval_loss" in record:
+      record["eval_loss"] = float(record["eval_loss"])
+    for split in self.bytes_per_token or ():
+      if f"{split}_loss" in record:
+        record[f"{split}_bpb"] = bits_per_byte(record[f"{split}_loss"],
+                                               self.bytes_per_token[split])
+    record["outer_time"] = sum(record.get(k, 0.0) for k in OUTER_PARTS)
+    if syncs:
+      sent = [a.bytes_sent for a in syncs]
+      collective, waited = (sum(a.collective_time for a in syncs), sum(a.wait for a in syncs))
+      record.update(collective_time=collective, outer_wait=waited, bytes_sent=sum(sent),
+                    bytes_peak=max(sent), fragments_synced=len(syncs),
+                    overlap_steps=sum(a.overlap_steps for a in syncs),
+                    overlap=float(np.clip(1 - waited / collective, 0, 1)) if collective else 0.0)
+    elif any(a.bytes_sent for a in arrived):  # ddp: its per-step sums, timed by no one
+      record["bytes_sent"] = sum(a.bytes_sent for a in arrived)
+    # Written (and printed) one round late: the time left is counted from now.
+    record["time"] = time.time()
+    if record["round"] in self._ended:
+      since = self._clock() - self._ended.pop(record["round"])
+      # the last round's line comes once the final checkpoint is written: the end
+      record["eta"] = max(record["eta"] - since, 0.0) if record["round"] < self.num_rounds else 0.0
+    if diagnostics is not None:  # [hosts, R, 3] -> per replica, in replica order
+      stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # live replicas (elastic)
+      record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
+                    param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
+    if self.printing:
+      print(round_line(record, self.num_rounds, self.num_rounds * self.h), flush=True)
+    self.writer.write(record)
+
+
+def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
+                   num_params: int, flops_per_token: float, tokens_per_step: int,
+                   peak_flops: float | None = None, memory: Mapping[str, int] | None = None,
+                   layout: Mapping[str, Any] | None = None) -> str:
+  """workdir/run.json: what this run is (the resolved config, the world, the model size,
+  the software), written at start so a workdir always says how it was made."""
+  run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
+         "replicas_per_host": config.replicas_per_host,
+         "replicas": hosts * config.replicas_per_host,
+         "local_devices": [str(d) for d in devices], "num_params": num_params,
+         "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
+         "peak_flops": peak_flops,  # all hosts' devices together (bf16 table); None: CPU
+         # XLA's plan for the compiled inner step on one device (None: the backend has none)
+         "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
+         "layout": layout,
+         "huge_pages": hostmem.huge_pages(),  # for big host buffers (hostmem.py)
+         "versions": {"diloco_jax": __version__, "jax": jax.__version__,
+                      "jaxlib": jax.lib.__version__, "flax": flax.__version__,
+                      "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,
+                      "numpy": np.__version__},
+         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+  path = os.path.join(workdir, "run.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(run, f, indent=2, sort_keys=True, default=str)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def print_memory(memory: Mapping[str, int] | None, mesh) -> None:
+  """The compiled inner step's memory on one device, as XLA planned it."""
+  if memory is None:
+    return
+  print(f"inner step: {format_bytes(memory['total'])} per device (XLA's plan: arguments "
+        f"{format_bytes(memory['arguments'])}, temporaries {format_bytes(memory['temporaries'])}"
+        f", outputs {format_bytes(memory['outputs'])} of which {format_bytes(memory['aliased'])}"
+        f" in donated buffers) on {mesh.devices.size} local device(s), mesh "
+        + " x ".join(f"{n} {axis}" for axis, n in mesh.shape.items()), flush=True)
+
+
+def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,
+                  mode: str, model: str, num_params: int, flops_per_token: float,
+                  num_rounds: int, inner_steps: int, tokens: int, floor: float | None,
+                  unigram: float) -> None:
+  print(f"host {host}/{num_hosts}: {len(devices)} local device(s) {devices}, "
+        f"{replicas_per_host} replica(s), mode {mode}", flush=True)
+  if host == 0:
+    floor_text = f"{floor:.4f}" if floor is not None else "unknown (not synthetic)"
+    print(f"model {model}: {num_params / 1e6:.2f}M params, {flops_per_token / 1e6:,.1f} "
+          f"MFLOPs per token; {num_hosts * replicas_per_host} replicas "
+          f"({num_hosts} host(s) x {replicas_per_host}); {num_rounds} rounds x "
+          f"{inner_steps} inner steps; {tokens:,} tokens; loss floor {floor_text}, best "
+          f"unigram loss {unigram:.4f}", flush=True)
+
+
+def print_resumed(r: int, directory: str, *, replicas: int, inflight: bool, finished: bool,
+                  num_rounds: int) -> None:
+  print(f"resumed from checkpoint {r} ({directory}/{r}): outer state, {replicas} replicas' "
+        f"inner state and data iterators"
+        + (", the pseudo-gradients in flight" if inflight else "")
+        + ("; the run had finished" if finished
+           else f"; continuing at round {r + 1} of {num_rounds}"), flush=True)
+
+
+def report(records: list[Mapping[str, Any]], workdir: str, *, final_eval: float,
+           floor: float | None, unigram: float, elapsed: float, num_rounds: int,
+           title: str) -> None:
+  """The final line (eval loss beside the floor and the unigram loss) and loss.png."""
+  floor_text = f"{floor:.4f}" if floor is not None else "unknown"
+  bpb = next((f" ({r['eval_bpb']:.4f} bits/byte)" for r in reversed(records)
+              if "eval_bpb" in r), "")
+  print(f"final eval loss {final_eval:.4f}{bpb} | loss floor {floor_text} | best unigram loss "
+        f"{unigram:.4f} | {num_rounds} rounds in {format_duration(elapsed)}", flush=True)
+  plot_losses(records, os.path.join(workdir, "loss.png"), floor=floor, unigram=unigram,
+              title=title)

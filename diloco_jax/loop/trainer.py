@@ -1,0 +1,394 @@
+"""The round loop: inner phases of every local replica, the outer step, eval, checkpoints.
+
+One round is H inner steps of every local replica (one jitted call per step, dispatched
+without waiting), then the mode's outer step. Every mode's driver (`outer.OuterStep` over a
+`diloco` rule, `streaming_step.StreamingOuterStep`, `ddp.DDPRound`) has the same interface,
+so nothing here depends on the mode. What a round reports travels back as values into
+`metrics.RoundLog`, which writes each record one round late so the devices never wait
+for logging; only host 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from diloco_jax import config as config_lib
+from diloco_jax._version import __version__
+from diloco_jax.algo import optim
+from diloco_jax.algo import state as state_lib
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.data import prepared as corpus_reader
+from diloco_jax.device import inner
+from diloco_jax.device import mesh as mesh_lib
+from diloco_jax.loop import checkpoint as checkpoint_lib
+from diloco_jax.loop import membership
+from diloco_jax.loop import metrics
+from diloco_jax.loop import profiling
+from diloco_jax.loop import writers
+from diloco_jax.models import model as model_lib
+from diloco_jax.modes import ddp
+from diloco_jax.modes import outer as outer_lib
+from diloco_jax.modes import streaming as streaming_step
+from diloco_jax.runtime import coordination
+from diloco_jax.runtime import elastic
+from diloco_jax.runtime import hostmem
+from diloco_jax.runtime import preemption
+from diloco_jax.runtime import workdir as workdir_lib
+from diloco_jax.wire import collective as collective_lib
+from diloco_jax.wire import dispatch
+from diloco_jax.wire import elastic as wire_elastic
+from diloco_jax.wire import exchange as exchange_lib
+from diloco_jax.wire import integrity
+
+# Each mode's outer step: a rule's driver, streaming's fragments, or ddp's per-step sums.
+DRIVERS = {"sync": outer_lib.OuterStep, "delayed": outer_lib.OuterStep,
+           "eager": outer_lib.OuterStep, "streaming": streaming_step.StreamingOuterStep,
+           "ddp": ddp.DDPRound}
+
+
+class TrainResult(NamedTuple):
+  """Attributes: params, the trained params (the final anchor; eager: the mean of all
+  replicas; ddp: its one set), on the local devices; outer_state, the mode's final outer
+  state (OuterState, EagerState, the fragments' OuterStates; None for ddp), on the host;
+  replicas, this host's final ReplicaState; records, one metrics dict per round; traces,
+  how often each jitted program was traced; preempted_at, the round after which a
+  preemption stopped the run (None: it ran to the end)."""
+  params: Any
+  outer_state: Any
+  replicas: state_lib.ReplicaState
+  records: list[dict[str, Any]]
+  traces: dict[str, int]
+  preempted_at: int | None = None
+
+
+AnchorMismatchError = integrity.AnchorMismatchError
+
+
+class RestartForRejoin(Exception):  # noqa: N818 -- a request, not a failure
+  """Elastic mode: a host returned; a checkpoint is written and every host must restart."""
+
+
+class Trainer:
+  """Everything one host needs for a run: `run_round(r)` trains round r, `run()` the run."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False):
+    config = corpus_reader.resolved(config, announce=jax.process_index() == 0)
+    config_lib.validate(config, num_local_devices=jax.local_device_count(),
+                        num_hosts=jax.process_count())
+    mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
+    self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
+    self.host, self.num_hosts = jax.process_index(), jax.process_count()
+    self.is_host0 = self.host == 0
+    self.replicas_per_host, self.h = config.replicas_per_host, config.inner_steps
+    self.num_rounds = config.num_rounds
+    self.num_replicas = self.replicas_per_host * self.num_hosts  # K
+    self.tokens_per_step = self.num_replicas * config.batch_size * config.model.seq_len
+
+    self.data = data_lib.make_host_data(
+        config.data, seq_len=config.model.seq_len, batch_size=config.batch_size,
+        replicas_per_host=self.replicas_per_host, num_eval_batches=config.eval_batches,
+        host_index=self.host, num_hosts=self.num_hosts)
+    self.spec = self.data.spec
+    self.model_cfg = model_lib.ModelConfig.from_config(config.model, self.spec.vocab_size)
+    loss_fn = model_lib.make_loss_fn(self.model_cfg)
+    inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
+    self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
+    self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
+    checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
+    self.elastic = config.elastic and self.num_hosts > 1
+    self.collective = (wire_elastic.ElasticCollective(config.elastic_timeout) if self.elastic
+                       else collective_lib.make_collective())
+    if not self.elastic:  # gloo's connection line is third-party noise unless --verbosity
+      dispatcher.run(self.collective.connect, logging.get_verbosity() < logging.INFO,
+                     what="connecting the hosts")
+    self.lock = workdir_lib.claim(  # before anything in the workdir is written
+        workdir, is_host0=self.is_host0, restart_from_scratch=restart_from_scratch,
+        agree=lambda ok: bool(dispatcher.run(self.collective.allgather, np.array([ok]),
+                                             what="agreeing on the workdir lock").all()))
+    # Opening the checkpoint directory waits at a barrier for every host, in elastic mode
+    # for only `elastic_timeout` seconds: it comes right after the lock's agreement, before
+    # the compiles that finish at different times on different hosts.
+    self.checkpointer = checkpoint_lib.Checkpointer(
+        workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
+        collective=self.collective,
+        elastic_timeout=config.elastic_timeout if self.elastic else None)
+    driver = DRIVERS[config.mode]
+    self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
+                                        grad_accum_steps=config.grad_accum_steps,
+                                        collective=self.collective, dispatcher=dispatcher,
+                                        num_replicas=self.num_replicas)
+    self.exchange = exchange_lib.Exchange(
+        config.outer, collective=self.collective, dispatcher=dispatcher,
+        replicas_per_host=self.replicas_per_host,
+        steps_finished=self.train_step.steps_finished, elastic_mode=self.elastic)
+    self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange)
+    self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
+                                            num_replicas=self.outer_step.param_sets)
+    # Compiled from the state's shapes before the state exists: compiling is start-up's
+    # biggest use of host memory (LLVM), and the state (65 MB on configs/peer.py's model)
+    # would add to that peak.
+    self.step_memory = self.train_step.compile(
+        jax.eval_shape(self._init_replicas, model_lib.param_shapes(self.model_cfg)),
+        (self.replicas_per_host, config.batch_size, config.model.seq_len + 1))
+    with jax.default_device(self.exchange.host_device):
+      anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
+    self.num_params = model_lib.count_params(anchor)
+    self.flops_per_token = model_lib.flops_per_token(self.model_cfg, self.num_params)
+    peak = mesh_lib.peak_flops(self.mesh.devices.flat[0])  # every host has the same devices
+    self.peak_flops = peak and peak * self.mesh.devices.size * self.num_hosts
+    self.outer = self.outer_step.init(anchor)
+    self.replicas = self._init_replicas(anchor)
+    self.eval_step = inner.EvalStep(loss_fn, mesh=self.mesh)
+    self.eval_batches = self.eval_step.put(self.data.eval_batches)
+    self.bar = metrics.ProgressBar(self.num_rounds * self.h, enabled=self.is_host0)
+    self.log = metrics.RoundLog(
+        writers.MetricsWriter(workdir, enabled=False), self.bar, num_rounds=self.num_rounds,
+        inner_steps=self.h, num_replicas=self.num_replicas, printing=self.is_host0,
+        tokens_per_round=self.h * self.tokens_per_step, bytes_per_token=self.spec.bytes_per_token,
+        flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
+        # the run ends by writing a checkpoint and waiting for it: as long as the last did
+        finish_estimate=lambda: self.checkpointer.write_seconds or 0.0)
+    self.finished_before = False  # resumed from the checkpoint of a finished run
+    self.preemption = preemption.Preemption()
+    self.profile = profiling.ProfileWindow(
+        workdir, self.host, start=config.profile.start_round,
+        rounds=config.profile.num_rounds, last_round=self.num_rounds, announce=self.is_host0)
+    self.anchor_check = integrity.AnchorCheck(
+        self._hash_exchange(), every=config.anchor_check_every, last_round=self.num_rounds,
+        always=config.debug_checks)
+
+  def _hash_exchange(self) -> integrity.HashExchange | None:
+    if self.num_hosts == 1:
+      return None
+    if self.elastic:  # the collective knows which hosts are still in the job
+      return integrity.CollectiveExchange(lambda words: self.dispatcher.run(
+          self.collective.allgather, words, what="comparing the outer state's hash"),
+          self.host)
+    return integrity.StoreExchange(coordination.coordination_client(), self.host,
+                                   self.num_hosts)
+
+  def run_round(self, r: int) -> None:
+    """Round r: H inner steps of every local replica, then the outer step. Its record
+    opens in `self.log`; the figures of its sums join it when they arrive."""
+    self.log.open(r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step)
+    losses = []
+    for i in range(self.h):
+      step = (r - 1) * self.h + i + 1
+      with profiling.step_annotation("inner_step", step_num=step):
+        self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
+      losses.append(loss_R)
+      if i + 1 < self.h:  # streaming syncs fragments mid-round
+        self._take(r, self.outer_step.after_step(self.outer, self.replicas, step, r))
+      self.bar.update(step, f"round {r}/{self.num_rounds}")
+    if self._await_steps_once:
+      # The round's end compiles its programs (the outer step's, the loss sum's) on first
+      # use, while the steps dispatched ahead still run. On CPU they run on the same cores
+      # (nothing is gained) and the compiler's memory adds to the steps' peak: the first
+      # round waits for its steps. Accelerators keep the overlap.
+      jax.block_until_ready(self.replicas)
+      self._await_steps_once = False
+    loss_sum = jnp.sum(jnp.stack(losses))  # dispatched, not waited for
+    with profiling.annotate("outer_step"):
+      self._take(r, self.outer_step.end_round(self.outer, self.replicas, loss_sum, r))
+    self._round_checks(r)
+    hostmem.trim()  # what the round's compiles and host copies freed
+
+  def _take(self, r: int, update: outer_lib.Update) -> None:
+    self.outer, self.replicas = update.outer, update.replicas
+    self.log.add_times(r, update.times)
+    self.log.add_synced(update.synced)
+
+  def _round_checks(self, r: int) -> None:
+    """After round r's outer step: the outer state compared across hosts, and the eval,
+    when due (the eval is read late)."""
+    replicated = self.outer_step.replicated(self.outer, self.replicas)
+    self.log.add(r, **self.anchor_check(replicated, r))
+    if self.is_host0 and r % self.config.eval_every == 0 and r < self.num_rounds:
+      self.log.add(r, eval_loss=self.eval_step(self.outer_step.model(self.outer, self.replicas),
+                                               self.eval_batches), floor=self.spec.floor)
+
+  def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
+    """Everything needed to continue after round r (after its outer step); `finished`:
+    after the last round, with what was in flight applied (the final model)."""
+    shared, own = self.outer_step.split(self.outer)
+    return self._snapshot(r, shared, own, finished, bool(self.outer.inflight))
+
+  def _snapshot(self, r, shared, own, finished, inflight) -> checkpoint_lib.Snapshot:
+    own = {"replicas": self.replicas,
+           "data": checkpoint_lib.encode_json(self.data.get_state()), **own}
+    meta = {"round": r, "finished": finished, "inflight": inflight, "mode": self.config.mode,
+            "num_hosts": self.num_hosts, "replicas_per_host": self.replicas_per_host,
+            "data_state": self.data.get_state(),  # host 0's (meta is written by host 0)
+            "config": self.config.to_dict(), "diloco_jax": __version__,
+            "jax": jax.__version__, "saved_at": time.time()}
+    return checkpoint_lib.Snapshot(r, shared, own, meta)
+
+  def _check_checkpoint(self, meta: dict) -> None:
+    checkpoint_lib.check_compatible(
+        meta, self.config, num_hosts=self.num_hosts, replicas_per_host=self.replicas_per_host,
+        where=f"checkpoint {meta['round']} in {self.checkpointer.directory}")
+
+  def resume(self) -> int:
+    """Restores the newest readable checkpoint and returns the last round it holds (0:
+    none). A sum in flight in it is issued again; its round's record is opened anew."""
+    def like(meta):
+      shared, own = self.outer_step.split_like(self.outer, self.replicas, meta["inflight"])
+      return self._snapshot(0, shared, own, False, meta["inflight"])
+
+    snap = self.checkpointer.restore(like, self._check_checkpoint)
+    if snap is None:
+      return 0
+    self.finished_before, r = snap.meta["finished"], snap.round
+    if snap.own is None:  # elastic: this host was down when the checkpoint was written
+      self.outer, self.replicas = membership.rejoin(self.outer_step, snap, self._init_replicas,
+                                                 self.data, self.h)
+    else:
+      self.outer = self.outer_step.join(snap.shared, snap.own)
+      self.replicas = self.train_step.place(snap.own["replicas"])
+      self.data.set_state(checkpoint_lib.decode_json(snap.own["data"]))
+    if self.is_host0:
+      metrics.print_resumed(r, self.checkpointer.directory, replicas=self.num_replicas,
+                            inflight=bool(self.outer.inflight),
+                            finished=self.finished_before, num_rounds=self.num_rounds)
+    if self.outer.inflight:  # its record was not logged before the checkpoint
+      self.log.open(r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step,
+                    resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0, eta=0.0)
+      self._round_checks(r)
+    return r
+
+  def run(self) -> TrainResult:
+    metrics.print_startup(
+        host=self.host, num_hosts=self.num_hosts, mode=self.config.mode,
+        devices=[f"{d.platform}:{jax.local_devices().index(d)}"  # this host's own numbering
+                 for d in self.mesh.devices.flat],
+        replicas_per_host=self.replicas_per_host, num_params=self.num_params,
+        model=self.model_cfg.module or self.model_cfg.family,
+        flops_per_token=self.flops_per_token, num_rounds=self.num_rounds, inner_steps=self.h,
+        tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
+        unigram=self.spec.unigram_loss)
+    done = self.resume()
+    # jax keeps every program it compiled for the life of the process, with its traces:
+    # start-up's one-off programs (params and optimizer-state init) held 23-32 MiB on
+    # configs/peer.py's model. The inner step keeps its own executable; what else runs
+    # later compiles on first use.
+    jax.clear_caches()
+    hostmem.trim()  # what compiling freed
+    if self.is_host0:  # once the workdir is known to be this run's
+      metrics.print_memory(self.step_memory, self.mesh)
+      metrics.write_run_json(self.workdir, self.config, hosts=self.num_hosts,
+                             devices=self.mesh.devices.flat, num_params=self.num_params,
+                             flops_per_token=self.flops_per_token,
+                             tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
+                             memory=self.step_memory,
+                             layout=self.train_step.layout.describe())
+    first = done if self.outer.inflight else done + 1  # the first round logged from now on
+    log = self.config.log
+    self.log.writer = writers.MetricsWriter(
+        self.workdir, enabled=self.is_host0, first_round=first,
+        purge_step=first * self.h * self.tokens_per_step,
+        wandb=dict(project=log.wandb_project, mode=log.wandb_mode, config=self.config.to_dict()))
+    every, preempted_at = self.config.checkpoint.every, None
+    if self.elastic and self.is_host0:
+      elastic.mark_running()
+
+    t_round = time.perf_counter()
+    for r in range(done + 1, self.num_rounds + 1):
+      self.profile.before_round(r)
+      with profiling.annotate(f"round {r}"):
+        self.run_round(r)
+      self.profile.after_round(r, self.replicas)
+      self.log.write_through(r - 1)  # read after round r's work was dispatched
+      self.log.timed(r, time.perf_counter() - t_round, steady=not self.profile.covers(r))
+      if self.log.rejoin_requested(r) and r < self.num_rounds:
+        self._restart_for_rejoin(r)
+      preempted = self.preemption.reached(r)
+      if r < self.num_rounds and (preempted or (every and r % every == 0)):
+        self._save(r)
+      if preempted and r < self.num_rounds:
+        preempted_at = r
+        break
+      t_round = time.perf_counter()  # the save's blocking part is in the next round
+
+    self.bar.close()
+    if preempted_at is None:
+      self.finish_run()
+    self.checkpointer.wait()
+    self.checkpointer.close()
+    self.log.writer.close()
+    if self.is_host0 and preempted_at is not None:
+      print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
+            f"{self.checkpointer.directory}; run the same command to continue", flush=True)
+    elif self.is_host0:
+      metrics.report(
+          self.log.writer.records, self.workdir, final_eval=float(self.final_eval),
+          floor=self.spec.floor, unigram=self.spec.unigram_loss, elapsed=self.log.elapsed,
+          num_rounds=self.num_rounds, title=f"{self.config.mode}: {self.num_hosts} host(s) "
+          f"x {self.replicas_per_host} replicas, H={self.h}")
+    return TrainResult(self.final_params if preempted_at is None else
+                       self.outer_step.model(self.outer, self.replicas),
+                       self.outer.state, self.replicas, self.log.writer.records,
+                       {"inner_step": self.train_step.traces,
+                        "eval_step": self.eval_step.traces}, preempted_at)
+
+  def finish_run(self) -> None:
+    """After the last round: apply what is still in flight, evaluate the final model,
+    write the last record and the final checkpoint (unless the run had finished)."""
+    if not self.finished_before:
+      self._take(self.num_rounds, self.outer_step.drain(self.outer, self.replicas))
+    self.final_params = self.outer_step.final(self.outer, self.replicas)
+    self.final_eval = None
+    if self.is_host0:
+      self.final_eval = self.eval_step(self.final_params, self.eval_batches)
+      if not self.finished_before:
+        self.log.add(self.num_rounds, eval_loss=self.final_eval, floor=self.spec.floor)
+    if not self.finished_before:
+      hostmem.trim()  # what the eval's compile freed, before the save adds its buffers
+      self.checkpointer.save(self.snapshot(self.num_rounds, finished=True), last=True)
+      self.checkpointer.wait()  # the last line's "ETA 0s" is printed once it is on disk
+      self.log.write_through(self.num_rounds)
+
+  def _restart_for_rejoin(self, r: int) -> None:
+    """Elastic mode, a host has returned: checkpoint this round boundary, let the
+    returning host go, and stop every host so that the launcher restarts them all."""
+    self._save(r)
+    self.checkpointer.wait()
+    self.log.writer.close()
+    if self.is_host0:
+      print(f"round {r}: a host returned; checkpoint {r} written; every host restarts "
+            f"and resumes from it", flush=True)
+      elastic.signal_restart()
+    raise RestartForRejoin(f"restart after round {r} for a returning host")
+
+  def _save(self, r: int) -> None:
+    """Starts a checkpoint of round r and writes its record if its figures are in (async
+    modes: once its sum arrives, and again after a resume), so that the metrics file and
+    the checkpoint agree."""
+    self.log.add(r, checkpoint_blocking=self.checkpointer.save(self.snapshot(r)))
+    self.log.write_through(r)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       restart_from_scratch: bool = False) -> TrainResult:
+  """Trains per `config`, writing run.json, metrics, TensorBoard events and a loss plot to
+  `workdir` (host 0). On several hosts, `distributed.initialize` must have run first.
+  `restart_from_scratch`: move the workdir's previous run aside and start from round 1."""
+  with dispatch.Dispatcher() as dispatcher:
+    trainer = Trainer(config, workdir, dispatcher, restart_from_scratch)
+    try:
+      with trainer.preemption.handling_signals():
+        return trainer.run()
+    finally:
+      trainer.bar.close()  # after an error too: the terminal gets its cursor back
+      trainer.profile.close()
+      if trainer.lock is not None:
+        trainer.lock.release()

@@ -1,0 +1,255 @@
+"""Models as files: a model and its params as safetensors with a config.json beside it,
+what `python -m diloco_jax.export` writes and `model.load_exported` reads back.
+
+Files, in the output's directory:
+  PATH.safetensors  the params, float32.
+  config.json       the model's config (below).
+  tokenizer.json    for a run on a prepared corpus: the corpus's tokenizer file, under its
+  (or .model)       own name, when the corpus directory holds one.
+Nothing is overwritten without --overwrite.
+
+Tensor names and layouts:
+  llama family  Hugging Face's `LlamaForCausalLM`: model.embed_tokens.weight [V, D],
+                model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+                model.layers.{i}.mlp.{gate,up,down}_proj.weight (Linear weights [out, in]:
+                the flax kernels transposed; q [N·H, D], k and v [K·H, D], o [D, N·H]),
+                model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight,
+                lm_head.weight [V, D] (absent when the embeddings are tied). config.json
+                holds Hugging Face's LlamaConfig fields, so a directory whose file is named
+                model.safetensors loads with `LlamaForCausalLM.from_pretrained(dir)`. Our
+                rotary embedding is Hugging Face's half-split one: q and k need no
+                permutation.
+  gpt family,   the flax param path joined with "." (block_0.qkv.kernel, embed.embedding,
+  your module   pos_embed, ln_final.scale, ...) in flax's layouts (Dense kernels [in, out];
+                gpt's fused qkv output is [3, N, H] in that order, see gpt.py).
+
+config.json's "diloco_jax" object holds what `load` needs to rebuild the model: "format"
+(FLAX or HF_LLAMA, the naming above), "model" (every ModelConfig field, dtype by name), and
+the run's mode, round, finished and workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+
+from diloco_jax.models import family as model_lib
+
+Params = Any
+CONFIG = "config.json"
+FLAX = "diloco_jax.flax/1"  # tensor names: flax paths joined with "."
+HF_LLAMA = "huggingface.llama/1"  # tensor names: Hugging Face's LlamaForCausalLM
+SUFFIX = ".safetensors"
+
+
+class ExportError(ValueError):
+  """What is being exported or loaded is not usable; the message says why, in one line."""
+
+
+def _format(cfg: model_lib.ModelConfig) -> str:
+  return HF_LLAMA if cfg.family == "llama" and not cfg.module else FLAX
+
+
+def _llama_names(cfg: model_lib.ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]:
+  """(flax path, Hugging Face name, transposed) of every llama param."""
+  names = [(("embed", "embedding"), "model.embed_tokens.weight", False)]
+  linear = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+            "attn_out": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+            "down": "mlp.down_proj"}
+  norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+  for i in range(cfg.num_layers):
+    block, layer = f"block_{i}", f"model.layers.{i}"
+    names += [((block, ours, "kernel"), f"{layer}.{hf}.weight", True)
+              for ours, hf in linear.items()]
+    names += [((block, ours, "scale"), f"{layer}.{hf}.weight", False)
+              for ours, hf in norms.items()]
+  names.append((("final_norm", "scale"), "model.norm.weight", False))
+  if not cfg.tie_embeddings:
+    names.append((("head", "kernel"), "lm_head.weight", True))
+  return names
+
+
+def _path(keys) -> tuple[str, ...]:
+  """A jax key path as names (dict keys; list indices, should your module have lists)."""
+  return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def _paths(params: Params) -> dict[tuple[str, ...], Any]:
+  """{flax path: leaf} of a params tree."""
+  return {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _mapping(cfg: model_lib.ModelConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
+  """{flax path: (tensor name, transposed)} for every param of build(cfg), checked against
+  its param tree so that a family whose params change cannot export half a model."""
+  paths = _paths(model_lib.param_shapes(cfg))
+  if _format(cfg) == FLAX:
+    mapping = {path: (".".join(path), False) for path in paths}
+    if len({name for name, _ in mapping.values()}) < len(mapping):  # names holding a "."
+      raise ExportError("the param paths of this module do not stay apart when joined "
+                        "with '.'")
+    return mapping
+  mapping = {path: (name, t) for path, name, t in _llama_names(cfg)}
+  if set(mapping) != set(paths):
+    raise ExportError(f"the llama param tree and export.py's Hugging Face names differ at "
+                      f"{sorted(set(paths) ^ set(mapping))}")
+  return mapping
+
+
+def to_tensors(cfg: model_lib.ModelConfig, params: Params) -> dict[str, np.ndarray]:
+  """{tensor name: float32 array} of `params` (the module docstring's names, layouts)."""
+  leaves, mapping = _paths(params), _mapping(cfg)
+  if set(leaves) != set(mapping):
+    raise ExportError(f"the params are not those of this model: they differ at "
+                      f"{sorted(set(leaves) ^ set(mapping))}")
+  out = {}
+  for path, (name, transposed) in mapping.items():
+    x = np.asarray(leaves[path], np.float32)
+    out[name] = np.ascontiguousarray(x.T if transposed else x)
+  return out
+
+
+def from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarray]) -> Params:
+  """The params tree of build(cfg) from `to_tensors`' output (an ExportError naming the
+  first missing, extra or misshapen tensor)."""
+  mapping = _mapping(cfg)
+  extra = set(tensors) - {name for name, _ in mapping.values()}
+  if extra:
+    raise ExportError(f"tensors {sorted(extra)} are not params of this model")
+
+  def leaf(path, shape):
+    name, transposed = mapping[_path(path)]
+    if name not in tensors:
+      raise ExportError(f"tensor {name!r} is missing")
+    x = tensors[name].T if transposed else tensors[name]
+    if x.shape != shape.shape:
+      raise ExportError(f"tensor {name!r} has shape {tensors[name].shape}, expected "
+                        f"{shape.shape[::-1] if transposed else shape.shape}")
+    return np.ascontiguousarray(x, np.float32)
+
+  return jax.tree_util.tree_map_with_path(leaf, model_lib.param_shapes(cfg))
+
+
+def model_fields(cfg: model_lib.ModelConfig) -> dict[str, Any]:
+  """Every ModelConfig field, JSON-ready (the dtype by name)."""
+  fields = dataclasses.asdict(cfg)
+  fields["dtype"] = jnp.dtype(cfg.dtype).name
+  return fields
+
+
+def config_json(cfg: model_lib.ModelConfig, run: dict[str, Any] | None = None,
+                eos_id: int | None = None) -> dict[str, Any]:
+  """config.json: Hugging Face's LlamaConfig fields for the llama family, and always the
+  "diloco_jax" object (`run`: mode, round, finished, workdir)."""
+  ours = {"format": _format(cfg), "model": model_fields(cfg), **(run or {})}
+  if _format(cfg) != HF_LLAMA:
+    return {"format": ours["format"], "diloco_jax": ours}
+  return {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+      "head_dim": cfg.d_model // cfg.num_heads, "hidden_act": "silu",
+      "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_base, "tie_word_embeddings": cfg.tie_embeddings,
+      "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+      # Documents are packed, each followed by EOS, so EOS is also what precedes a
+      # document's first token: it is the BOS too. Unknown (None) rather than
+      # LlamaConfig's defaults 1 and 2, which mean nothing for our vocabularies.
+      "bos_token_id": eos_id, "eos_token_id": eos_id,
+      "diloco_jax": ours}
+
+
+def check_output(output: str) -> None:
+  """An ExportError unless `output` names a .safetensors file in a directory that exists."""
+  if not output.endswith(SUFFIX):
+    raise ExportError(f"--output={output}: must end in {SUFFIX} (the file written; "
+                      f"{CONFIG} goes beside it)")
+  directory = os.path.dirname(output) or "."
+  if not os.path.isdir(directory):
+    raise ExportError(f"--output={output}: directory {directory} does not exist")
+  if os.path.isdir(output):
+    raise ExportError(f"--output={output} is a directory")
+
+
+def check_free(paths: list[str], overwrite: bool) -> None:
+  for path in paths:
+    if os.path.exists(path) and not overwrite:
+      raise ExportError(f"{path} exists; pass --overwrite to replace it")
+
+
+def _replace(path: str, write) -> None:
+  """`write(tmp)` then a rename: an interrupted export leaves no half-written file. The
+  file gets the mode of any new file (safetensors makes its files private to their owner)."""
+  tmp = os.path.join(os.path.dirname(path) or ".",
+                     f".{os.path.basename(path)}.{os.getpid()}.partial")
+  umask = os.umask(0)
+  os.umask(umask)
+  try:
+    write(tmp)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _write_text(path: str, text: str) -> None:
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
+          run: dict[str, Any] | None = None, tokenizer: str | None = None,
+          eos_id: int | None = None, overwrite: bool = False) -> list[str]:
+  """Writes `params` of `cfg` to `output`, config.json and `tokenizer`'s copy beside it;
+  returns the paths written."""
+  check_output(output)
+  directory = os.path.dirname(output) or "."
+  paths = [output, os.path.join(directory, CONFIG)]
+  if tokenizer:
+    paths.append(os.path.join(directory, os.path.basename(tokenizer)))
+  check_free(paths, overwrite)
+  tensors = to_tensors(cfg, params)
+  text = json.dumps(config_json(cfg, run, eos_id), indent=2) + "\n"
+  # Hugging Face refuses a file whose metadata "format" is not one of its frameworks'
+  # ("pt" for a PyTorch model); the bytes are the same whichever reads them.
+  _replace(paths[0], lambda p: safetensors.numpy.save_file(tensors, p, {"format": "pt"}))
+  _replace(paths[1], lambda p: _write_text(p, text))
+  if tokenizer:
+    _replace(paths[2], lambda p: shutil.copyfile(tokenizer, p))
+  return paths
+
+
+def load(path: str) -> tuple[Any, Params]:
+  """(module, params) of a model written by `write`: see model.load_exported."""
+  config_path = os.path.join(os.path.dirname(path) or ".", CONFIG)
+  try:
+    with open(config_path) as f:
+      ours = json.load(f)["diloco_jax"]
+    fields = dict(ours["model"])
+    fields["dtype"] = jnp.dtype(fields["dtype"])
+    cfg = model_lib.ModelConfig(**fields)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ExportError(f"{config_path}: not the config.json of an export ({type(e).__name__}: "
+                      f"{e})") from None
+  if ours.get("format") != _format(cfg):
+    raise ExportError(f"{config_path}: format {ours.get('format')!r}, expected "
+                      f"{_format(cfg)!r} for this model")
+  try:
+    tensors = safetensors.numpy.load_file(path)
+  except Exception as e:  # noqa: BLE001 -- safetensors' errors, one line
+    raise ExportError(f"{path}: cannot be read: {type(e).__name__}: {e}") from None
+  try:
+    params = from_tensors(cfg, tensors)
+  except ExportError as e:
+    raise ExportError(f"{path}: {e}") from None
+  return model_lib.build(cfg), params

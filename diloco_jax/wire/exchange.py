@@ -1,0 +1,251 @@
+"""Pseudo-gradients across hosts: `submit` → a `Pending` sum, `wait` → an immutable `Arrived`.
+
+Everything that moves Δ between hosts is here. Each sum is one job on the dispatch thread
+(the only thread that issues cross-host collectives); the main thread keeps training while
+it runs and later waits for the `Arrived` value: the mean Δ̄ over all K replicas, which
+replicas had NaN/Inf in their Δ (a [K] flag vector summed with Δ, so every host sees the
+same flags), the round's loss summed over hosts, timings and bytes.
+
+On the wire (docs/algorithms.md §7). With `outer.compression = 'none'` and
+`outer.aggregation = 'mean'` a host sends the Σ of its replicas' Δ through the
+collective's plain all-reduce. Otherwise it hands `collective.reduce_encoded` rows of
+float32: one row (its replicas' Σ) for the mean, or one row per replica for a trimmed mean
+or median (an order statistic needs every replica's value: R× the bytes of a sum), whose
+chunk owner combines all K rows and returns Δ̄ itself.
+
+Error feedback (lossy formats): what the wire did not carry of a row, x − decode(encode(x)),
+is added to the same row at the next send of the same fragment. Residuals are values: a
+send takes the residual going in, and its `Arrived` holds the one coming out (reset to 0
+where it is not finite). A `Pending` keeps what went into its sum, so a checkpoint can
+hold it and a resumed run issue it again with the same bits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from diloco_jax.algo import aggregate
+from diloco_jax.algo import diloco
+from diloco_jax.runtime import elastic
+from diloco_jax.wire import collective as collective_lib
+
+Params = Any
+
+
+class Pending(NamedTuple):
+  """A cross-host sum in flight, and what this host put into it."""
+  round: int
+  key: int  # the fragment (0 outside streaming)
+  deltas_R: Params  # this host's Δ_m, in host memory
+  loss_sum: Any  # this host's loss sum of the round (0 for fragments other than 0)
+  finite_R: np.ndarray  # [R] bool: which of this host's Δ_m were finite
+  residual: np.ndarray | None  # the error feedback that went into the send
+  future: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrived:
+  """A sum that arrived. Every field but the timings is identical on every host.
+
+  Attributes:
+    round, key: the round in which it was sent, and the fragment.
+    mean: Δ̄ over all K replicas (elastic mode: over the live ones), in host memory.
+    bad_K: [K] bool, the replicas whose Δ had NaN or Inf.
+    loss_sum: the round's inner losses summed over every replica of every host.
+    residual: this host's error feedback after the send (None without feedback).
+    collective_time: seconds the dispatch thread spent in the collective.
+    bytes_sent: what this host put on the wire.
+    overlap_steps: inner steps the devices finished while the collective ran.
+    wait: seconds the main thread waited for it.
+    live_replicas: elastic mode, the replicas summed over (None otherwise).
+    rejoin: elastic mode, whether a returned host asks to rejoin.
+    diagnostics: a future of [hosts, R, 3] per replica ‖Δ_m‖, cos(Δ_m, Δ̄), ‖Δ_m − Δ̄‖²
+      (gathered on the dispatch thread, read when the round is logged), or None.
+  """
+  round: int
+  key: int
+  mean: Params
+  bad_K: np.ndarray
+  loss_sum: float
+  residual: np.ndarray | None
+  collective_time: float
+  bytes_sent: int
+  overlap_steps: int
+  wait: float = 0.0
+  live_replicas: int | None = None
+  rejoin: bool = False
+  diagnostics: concurrent.futures.Future | None = None
+
+
+def entries(tree: Params) -> int:
+  return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree))
+
+
+def _delta_stats(deltas_R: Params, mean: Params) -> jax.Array:
+  """[R, 3]: per replica ‖Δ_m‖, cos(Δ_m, Δ̄) and ‖Δ_m − Δ̄‖² (float32)."""
+  leaves_R, mean_leaves = jax.tree.leaves(deltas_R), jax.tree.leaves(mean)
+  f32 = lambda x: x.astype(jnp.float32)
+  dot = sum(jnp.sum(f32(d) * f32(m)[None], axis=tuple(range(1, d.ndim)))
+            for d, m in zip(leaves_R, mean_leaves))
+  sq = sum(jnp.sum(jnp.square(f32(d)), axis=tuple(range(1, d.ndim))) for d in leaves_R)
+  mean_sq = sum(jnp.sum(jnp.square(f32(m))) for m in mean_leaves)
+  cos = dot / jnp.maximum(jnp.sqrt(sq * mean_sq), 1e-30)
+  return jnp.stack([jnp.sqrt(sq), cos, sq - 2 * dot + mean_sq], axis=1)
+
+
+class Exchange:
+  """This host's side of the cross-host mean of pseudo-gradients.
+
+  `steps_finished`: how many inner steps the devices have finished (read on the dispatch
+  thread around each collective, for `overlap_steps`); `elastic`: each sum also counts the
+  live replicas and carries host 0's rejoin requests (elastic.py).
+  """
+
+  def __init__(self, outer: ml_collections.ConfigDict, *, collective, dispatcher,
+               replicas_per_host: int, steps_finished: Callable[[], int] = lambda: 0,
+               elastic_mode: bool = False):
+    self.collective, self.dispatcher = collective, dispatcher
+    self.replicas_per_host = replicas_per_host
+    self.num_replicas = replicas_per_host * collective.num_hosts  # K
+    self.steps_finished, self.elastic = steps_finished, elastic_mode
+    self.compression, self.aggregation = outer.compression, outer.aggregation
+    self.trim = outer.trim
+    self.wire_options = dict(topk_fraction=outer.topk_fraction, topk_chunk=outer.topk_chunk,
+                             value_bits=outer.topk_value_bits)
+    self.decay = outer.error_feedback_decay  # β: SparseLoCo's accumulator decay
+    self.feedback = outer.error_feedback and outer.compression != "none"
+    self.plain = outer.compression == "none" and outer.aggregation == "mean"
+    self.aggregates = outer.aggregation != "mean"  # the wire returns Δ̄, not Σ Δ
+    self.tolerated = aggregate.tolerated(outer.aggregation, self.num_replicas, outer.trim)
+    self.host_device = (getattr(collective, "device", None)
+                        or jax.local_devices(backend="cpu")[0])
+    self._sum_R = jax.jit(diloco.replica_sum)
+    self._mean = jax.jit(lambda total: diloco.divide(total, self.num_replicas))
+    self._mean_by = jax.jit(diloco.divide)  # elastic: by the live replicas
+    self._stats = jax.jit(_delta_stats)
+
+  def init_residuals(self, sizes: dict[int, int]) -> dict[int, np.ndarray]:
+    """Zero error-feedback residuals for fragments of these sizes ({} without feedback)."""
+    if not self.feedback:
+      return {}
+    rows = self.replicas_per_host if self.aggregates else 1
+    return {key: np.zeros((rows, n), np.float32) for key, n in sizes.items()}
+
+  def submit(self, deltas_R: Params, loss_sum, finite_R: np.ndarray, *, round_: int,
+             key: int = 0, residual: np.ndarray | None = None) -> Pending:
+    """Queues the sum over hosts of this host's Δ_m (with the loss and the bad flags)."""
+    host, r = self.collective.host_index, self.replicas_per_host
+    bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
+    bad_K[host * r:(host + 1) * r] = ~np.asarray(finite_R, bool)
+    payload = {"loss": loss_sum, "bad": bad_K}
+    rows = None
+    if self.aggregates:  # every replica's Δ: no local sum
+      rows = deltas_R
+    elif self.plain:
+      payload["delta"] = self._sum_R(deltas_R)
+    else:
+      rows = jax.tree.map(lambda x: x[None], self._sum_R(deltas_R))
+    if self.elastic:  # the mean divides by the live replicas; host 0 relays returning hosts
+      payload["extra"] = {"replicas": np.float32(r), "rejoin": np.float32(
+          host == 0 and bool(elastic.rejoin_requested()))}
+    job = functools.partial(self._job, payload, rows, residual, round_, key)
+    future = self.dispatcher.submit(job, round_=round_,
+                                    what="cross-host sum of pseudo-gradients")
+    return Pending(round_, key, deltas_R, loss_sum, np.asarray(finite_R, bool), residual,
+                   future)
+
+  def _job(self, payload, rows, residual, round_: int, key: int) -> Arrived:
+    """On the dispatch thread: the collective, then the mean."""
+    t, done, sent = time.perf_counter(), self.steps_finished(), self.collective.bytes_sent
+    total = self.collective.sum(payload)
+    if rows is not None:
+      total["delta"], residual = self._reduce_rows(rows, residual)
+    jax.block_until_ready(total)
+    collective_time, overlap_steps = time.perf_counter() - t, self.steps_finished() - done
+    extra = total.get("extra", {})
+    if self.aggregates:
+      mean = jax.device_put(total["delta"], self.host_device)
+    elif "replicas" in extra:
+      mean = self._mean_by(total["delta"], extra["replicas"])
+    else:
+      mean = self._mean(total["delta"])
+    return Arrived(round_, key, jax.block_until_ready(mean), np.asarray(total["bad"]) > 0,
+                   float(np.asarray(total["loss"])), residual, collective_time,
+                   self.collective.bytes_sent - sent, overlap_steps,
+                   live_replicas=int(extra["replicas"]) if "replicas" in extra else None,
+                   rejoin=bool(extra.get("rejoin", 0)))
+
+  def _reduce_rows(self, rows: Params, residual: np.ndarray | None):
+    """Σ over all K replicas (mean) or Δ̄ (robust aggregation) of `rows`, sent encoded;
+    the same bytes on every host. Returns it and the residual after this send."""
+    leaves, treedef = jax.tree.flatten(rows)
+    x = np.concatenate([np.asarray(v, np.float32).reshape(v.shape[0], -1) for v in leaves],
+                       axis=1)
+    if self.feedback:  # the accumulator: e ← β e + Δ (β = 1: plain error feedback)
+      x = x + (residual if self.decay == 1 else np.float32(self.decay) * residual)
+    combine = collective_lib.sum_rows
+    if self.aggregates:
+      combine = functools.partial(aggregate.aggregate, aggregation=self.aggregation,
+                                  trim=self.trim)
+    out, carried = self.collective.reduce_encoded(x, self.compression, combine,
+                                                  **self.wire_options)
+    if self.feedback:
+      residual = x - carried
+      residual = np.where(np.isfinite(residual), residual, np.float32(0))
+    sizes = [int(np.prod(leaf.shape[1:])) for leaf in leaves]
+    parts = np.split(out, np.cumsum(sizes)[:-1])
+    return jax.tree.unflatten(treedef, [p.reshape(leaf.shape[1:])
+                                        for p, leaf in zip(parts, leaves)]), residual
+
+  def wait(self, pending: Pending, diagnostics: bool = True) -> Arrived:
+    """The sum of `pending`, once it arrives; with `diagnostics`, the per-replica Δ
+    figures start their gather on the dispatch thread (read when the round is logged)."""
+    t = time.perf_counter()
+    arrived = pending.future.result()
+    waited = time.perf_counter() - t
+    gathered = None
+    if diagnostics:
+      stats = np.asarray(self._stats(pending.deltas_R, arrived.mean))
+      gathered = self.dispatcher.submit(self.collective.allgather, stats,
+                                        round_=pending.round, what="gather of Δ diagnostics")
+    return dataclasses.replace(arrived, wait=waited, diagnostics=gathered)
+
+  def mean_over_replicas(self, params_R: Params) -> Params:
+    """(1/K) Σ of every replica's params over all hosts (eager mode's final model)."""
+    total = self.dispatcher.run(self.collective.sum, self._sum_R(params_R),
+                                what="cross-host mean of the final params")
+    return self._mean(total)
+
+  # A sum in flight at a checkpoint: saved, and issued again on resume.
+
+  @staticmethod
+  def inflight(pending: Pending) -> dict[str, Any]:
+    return {"deltas": pending.deltas_R, "loss": np.float32(pending.loss_sum),
+            "finite": pending.finite_R, "round": np.int32(pending.round),
+            "key": np.int32(pending.key)}
+
+  def inflight_like(self, deltas_R: Params) -> dict[str, Any]:
+    """The structure of `inflight(...)` for a Δ shaped like `deltas_R`, for restoring it."""
+    return {"deltas": deltas_R, "loss": np.zeros((), np.float32),
+            "finite": np.ones(self.replicas_per_host, bool), "round": np.int32(0),
+            "key": np.int32(0)}
+
+  def resubmit(self, saved: dict[str, Any], residuals: dict[int, np.ndarray]) -> Pending:
+    """Issues again the sum that was in flight when the checkpoint was written; the
+    residual that went into it is still `residuals[key]` (residuals move on only when a
+    sum arrives)."""
+    key = int(saved["key"])
+    return self.submit(jax.device_put(saved["deltas"], self.host_device), saved["loss"],
+                       np.asarray(saved["finite"]), round_=int(saved["round"]), key=key,
+                       residual=residuals.get(key))
