@@ -160,7 +160,7 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
-               elastic_timeout: int | None = None):
+               save_timeout: int | None = None):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, CHECKPOINTS)
     self.dispatcher, self.collective = dispatcher, collective
@@ -169,11 +169,12 @@ class Checkpointer:
     self._writing: int | None = None  # the round of the save orbax may still be writing
     self._save_started = 0.0
     self.write_seconds: float | None = None  # how long the last finished save took
-    # Elastic mode: each save is finished within its job (so no host ever has one in
-    # flight when the next starts, and all decide alike), and a save whose barriers wait
-    # for a dead host gives up after this many seconds instead of holding the dispatch
-    # thread (and the sum that will find the host dead) for orbax's default 20 minutes.
-    self.elastic_timeout = elastic_timeout
+    # Hosts that may leave (elastic membership): each save is finished within its job (so
+    # no host ever has one in flight when the next starts, and all decide alike), and a
+    # save whose barriers wait for a dead host gives up after this many seconds instead of
+    # holding the dispatch thread (and the sum that will find the host dead) for orbax's
+    # default 20 minutes. None: hosts share fate, saves run in the background.
+    self.save_timeout = save_timeout
     self._first_cpu = list(collective_lib.host_mesh().devices.flat)
     self.device = self._first_cpu[self.host]
     os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
@@ -191,7 +192,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep, create=False, enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # a save cut short by a crash
-        async_options=ocp.AsyncOptions(timeout_secs=self.elastic_timeout or 1200,
+        async_options=ocp.AsyncOptions(timeout_secs=self.save_timeout or 1200,
                                        post_finalization_callback=self._written),
         multiprocessing_options=ocp.options.MultiprocessingOptions(
             active_processes=processes,
@@ -250,10 +251,10 @@ class Checkpointer:
             hosts=ocp.args.StandardSave(self._to_rows(own)),
             meta=ocp.args.JsonSave(snapshot.meta)))
         self._writing = snapshot.round
-        if self.elastic_timeout:
+        if self.save_timeout:
           self.manager.wait_until_finished()
       except Exception as e:  # noqa: BLE001
-        if not self.elastic_timeout:
+        if not self.save_timeout:
           raise
         print(f"WARNING: host {self.host}: checkpoint {snapshot.round} failed (a host "
               f"stopped?): {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)

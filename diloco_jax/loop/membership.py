@@ -1,13 +1,131 @@
-"""Which hosts are in the job, and what the round loop does about it."""
+"""Which hosts are in the job: one object the round loop asks, whatever the answer.
+
+`Fixed` is the default: the hosts share fate, the collective covers all of them, a hash of
+the outer state travels through the coordination service, and a checkpoint save runs in
+the background with orbax's own timeout. `Elastic` (config.elastic, experimental) keeps
+training when a host dies: its collective sums over the live hosts, the hashes travel
+with them, every save finishes within its job and may fail without stopping the run,
+and a host that returns asks to rejoin, which ends the round with a checkpoint and a
+restart of every host (runtime/elastic.py has why).
+
+The round loop never asks which kind it has: it calls the same methods on both.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+from typing import Protocol
+
 import jax
+import ml_collections
+import numpy as np
+from absl import logging
 
 from diloco_jax.algo import state as state_lib
+from diloco_jax.runtime import coordination
+from diloco_jax.runtime import elastic
+from diloco_jax.wire import collective as collective_lib
+from diloco_jax.wire import dispatch
+from diloco_jax.wire import elastic as wire_elastic
+from diloco_jax.wire import integrity
 
 
-def rejoin(outer_step, snap, init_replicas, data, inner_steps: int):
+class Membership(Protocol):
+  """What the round loop asks about the hosts in the job.
+
+  Attributes:
+    collective: the cross-host sum and allgather (over every host, or the live ones).
+    save_timeout: None: a checkpoint save runs in the background and a failure stops the
+      run; seconds: each save finishes within its dispatch job, gives up after this long
+      and is reported and skipped (a host may have gone).
+  """
+  collective: Any
+  save_timeout: int | None
+
+  def connect(self, dispatcher: dispatch.Dispatcher) -> None:
+    """Opens the collective's connections (every host, at start-up)."""
+
+  def hash_exchange(self, dispatcher: dispatch.Dispatcher) -> integrity.HashExchange | None:
+    """How hosts compare the outer state's hash (None: one host, nothing to compare)."""
+
+  def sum_extra(self) -> dict[str, np.float32] | None:
+    """Words every cross-host sum carries besides Δ (None: none)."""
+
+  def started(self) -> None:
+    """Training begins (after resume, before round 1 of this process)."""
+
+  def signal_restart(self) -> None:
+    """Host 0, after checkpointing for a returning host: every host must restart."""
+
+
+class Fixed:
+  """Every host for the whole run; one that dies stops the job (the launcher restarts it)."""
+  save_timeout = None
+
+  def __init__(self):
+    self.collective = collective_lib.make_collective()
+    self.host, self.num_hosts = jax.process_index(), jax.process_count()
+
+  def connect(self, dispatcher: dispatch.Dispatcher) -> None:
+    # gloo's connection line is third-party noise unless --verbosity asks for it
+    dispatcher.run(self.collective.connect, logging.get_verbosity() < logging.INFO,
+                   what="connecting the hosts")
+
+  def hash_exchange(self, dispatcher: dispatch.Dispatcher) -> integrity.HashExchange | None:
+    if self.num_hosts == 1:
+      return None
+    return integrity.StoreExchange(coordination.coordination_client(), self.host,
+                                   self.num_hosts)
+
+  def sum_extra(self) -> None:
+    return None
+
+  def started(self) -> None:
+    pass
+
+  def signal_restart(self) -> None:
+    pass  # no host returns to a fixed job: its sums carry no rejoin requests
+
+
+class Elastic:
+  """The live hosts (config.elastic): survivors of a dead host keep training."""
+
+  def __init__(self, timeout_s: int, replicas_per_host: int):
+    self.collective = wire_elastic.ElasticCollective(timeout_s)
+    self.save_timeout = timeout_s
+    self.host = jax.process_index()
+    self.replicas_per_host = replicas_per_host
+
+  def connect(self, dispatcher: dispatch.Dispatcher) -> None:
+    pass  # the live hosts meet at a barrier before each collective instead
+
+  def hash_exchange(self, dispatcher: dispatch.Dispatcher) -> integrity.HashExchange:
+    # The collective knows which hosts are still in the job; the store does not.
+    return integrity.CollectiveExchange(lambda words: dispatcher.run(
+        self.collective.allgather, words, what="comparing the outer state's hash"), self.host)
+
+  def sum_extra(self) -> dict[str, np.float32]:
+    """The mean divides by the live replicas; host 0 relays returning hosts."""
+    return {"replicas": np.float32(self.replicas_per_host),
+            "rejoin": np.float32(self.host == 0 and bool(elastic.rejoin_requested()))}
+
+  def started(self) -> None:
+    if self.host == 0:  # a host that connects from now on is a returning one
+      elastic.mark_running()
+
+  def signal_restart(self) -> None:
+    elastic.signal_restart()
+
+
+def of(config: ml_collections.ConfigDict) -> Membership:
+  """The membership `config` asks for on this job's hosts (elastic needs two or more)."""
+  if config.elastic and jax.process_count() > 1:
+    return Elastic(config.elastic_timeout, config.replicas_per_host)
+  return Fixed()
+
+
+def rejoin(outer_step, snap, init_replicas: Callable, data, inner_steps: int):
   """A host back after the others trained without it, resuming from a checkpoint that has
   no row of its own: the shared outer state, its replicas from the anchor with fresh AdamW
   moments (the step count, which drives the lr schedule, set to the run's), and its data

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import logging
 
 from diloco_jax import config as config_lib
 from diloco_jax._version import __version__
@@ -30,7 +29,7 @@ from diloco_jax.data import prepared as corpus_reader
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
-from diloco_jax.loop import membership
+from diloco_jax.loop import membership as membership_lib
 from diloco_jax.loop import metrics
 from diloco_jax.loop import profiling
 from diloco_jax.loop import writers
@@ -38,14 +37,10 @@ from diloco_jax.models import model as model_lib
 from diloco_jax.modes import ddp
 from diloco_jax.modes import outer as outer_lib
 from diloco_jax.modes import streaming as streaming_step
-from diloco_jax.runtime import coordination
-from diloco_jax.runtime import elastic
 from diloco_jax.runtime import hostmem
 from diloco_jax.runtime import preemption
 from diloco_jax.runtime import workdir as workdir_lib
-from diloco_jax.wire import collective as collective_lib
 from diloco_jax.wire import dispatch
-from diloco_jax.wire import elastic as wire_elastic
 from diloco_jax.wire import exchange as exchange_lib
 from diloco_jax.wire import integrity
 
@@ -105,23 +100,19 @@ class Trainer:
     self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
     self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
     checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
-    self.elastic = config.elastic and self.num_hosts > 1
-    self.collective = (wire_elastic.ElasticCollective(config.elastic_timeout) if self.elastic
-                       else collective_lib.make_collective())
-    if not self.elastic:  # gloo's connection line is third-party noise unless --verbosity
-      dispatcher.run(self.collective.connect, logging.get_verbosity() < logging.INFO,
-                     what="connecting the hosts")
+    self.membership = membership_lib.of(config)
+    self.collective = self.membership.collective
+    self.membership.connect(dispatcher)
     self.lock = workdir_lib.claim(  # before anything in the workdir is written
         workdir, is_host0=self.is_host0, restart_from_scratch=restart_from_scratch,
         agree=lambda ok: bool(dispatcher.run(self.collective.allgather, np.array([ok]),
                                              what="agreeing on the workdir lock").all()))
-    # Opening the checkpoint directory waits at a barrier for every host, in elastic mode
-    # for only `elastic_timeout` seconds: it comes right after the lock's agreement, before
+    # Opening the checkpoint directory waits at a barrier for every host (elastic: for
+    # only `elastic_timeout` seconds): it comes right after the lock's agreement, before
     # the compiles that finish at different times on different hosts.
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
-        collective=self.collective,
-        elastic_timeout=config.elastic_timeout if self.elastic else None)
+        collective=self.collective, save_timeout=self.membership.save_timeout)
     driver = DRIVERS[config.mode]
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
                                         grad_accum_steps=config.grad_accum_steps,
@@ -130,7 +121,7 @@ class Trainer:
     self.exchange = exchange_lib.Exchange(
         config.outer, collective=self.collective, dispatcher=dispatcher,
         replicas_per_host=self.replicas_per_host,
-        steps_finished=self.train_step.steps_finished, elastic_mode=self.elastic)
+        steps_finished=self.train_step.steps_finished, extra=self.membership.sum_extra)
     self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange)
     self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
                                             num_replicas=self.outer_step.param_sets)
@@ -164,18 +155,8 @@ class Trainer:
         workdir, self.host, start=config.profile.start_round,
         rounds=config.profile.num_rounds, last_round=self.num_rounds, announce=self.is_host0)
     self.anchor_check = integrity.AnchorCheck(
-        self._hash_exchange(), every=config.anchor_check_every, last_round=self.num_rounds,
+        self.membership.hash_exchange(dispatcher), every=config.anchor_check_every, last_round=self.num_rounds,
         always=config.debug_checks)
-
-  def _hash_exchange(self) -> integrity.HashExchange | None:
-    if self.num_hosts == 1:
-      return None
-    if self.elastic:  # the collective knows which hosts are still in the job
-      return integrity.CollectiveExchange(lambda words: self.dispatcher.run(
-          self.collective.allgather, words, what="comparing the outer state's hash"),
-          self.host)
-    return integrity.StoreExchange(coordination.coordination_client(), self.host,
-                                   self.num_hosts)
 
   def run_round(self, r: int) -> None:
     """Round r: H inner steps of every local replica, then the outer step. Its record
@@ -250,7 +231,7 @@ class Trainer:
       return 0
     self.finished_before, r = snap.meta["finished"], snap.round
     if snap.own is None:  # elastic: this host was down when the checkpoint was written
-      self.outer, self.replicas = membership.rejoin(self.outer_step, snap, self._init_replicas,
+      self.outer, self.replicas = membership_lib.rejoin(self.outer_step, snap, self._init_replicas,
                                                  self.data, self.h)
     else:
       self.outer = self.outer_step.join(snap.shared, snap.own)
@@ -298,8 +279,7 @@ class Trainer:
         purge_step=first * self.h * self.tokens_per_step,
         wandb=dict(project=log.wandb_project, mode=log.wandb_mode, config=self.config.to_dict()))
     every, preempted_at = self.config.checkpoint.every, None
-    if self.elastic and self.is_host0:
-      elastic.mark_running()
+    self.membership.started()
 
     t_round = time.perf_counter()
     for r in range(done + 1, self.num_rounds + 1):
@@ -366,7 +346,7 @@ class Trainer:
     if self.is_host0:
       print(f"round {r}: a host returned; checkpoint {r} written; every host restarts "
             f"and resumes from it", flush=True)
-      elastic.signal_restart()
+      self.membership.signal_restart()
     raise RestartForRejoin(f"restart after round {r} for a returning host")
 
   def _save(self, r: int) -> None:

@@ -37,7 +37,6 @@ import numpy as np
 
 from diloco_jax.algo import aggregate
 from diloco_jax.algo import diloco
-from diloco_jax.runtime import elastic
 from diloco_jax.wire import collective as collective_lib
 
 Params = Any
@@ -108,17 +107,18 @@ class Exchange:
   """This host's side of the cross-host mean of pseudo-gradients.
 
   `steps_finished`: how many inner steps the devices have finished (read on the dispatch
-  thread around each collective, for `overlap_steps`); `elastic`: each sum also counts the
-  live replicas and carries host 0's rejoin requests (elastic.py).
+  thread around each collective, for `overlap_steps`); `extra`: words each sum carries
+  besides Δ, from the job's membership (elastic: this host's replicas, so that the mean
+  divides by the live ones, and host 0's rejoin requests; None: nothing).
   """
 
   def __init__(self, outer: ml_collections.ConfigDict, *, collective, dispatcher,
                replicas_per_host: int, steps_finished: Callable[[], int] = lambda: 0,
-               elastic_mode: bool = False):
+               extra: Callable[[], dict[str, np.float32] | None] = lambda: None):
     self.collective, self.dispatcher = collective, dispatcher
     self.replicas_per_host = replicas_per_host
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
-    self.steps_finished, self.elastic = steps_finished, elastic_mode
+    self.steps_finished, self.extra = steps_finished, extra
     self.compression, self.aggregation = outer.compression, outer.aggregation
     self.trim = outer.trim
     self.wire_options = dict(topk_fraction=outer.topk_fraction, topk_chunk=outer.topk_chunk,
@@ -156,9 +156,8 @@ class Exchange:
       payload["delta"] = self._sum_R(deltas_R)
     else:
       rows = jax.tree.map(lambda x: x[None], self._sum_R(deltas_R))
-    if self.elastic:  # the mean divides by the live replicas; host 0 relays returning hosts
-      payload["extra"] = {"replicas": np.float32(r), "rejoin": np.float32(
-          host == 0 and bool(elastic.rejoin_requested()))}
+    if (extra := self.extra()) is not None:
+      payload["extra"] = extra
     job = functools.partial(self._job, payload, rows, residual, round_, key)
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
