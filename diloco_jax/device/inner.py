@@ -34,11 +34,10 @@ local_mesh = mesh_lib.local_mesh  # where the inner step runs
 def compiler_options(mesh: Mesh) -> dict[str, str] | None:
   """XLA options for the inner step's programs on `mesh`: on CPU, the scheduler that
   orders the program for the fewest live bytes rather than for running independent ops
-  side by side. On configs/peer.py's model it plans 85 MB of temporaries per step
-  instead of 106 (the step's peak RSS: 16 MiB less), with the same bits; on one core the
-  step times of the two differed by less than this machine's noise (-3% and +1% in two
-  interleaved runs). None (XLA's defaults) elsewhere: GPU and TPU have schedulers of
-  their own."""
+  side by side: it plans fewer temporary bytes per step (the start-up line's "XLA's
+  plan"), with the same bits and, on the CPUs this was checked on, the same step time
+  within noise (`python bench/overhead.py`). None (XLA's defaults) elsewhere: GPU and
+  TPU have schedulers of their own."""
   if mesh.devices.flat[0].platform != "cpu":
     return None
   return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
@@ -49,9 +48,9 @@ def map_replicas(step):
 
   `lax.map` rather than `vmap`: each replica runs exactly the program of a single replica
   (the same shapes, so the same rounding as one replica on its own host), activations are
-  alive for one replica at a time, and on CPU it measured 1.7x faster than vmap over 4
-  tiny replicas, whose batched matmuls have poor cache use. One replica is run without
-  the loop (the same result, bit for bit; measured ~1% faster, bench/overhead.py).
+  alive for one replica at a time, and on CPU it is faster than vmap over several tiny
+  replicas, whose batched matmuls have poor cache use. One replica is run without the
+  loop (the same result, bit for bit, without the loop's overhead: bench/overhead.py).
   """
   def run(*args):
     if jax.tree.leaves(args)[0].shape[0] == 1:
@@ -160,9 +159,8 @@ class ReplicaStep(Step):
   (`donates_state`): there the donated step was slower, not faster. A replica's update
   is computed on [...]-shaped slices of the [R, ...] state (the program of one replica,
   for the same bits on every host layout), and to write it into the donated [R, ...]
-  buffers XLA:CPU copies every state leaf first, on every step: 85 copies and ~4% of
-  the step on configs/peer.py's model (bench/overhead.py), for one extra state's worth
-  of host memory saved.
+  buffers XLA:CPU copies every state leaf first, on every step (bench/overhead.py shows
+  the cost), for one extra state's worth of host memory saved.
   """
 
   def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,

@@ -202,8 +202,9 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
              f"{vocab_size:,} x d_model {cfg.d_model}); per device: state "
              f"{units.format_bytes(device['state'])} ({sets} x params + 2 AdamW moments, float32"
              f"{f', sharded {fsdp} ways' if fsdp > 1 else ''}), step "
-             f"{units.format_bytes(device['step'])} (gradients, update, eval copy), activations "
-             f"{units.format_bytes(device['activations'])}, logits {units.format_bytes(device['logits'])}; host: "
+             f"{units.format_bytes(device['step'])} (gradients, update, eval copy), "
+             f"activations {units.format_bytes(device['activations'])}, logits "
+             f"{units.format_bytes(device['logits'])}; host: "
              + ", ".join(f"{k} {units.format_bytes(v)}" for k, v in host.items()))
 
   def error(parts: dict[str, int], needs: str, available: str) -> str:

@@ -228,7 +228,7 @@ class Checkpointer:
     """Starts writing `snapshot`; returns the seconds the caller was blocked (the copy).
     `last`: nothing will change the snapshot's arrays any more (the run's final save),
     so they are written without a private copy first: on CPU that copy was the biggest
-    part of the host memory a save adds (65 MB of the ~140 MB on configs/peer.py)."""
+    part of the host memory a save adds (bench/checkpoint.py measures a save)."""
     t = time.perf_counter()
     shared, own = _to_host(snapshot.shared, not last), _to_host(snapshot.own, not last)
     blocked = time.perf_counter() - t
@@ -279,9 +279,9 @@ class Checkpointer:
     free = shutil.disk_usage(self.directory).free
     if free < needed + needed // 10:
       raise CheckpointError(
-          f"checkpoint {r} needs about {units.format_bytes(needed)} in {self.directory}, which has "
-          f"{units.format_bytes(free)} free: not written. The checkpoints before it are intact; free some "
-          f"space and run the same command to continue")
+          f"checkpoint {r} needs about {units.format_bytes(needed)} in {self.directory}, "
+          f"which has {units.format_bytes(free)} free: not written. The checkpoints before "
+          f"it are intact; free some space and run the same command to continue")
 
   def _failed(self, r: int | None, error: BaseException) -> CheckpointError:
     text = str(error)
@@ -289,8 +289,8 @@ class Checkpointer:
     reason = "no space left on device" if full else f"{type(error).__name__}: {text[:300]}"
     free = shutil.disk_usage(self.directory).free
     return CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
-                           f"{reason} ({units.format_bytes(free)} free there). The checkpoints before it "
-                           f"are intact")
+                           f"{reason} ({units.format_bytes(free)} free there). The "
+                           f"checkpoints before it are intact")
 
   def wait(self) -> None:
     """Until every started save is complete on disk."""

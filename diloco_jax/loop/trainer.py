@@ -155,8 +155,8 @@ class Trainer:
         workdir, self.host, start=config.profile.start_round,
         rounds=config.profile.num_rounds, last_round=self.num_rounds, announce=self.is_host0)
     self.anchor_check = integrity.AnchorCheck(
-        self.membership.hash_exchange(dispatcher), every=config.anchor_check_every, last_round=self.num_rounds,
-        always=config.debug_checks)
+        self.membership.hash_exchange(dispatcher), every=config.anchor_check_every,
+        last_round=self.num_rounds, always=config.debug_checks)
 
   def run_round(self, r: int) -> None:
     """Round r: H inner steps of every local replica, then the outer step. Its record
@@ -231,8 +231,8 @@ class Trainer:
       return 0
     self.finished_before, r = snap.meta["finished"], snap.round
     if snap.own is None:  # elastic: this host was down when the checkpoint was written
-      self.outer, self.replicas = membership_lib.rejoin(self.outer_step, snap, self._init_replicas,
-                                                 self.data, self.h)
+      self.outer, self.replicas = membership_lib.rejoin(
+          self.outer_step, snap, self._init_replicas, self.data, self.h)
     else:
       self.outer = self.outer_step.join(snap.shared, snap.own)
       self.replicas = self.train_step.place(snap.own["replicas"])

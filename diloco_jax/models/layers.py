@@ -75,9 +75,9 @@ def _weight_grad_cpu(x_TxI, dy_TxO):
   # its fast YNNPACK kernels only when the lhs contracts its last axis, so left alone it
   # folds the transpose into the dot, copies dy transposed and runs its slower generic
   # kernel. Transposing the narrower operand ourselves, behind optimization barriers so
-  # XLA cannot fold it back, made configs/peer.py's inner step 1.3x faster on one core
-  # (0.39 -> 0.31 s per step, side by side with plain autodiff). CPU only: GPUs' matmuls
-  # take transposed operands.
+  # XLA cannot fold it back, made configs/peer.py's inner step faster on one core, side by
+  # side with plain autodiff (XLA:CPU of jax 0.10.2). CPU only: GPUs' matmuls take
+  # transposed operands.
   barrier = jax.lax.optimization_barrier
   if x_TxI.shape[1] <= dy_TxO.shape[1]:
     return jnp.dot(barrier(x_TxI.T), dy_TxO)
@@ -143,8 +143,9 @@ def attend(q_BxLxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
   Computed heads-first ([B, K, G, L, H], G = N / K query heads per key/value head), so
   both products batch over leading axes and contract trailing ones, the layout XLA:CPU's
   fast matmul kernels take without copies; `jax.nn.dot_product_attention`'s XLA
-  formulation keeps heads after the tokens and measured 1.1x slower for configs/peer.py's
-  inner step on one core (side by side). It is no fused kernel on any platform either.
+  formulation keeps heads after the tokens and was slower for configs/peer.py's inner step
+  on one core, side by side (XLA:CPU of jax 0.10.2). It is no fused kernel on any platform
+  either.
   """
   b, l, n, h = q_BxLxNxH.shape
   kv = k_BxSxKxH.shape[2]

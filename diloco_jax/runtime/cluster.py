@@ -178,7 +178,8 @@ def _agree_on_token(token: security.JoinToken | None, timeout_s: int) -> None:
       # too) goes through the agreement again, on a fresh coordination service.
       return
   try:
-    security.agree_on_token(coordination.coordination_client(), me, jax.process_count(), token, timeout_s)
+    security.agree_on_token(coordination.coordination_client(), me, jax.process_count(), token,
+                            timeout_s)
   except security.SecurityError as e:
     raise StartupError(str(e)) from None
   except Exception as e:  # noqa: BLE001 -- the store's errors (a host gone, a timeout)
@@ -190,8 +191,9 @@ def _keep_coordinator_connections(heartbeat_timeout: int) -> None:
   """Host 0: the coordination service keeps a host's connection through a network outage
   as long as its heartbeat timeout allows, not gRPC's 20 s.
 
-  gRPC's server sets TCP_USER_TIMEOUT = 20 s on every connection it accepts (measured:
-  getsockopt on the service's sockets; JAX passes no channel argument to change it). When a
+  gRPC's server sets TCP_USER_TIMEOUT = 20 s on every connection it accepts (seen with
+  getsockopt on the service's sockets, jaxlib 0.10.2; JAX passes no channel argument to
+  change it). When a
   link is down for 20 s while the service has a reply outstanding (a barrier, a key-value
   get), the kernel drops the connection; when the link returns the host's gRPC channel gets
   "Connection reset by peer", its error polling fails, and JAX aborts the process. A thread

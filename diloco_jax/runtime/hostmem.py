@@ -2,32 +2,28 @@
 system, and huge pages for big buffers.
 
 glibc's malloc keeps what is freed for reuse, and what compiling (LLVM) and the first
-rounds free stays counted in the process's RSS: measured on configs/peer.py's model, the
-trainer's peak RSS grew to 767 MiB without trimming and to 639 MiB with a trim after
-compiling and after every round. A trim costs a few milliseconds; where the C library is
-not glibc, it leaves malloc alone.
+rounds free stays counted in the process's RSS: a trim after compiling and after every
+round gives it back (`python bench/peer.py` reports the trainer's peak RSS). A trim costs
+a few milliseconds; where the C library is not glibc, it leaves malloc alone.
 
 Compiling also runs code: XLA's and LLVM's, in jaxlib's shared library, whose pages stay
-mapped into the process once touched. After configs/peer.py's compiles, 96 MiB of that
-library's code and 17 MiB of its read-only data were resident, most of it for compiling
-only. After a compile, `trim` also drops the process's mappings of such pages
-(`release_file_pages`): clean pages of read-only, private mappings of files, whose
-contents the kernel reads back from the file (the page cache, usually) when they are
-touched again, so what still runs comes back at a minor fault per page. This lowers the
-process's RSS, which counts every mapped page, by what it stopped using; the page cache,
-shared by every process mapping the same library, keeps the pages as long as the kernel
-does not need the memory, and a cgroup's memory accounting still counts them there.
+mapped into the process once touched, most of it for compiling only. After a compile,
+`trim` also drops the process's mappings of such pages (`release_file_pages`): clean pages
+of read-only, private mappings of files, whose contents the kernel reads back from the
+file (the page cache, usually) when they are touched again, so what still runs comes back
+at a minor fault per page. This lowers the process's RSS, which counts every mapped page,
+by what it stopped using; the page cache, shared by every process mapping the same
+library, keeps the pages as long as the kernel does not need the memory, and a cgroup's
+memory accounting still counts them there.
 
-XLA:CPU allocates each step's temporaries as one buffer (106 MB for configs/peer.py's
-inner step), too big for malloc's heap: it is mapped fresh and returned on every step,
-and the kernel faults its pages in one by one, 27,000 page faults per step. With
-transparent huge pages they come 2 MiB at a time (64 faults per step) and the step ran
-1.18x faster (one core: 310 -> 262 ms; two hosts: 16.1 -> 14.0 s per round), with the
-same peak RSS. Linux gives huge pages to the memory a process asks for them
-(`madvise`), which glibc's malloc does when started with the tunable
-`glibc.malloc.hugetlb=1`; tunables are read once at process start, so
-`restart_with_huge_pages` starts the trainer's process again with it.
-"""
+XLA:CPU allocates each step's temporaries as one buffer (the inner step's temporaries in
+the start-up line's "XLA's plan"), too big for malloc's heap: it is mapped fresh and
+returned on every step, and the kernel faults its pages in one by one, 4 KiB at a time.
+With transparent huge pages they come 2 MiB at a time, and the step runs faster with the
+same peak RSS (`python bench/overhead.py` reports the step's time). Linux gives huge pages
+to the memory a process asks for them (`madvise`), which glibc's malloc does when started
+with the tunable `glibc.malloc.hugetlb=1`; tunables are read once at process start, so
+`restart_with_huge_pages` starts the trainer's process again with it."""
 
 from __future__ import annotations
 
