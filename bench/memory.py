@@ -37,7 +37,6 @@ SMOKE = {"configs": "configs/tiny.py", "devices": 2, "layouts": "1x2,2x1"}
 def layout_memory(config, replicas: int, fsdp: int) -> dict:
   """The compiled inner step's bytes per device for `config` under replicas x fsdp."""
   import jax
-  import jax.numpy as jnp
 
   from diloco_jax.algo import optim
   from diloco_jax.algo import state as state_lib
@@ -107,8 +106,8 @@ def main(argv=None):
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
-  print(f"\n| config | params | layout (replicas x fsdp) | sequences per device | "
-        f"XLA: bytes per device | estimate |\n|---|---|---|---|---|---|")
+  print("\n| config | params | layout (replicas x fsdp) | sequences per device | "
+        "XLA: bytes per device | estimate |\n|---|---|---|---|---|---|")
   for row in rows:
     print(f"| {os.path.basename(row['config'])} | {row['params'] / 1e6:,.0f}M | "
           f"{row['layout']} | {row['sequences_per_device']} | "

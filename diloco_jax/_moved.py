@@ -54,7 +54,7 @@ MOVED: dict[str, tuple[str, ...]] = {
 }
 # Old modules whose name is a package now: their names are read from the package.
 SHADOWED: dict[str, tuple[str, ...]] = {
-    "data": ("data.pipeline",),
+    "data": ("data.pipeline", "data.synthetic", "data.files"),
     "corpus": ("corpus.format",),
 }
 

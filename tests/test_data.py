@@ -7,6 +7,7 @@ import pytest
 
 from diloco_jax import config as config_lib
 from diloco_jax.data import pipeline as data_lib
+from diloco_jax.data import synthetic
 
 
 def data_config(**overrides):
@@ -25,8 +26,8 @@ def host_data(c, **kw):
 def test_floor_equals_brute_force():
   """Enumerate every sequence of a tiny chain and average the true conditional's loss."""
   v, order, seq_len = 3, 2, 4
-  probs = data_lib.markov_chain(v, order, branching=2, seed=5)
-  pi = data_lib.stationary_distribution(probs)
+  probs = synthetic.markov_chain(v, order, branching=2, seed=5)
+  pi = synthetic.stationary_distribution(probs)
   np.testing.assert_allclose(  # π is stationary: the law of the next context is π again.
       np.bincount(((np.arange(v * v)[:, None] * v) % (v * v) + np.arange(v)).ravel(),
                   weights=(pi[:, None] * probs).ravel(), minlength=v * v), pi, atol=1e-12)
@@ -40,16 +41,16 @@ def test_floor_equals_brute_force():
     for t in range(2, seq_len + 1):
       nll -= np.log(probs[seq[t - 2] * v + seq[t - 1], seq[t]])
     total += p * nll / seq_len
-  assert abs(data_lib.loss_floor(probs, order, seq_len) - total) <= 1e-9
+  assert abs(synthetic.loss_floor(probs, order, seq_len) - total) <= 1e-9
 
 
 def test_samples_match_floor_and_unigram():
   c = data_config(vocab_size=8, branching=3)
-  probs = data_lib.markov_chain(8, 2, 3, seed=0)
-  seqs = data_lib.sample_sequences(probs, 2, 20000, 17, seed=1)
+  probs = synthetic.markov_chain(8, 2, 3, seed=0)
+  seqs = synthetic.sample_sequences(probs, 2, 20000, 17, seed=1)
   nll = -np.log(probs[seqs[:, :-2] * 8 + seqs[:, 1:-1], seqs[:, 2:]]).mean()
   # Positions 2..16 of 20000 sequences: ~3e5 draws; the std error of the mean is < 0.003.
-  assert abs(nll - data_lib.entropy_rate(probs, data_lib.stationary_distribution(probs))) < 0.01
+  assert abs(nll - synthetic.entropy_rate(probs, synthetic.stationary_distribution(probs))) < 0.01
   spec = host_data(c).spec
   assert spec.unigram_loss > spec.floor > 0
   freq = np.bincount(seqs.ravel(), minlength=8) / seqs.size

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax.data import files as data_files
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.device import mesh
 from diloco_jax.models import model as model_lib
@@ -164,7 +165,7 @@ def test_minimum_data_is_exact(tmp_path, extra):
   c = config_lib.get_default_config().data
   c.update(dict(source="tokens", token_dtype="int32", vocab_size=1000, eval_fraction=0.1))
   args = dict(seq_len=8, batch_size=4, replicas_per_host=3, num_eval_batches=2)
-  need = data_lib.min_windows(3 * 4, 2 * 4, 0.1) * 8 + 1
+  need = data_files.min_windows(3 * 4, 2 * 4, 0.1) * 8 + 1
   c.path = str(tmp_path / "tokens.bin")
   (np.arange(need + extra) % 1000).astype(np.int32).tofile(c.path)
   if extra == 0:
@@ -178,7 +179,7 @@ def test_text_files_skip_hidden_and_pycache(tmp_path):
   for name in ("a.txt", "sub/b.txt", "sub/.swp", ".git/config", "__pycache__/m.pyc"):
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_text("text")
-  used, skipped = data_lib.text_files(str(tmp_path))
+  used, skipped = data_files.text_files(str(tmp_path))
   assert used == [str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.txt")]
   assert skipped == [str(tmp_path / n) for n in (".git", "__pycache__", "sub/.swp")]
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax.data import files as data_files
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.data import prepared as corpus_reader
 from diloco_jax.loop import checkpoint
@@ -523,6 +524,6 @@ def test_text_directories_skip_binary_files(tmp_path):
   (tmp_path / "lib" / "m.so").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(1000))
   (tmp_path / "lib" / "b.txt").write_text("naïve déjà vu\n" * 100)
   (tmp_path / "m.pyc").write_bytes(b"\xa7\r\r\n\x00\x00\x00\x00" + b"x" * 100)
-  used, skipped = data_lib.text_files(str(tmp_path))
+  used, skipped = data_files.text_files(str(tmp_path))
   assert used == [str(tmp_path / "a.py"), str(tmp_path / "lib" / "b.txt")]
   assert skipped == [str(tmp_path / "lib" / "m.so"), str(tmp_path / "m.pyc")]

@@ -142,7 +142,7 @@ def claim(workdir: str, *, is_host0: bool, agree, restart_from_scratch: bool) ->
               f"({describe(lock.stale)})", flush=True)
       if restart_from_scratch:
         moved = move_previous_run(workdir)
-        print(f"--restart_from_scratch: " + (f"the previous run in {workdir} moved to {moved}"
+        print("--restart_from_scratch: " + (f"the previous run in {workdir} moved to {moved}"
                                             if moved else f"nothing to move in {workdir}"),
               flush=True)
     except WorkdirInUseError as e:
