@@ -9,7 +9,10 @@ and runs in well under a second.
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
 from collections.abc import Iterable
 from collections.abc import Mapping
 
@@ -170,3 +173,42 @@ def test_the_contract_catches_a_cycle_through_a_deferred_import(tmp_path):
   (root / "models" / "model.py").write_text("def load():\n  from . import exported\n")
   (root / "models" / "exported.py").write_text("from diloco_jax.models import model\n")
   assert cycles(graph(root)) == [["diloco_jax.models.exported", "diloco_jax.models.model"]]
+
+
+OLD_NAMES = {  # an attribute of each old module that lives elsewhere now
+    "model": "ModelConfig", "gpt": "GPT", "distributed": "Preemption",
+    "elastic": "ElasticCollective", "metrics": "format_bytes", "trainer": "Trainer",
+    "streaming": "model_fragment_ids", "corpus_reader": "open_corpus", "inner": "ReplicaStep",
+    "data": "markov_chain", "corpus": "SplitWriter",
+}
+
+_OLD_PATHS_SCRIPT = """
+import importlib, json, sys, warnings
+from diloco_jax import _moved
+from diloco_jax.models import model
+names = json.loads(sys.argv[1])
+out = {}
+for old in [*_moved.MOVED, *_moved.SHADOWED]:
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    module = importlib.import_module("diloco_jax." + old)
+    value = getattr(module, names[old]) if old in names else module
+  out[old] = [value is not None, [str(w.message) for w in caught
+                                  if w.category is DeprecationWarning]]
+out["factory"] = model.import_factory("diloco_jax.gpt:GPT").__name__
+print(json.dumps(out))
+"""
+
+
+def test_old_import_paths_still_import_with_a_deprecation_warning():
+  """Every module path of the flat layout imports (in a fresh process: nothing cached),
+  warns once with where it moved, and gives the names it had, a config's model module
+  "diloco_jax.gpt:GPT" included."""
+  done = subprocess.run([sys.executable, "-c", _OLD_PATHS_SCRIPT, json.dumps(OLD_NAMES)],
+                        capture_output=True, text=True, check=True,
+                        cwd=PACKAGE.parent)
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result.pop("factory") == "GPT"
+  for old, (found, warned) in result.items():
+    assert found, old
+    assert warned and all(f"diloco_jax.{old}" in w and "moved to" in w for w in warned), old
