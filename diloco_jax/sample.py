@@ -1,7 +1,7 @@
 """Entry point: python -m diloco_jax.sample --workdir=DIR --prompt="Once upon a time".
 
 Samples text from the model a run trained (the params it evaluates, from the newest
-checkpoint or --step's; see trained.py), with the run's own tokenizer: bytes for
+checkpoint or --step's; see loop/trained.py), with the run's own tokenizer: bytes for
 data.source "text", the corpus manifest's tokenizer for "prepared"; for "synthetic" and
 "tokens" data, which have no text, the prompt and the output are token ids.
 

@@ -1,7 +1,7 @@
 """The DiLoCo math as pure functions, and one `Rule` per mode (docs/algorithms.md §2–§4).
 
 No I/O, no threads. A rule is one mode's outer step over its state (a flax.struct pytree);
-`simulate` drives it with `lax.scan` over rounds, and the host driver (`outer.py`) drives
+`simulate` drives it with `lax.scan` over rounds, and the host driver (`modes/outer.py`) drives
 the same rule with the mean coming from the other hosts. So each mode's schedule is
 written once, here, and gives the same numbers wherever it runs.
 

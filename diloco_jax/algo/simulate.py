@@ -2,7 +2,7 @@
 
 It runs exactly the math of the trainer, under one `jax.jit` with the replicas vmapped:
 `step.make_train_step` for the inner steps, a `diloco` rule for the outer step (the rule
-the host driver calls too), and for streaming the schedule of `streaming.events` (the
+the host driver calls too), and for streaming the schedule of `fragments.events` (the
 table the host driver follows).
 """
 
@@ -126,7 +126,7 @@ def _rounds(rule, inner_steps, init_params, replicas, batches, k) -> SimulateRes
 
 def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fragment_ids,
                tau, alpha, t, k, h) -> SimulateResult:
-  """Streaming DiLoCo, following `streaming.events` step by step within each round."""
+  """Streaming DiLoCo, following `fragments.events` step by step within each round."""
   leaves, treedef = jax.tree.flatten(init_params)
   ids = jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves)
   num_p = max(ids) + 1

@@ -110,7 +110,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     if d.token_dtype == "uint16":
       check("config.data.vocab_size", d.vocab_size <= 65536, "must be <= 65536 for uint16")
   elif d.source == "prepared":
-    # Only set: data.py says what is wrong with the directory (missing, interrupted, ...).
+    # Only set: data/prepared.py says what is wrong with the directory (missing, interrupted, ...).
     check("config.data.path", bool(d.path),
           "must be a directory written by python -m diloco_jax.prepare")
   elif d.source == "synthetic":

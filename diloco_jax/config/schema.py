@@ -58,7 +58,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.seq_len = 64  # Tokens per training sequence (the context length).
   c.model.dtype = "float32"  # Compute dtype (COMPUTE_DTYPES); params are always float32.
   c.model.family = "gpt"  # One of MODEL_FAMILIES: 'gpt' (GPT-2 style) or 'llama'.
-  c.model.module = ""  # Your own model instead: 'package.module:factory' (see model.py).
+  c.model.module = ""  # Your own model instead: 'package.module:factory' (see models/family.py).
   c.model.num_kv_heads = 0  # 'llama': key/value heads (GQA), dividing num_heads; 0: num_heads.
   c.model.rope_base = 10000.0  # 'llama': base (theta) of the rotary position embedding.
   c.model.norm_eps = 1e-5  # 'llama': RMSNorm epsilon.

@@ -143,7 +143,7 @@ def _replica_iterator(source, seed: int, g: int, batch_size: int):
 def _prepared_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_size: int,
                         replicas_per_host: int, num_eval_batches: int, host_index: int,
                         num_hosts: int) -> HostData:
-  """A prepared corpus (corpus_reader.py): replica g's windows are those of its own
+  """A prepared corpus (prepared.py): replica g's windows are those of its own
   documents, packed across document boundaries (attention is not masked there); eval
   batches are the first eval_batches x batch_size windows of the "eval" split, never of
   training documents (repeated when the split holds fewer). Nothing is read whole: windows

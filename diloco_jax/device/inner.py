@@ -5,7 +5,7 @@
 (`mesh.Layout`): replicas over the `replica` device groups, the batch over `data` and
 `fsdp`, params and optimizer state sharded over `fsdp`, so XLA's collectives stay within
 a replica's devices and never reach another host. `EvalStep` evaluates one set of params
-(`ddp.py` has the data-parallel baseline's step).
+(`modes/ddp.py` has the data-parallel baseline's step).
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   """Raises a ConfigError, with the figures, if the run cannot fit in memory: the estimate
   of `model.memory_estimate` against `device_memory_limit()` per accelerator and
   `host_memory_available()`; with CPU devices, everything against the host's. Call it
-  after `validate` and `distributed.initialize`, before anything is allocated."""
+  after `validate` and `cluster.initialize`, before anything is allocated."""
   ddp, r, accum = config.mode == "ddp", config.replicas_per_host, config.grad_accum_steps
   groups, fsdp = config.mesh.replicas, config.mesh.fsdp
   sets = 1 if ddp else r // groups  # sets of params and AdamW moments on every local device

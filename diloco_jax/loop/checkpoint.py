@@ -14,7 +14,7 @@ A checkpoint is one orbax step directory, workdir/checkpoints/<round>, with thre
 Saving costs the main thread one copy of the state into host memory; the dispatch thread
 hands that copy to orbax, which writes it in the background while training goes on. All
 orbax calls run on the dispatch thread (the one thread that issues cross-host collectives,
-`dispatch.py`), and orbax's barriers go through the coordination service rather than gloo
+`wire/dispatch.py`), and orbax's barriers go through the coordination service rather than gloo
 collectives, so they never interleave with a cross-host sum.
 
 Restoring tries the newest checkpoint first. Every host reads its part, and the hosts

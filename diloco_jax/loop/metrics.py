@@ -299,7 +299,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          # XLA's plan for the compiled inner step on one device (None: the backend has none)
          "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
          "layout": layout,
-         "huge_pages": hostmem.huge_pages(),  # for big host buffers (hostmem.py)
+         "huge_pages": hostmem.huge_pages(),  # for big host buffers (runtime/hostmem.py)
          "versions": {"diloco_jax": __version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,
                       "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,

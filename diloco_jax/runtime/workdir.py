@@ -11,7 +11,7 @@ another machine that was touched within `STALE_AFTER_S` seconds is refused too.
 Starting over is always explicit: `--restart_from_scratch` moves the workdir's previous
 run (checkpoints, metrics, events, plot, run.json) into `workdir/previous/<time>/` and
 says where; without it, a workdir whose checkpoints cannot be read is refused on every
-attempt (checkpoint.py), never trained again from round 1.
+attempt (loop/checkpoint.py), never trained again from round 1.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def _unpack(flat: dict[np.dtype, np.ndarray], layout) -> PyTree:
 def reduce_encoded(x_R: np.ndarray, fmt: str, reduce, *, num_hosts: int, all_to_all,
                    allgather, **options) -> tuple[np.ndarray, int, np.ndarray]:
   """`reduce` over the rows of every host's [R, N] float32 array, which cross the network
-  encoded (compress.py); returns the [N] result, the same bytes on every host, the bytes
+  encoded (algo/compress.py); returns the [N] result, the same bytes on every host, the bytes
   this host sent, and its rows as the other hosts decoded them ([R, N]: what error
   feedback subtracts).
 
