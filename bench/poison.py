@@ -3,8 +3,8 @@
   python bench/poison.py [--rounds=16] [--inner_steps=25] [--out=bench/results/poison.json]
   python bench/poison.py --smoke  # seconds: 4 runs (every attack, every aggregation), 2 x 2 steps
 
-configs/tiny.py's model and data with K = 5 replicas on one host. Replica 4's
-pseudo-gradient is replaced at every outer step by
+configs/tiny.py's model and data with K = 5 replicas on one host. Through the trainer's
+`pseudo_gradient_hook`, replica 4's pseudo-gradient is replaced at every outer step by
   scaled  Δ × 1e6,
   noise   Gaussian noise with 100× the standard deviation of its Δ (fresh each time),
   nan     NaN everywhere,
@@ -35,19 +35,15 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench import _smoke  # noqa: E402
 from diloco_jax.loop import trainer  # noqa: E402
-from diloco_jax.modes import outer  # noqa: E402
 
 ATTACKS = ("none", "scaled", "noise", "nan")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 BAD = 4  # the poisoned replica
 SMOKE_RUNS = "none:mean,scaled:median,noise:trimmed_mean,nan:mean"
-# The class whose `pseudo_gradients(self, start, local_R)` every outer step calls.
-PATCHED = outer.HostSide
 
 
 def poison(attack: str):
-  """`PATCHED.pseudo_gradients` with replica BAD's Δ replaced per `attack`."""
-  original = PATCHED.pseudo_gradients
+  """A `pseudo_gradient_hook` (modes/base.py) that replaces replica BAD's Δ per `attack`."""
   key = [jax.random.key(1)]
 
   def bad(d, sub):
@@ -65,11 +61,12 @@ def poison(attack: str):
       return d.at[BAD].set(bad(d[BAD], sub))
     return jax.tree.map(one, deltas), k
 
-  def pseudo_gradients(self, start, local_R):
-    deltas, key[0] = replace(original(self, start, local_R), key[0])
-    return deltas
+  def hook(deltas_R, *, round_: int, fragment: int):
+    del round_, fragment  # every outer step, every fragment
+    deltas_R, key[0] = replace(deltas_R, key[0])
+    return deltas_R
 
-  return pseudo_gradients
+  return hook
 
 
 def tiny_config(args, aggregation: str):
@@ -106,17 +103,16 @@ def main():
   if unknown:
     parser.error(f"--runs: unknown {unknown}: attacks {ATTACKS}, aggregations {AGGREGATIONS}")
   rows = []
-  original = PATCHED.pseudo_gradients
   for attack, aggregation in runs:
-    PATCHED.pseudo_gradients = original if attack == "none" else poison(attack)
     with tempfile.TemporaryDirectory() as workdir:
-      result = trainer.train_and_evaluate(tiny_config(args, aggregation), workdir)
+      result = trainer.train_and_evaluate(
+          tiny_config(args, aggregation), workdir,
+          pseudo_gradient_hook=None if attack == "none" else poison(attack))
     skipped = sum(r.get("skipped", 0) for r in result.records)
     rows.append({"attack": attack, "aggregation": aggregation,
                  "final_eval_loss": float(result.records[-1]["eval_loss"]),
                  "skipped_rounds": skipped})
     print(rows[-1], flush=True)
-  PATCHED.pseudo_gradients = original
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"rounds": args.rounds, "inner_steps": args.inner_steps, "replicas": 5,

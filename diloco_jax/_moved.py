@@ -41,7 +41,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "workdir": ("runtime.workdir",),
     "inner": ("device.inner",),
     "mesh": ("device.mesh",),
-    "outer": ("modes.outer",),
+    "outer": ("modes.outer", "modes.host", "modes.base"),
     "streaming_step": ("modes.streaming",),
     "ddp": ("modes.ddp",),
     "skips": ("modes.skips",),

@@ -30,17 +30,17 @@ def main(out_dir, host_id, num_hosts, port, overrides):
   from tests import multihost
   overrides = json.loads(overrides)
   bad = overrides.pop("_poison", None)
+  hook = None
   if bad is not None and bad["host"] == int(host_id):
-    from diloco_jax.modes import outer
-    outer.HostSide.pseudo_gradients = multihost.poisoned(
-        outer.HostSide.pseudo_gradients, bad["replica"], bad["value"], bad.get("calls"))
+    hook = multihost.poisoned(bad["replica"], bad["value"], bad.get("calls"))
   corrupt = overrides.pop("_corrupt", None)
   if corrupt is not None and corrupt["host"] == int(host_id):
     trainer.Trainer._round_checks = multihost.corrupted(trainer.Trainer._round_checks,
                                                         corrupt["round"])
   config = multihost.small_config(**overrides)
   # One workdir for all hosts, as on a shared filesystem (checkpoints need it).
-  result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"))
+  result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"),
+                                      pseudo_gradient_hook=hook)
   leaves = {f"leaf{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(result.params))}
   np.savez(os.path.join(out_dir, f"host{host_id}.npz"), **leaves,
            records=json.dumps(result.records))

@@ -41,21 +41,21 @@ def small_config(**overrides):
   return c
 
 
-def poisoned(pseudo_gradients, replica: int, value, calls=None):
-  """`HostSide.pseudo_gradients` with replica `replica`'s Δ made NaN (value "nan") or
-  multiplied by `value`, at the given 1-based calls (one per round; streaming: one per
-  fragment sync) or at every call (None)."""
+def poisoned(replica: int, value, calls=None):
+  """A `pseudo_gradient_hook` (modes/base.py) that makes replica `replica`'s Δ NaN (value
+  "nan") or multiplies it by `value`, at the given 1-based calls (one per round;
+  streaming: one per fragment sync) or at every call (None)."""
   count = [0]
 
-  def wrapped(self, start, local_R):
+  def hook(deltas, *, round_: int, fragment: int):
+    del round_, fragment
     count[0] += 1
-    deltas = pseudo_gradients(self, start, local_R)
     if calls is not None and count[0] not in calls:
       return deltas
     bad = (lambda d: jnp.full_like(d, jnp.nan)) if value == "nan" else (lambda d: d * value)
     return jax.tree.map(lambda d: d.at[replica].set(bad(d[replica])), deltas)
 
-  return wrapped
+  return hook
 
 
 def corrupted(round_checks, at_round: int):

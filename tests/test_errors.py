@@ -15,6 +15,7 @@ from diloco_jax.data import files as data_files
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.device import mesh
 from diloco_jax.models import model as model_lib
+from diloco_jax.modes import registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "--config=configs/tiny.py"
@@ -209,14 +210,15 @@ def test_param_count_from_shapes(vocab_size):
 
 def test_memory_check_figures(monkeypatch):
   config = config_lib.get_default_config()
-  mesh.check_memory(config, config.data.vocab_size, 1)  # small: fits this machine
+  profile = lambda: registry.driver(config.mode).memory_profile(config)  # sync DiLoCo's
+  mesh.check_memory(config, config.data.vocab_size, 1, profile())  # small: fits this machine
   config.model.update(num_layers=8, d_model=1024, mlp_dim=4096)  # 101M params
   config.replicas_per_host = 64
   n = model_lib.num_params_of(model_lib.ModelConfig.from_config(config.model, 32))
   monkeypatch.setattr(mesh, "device_memory_limit", lambda: 60 * 2**30)
   monkeypatch.setattr(mesh, "host_memory_available", lambda: 1000 * 2**30)
   with pytest.raises(config_lib.ConfigError) as e:
-    mesh.check_memory(config, 32, 1)
+    mesh.check_memory(config, 32, 1, profile())
   (line,) = str(e.value).splitlines()
   state = 64 * 12 * n / 2**30  # 64 replicas' float32 params and two AdamW moments
   assert line.startswith("config.model / config.replicas_per_host: needs about ")
@@ -225,7 +227,7 @@ def test_memory_check_figures(monkeypatch):
   monkeypatch.setattr(mesh, "device_memory_limit", lambda: 1000 * 2**30)
   monkeypatch.setattr(mesh, "host_memory_available", lambda: 2**30)
   with pytest.raises(config_lib.ConfigError, match=r"of host memory, more than the 1\.0 GiB"):
-    mesh.check_memory(config, 32, 1)  # the outer state of 64 replicas, on the host
+    mesh.check_memory(config, 32, 1, profile())  # the outer state of 64 replicas, on the host
 
 
 def test_every_field_documented():

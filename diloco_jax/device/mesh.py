@@ -18,13 +18,15 @@ over `replica` along R. Batches [R, B, L+1] split R over `replica` and B over
 device holds every replica.
 
 `check_memory` refuses, before anything is allocated, a config whose estimate
-(`model.memory_estimate`) exceeds what the devices or the host have, with the figures.
+(`model.memory_estimate` for the mode's `MemoryProfile`) exceeds what the devices or the
+host have, with the figures.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,21 +171,35 @@ def device_memory_limit() -> int | None:
   return stats.get("bytes_limit") if stats else None
 
 
+class MemoryProfile(NamedTuple):
+  """What a mode holds of the model's size, in copies of its params (its driver's
+  `memory_profile`; this layer knows no modes).
+
+  Attributes:
+    param_sets: sets of params and AdamW moments on every local device.
+    grad_copies: gradients alive at once in an inner step (without accumulation's
+      running sum, which `check_memory` adds).
+    host_copies: copies of the params in host memory (the outer state, Δ and what it is
+      computed from).
+  """
+  param_sets: int
+  grad_copies: int
+  host_copies: int
+
+
 def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
-                 num_local_devices: int) -> None:
+                 num_local_devices: int, profile: MemoryProfile) -> None:
   """Raises a ConfigError, with the figures, if the run cannot fit in memory: the estimate
-  of `model.memory_estimate` against `device_memory_limit()` per accelerator and
-  `host_memory_available()`; with CPU devices, everything against the host's. Call it
-  after `validate` and `cluster.initialize`, before anything is allocated."""
-  ddp, r, accum = config.mode == "ddp", config.replicas_per_host, config.grad_accum_steps
-  groups, fsdp = config.mesh.replicas, config.mesh.fsdp
-  sets = 1 if ddp else r // groups  # sets of params and AdamW moments on every local device
+  of `model.memory_estimate` for the mode's `profile` against `device_memory_limit()` per
+  accelerator and `host_memory_available()`; with CPU devices, everything against the
+  host's. Call it after `validate` and `cluster.initialize`, before anything is
+  allocated."""
+  accum, groups, fsdp = config.grad_accum_steps, config.mesh.replicas, config.mesh.fsdp
+  sets = profile.param_sets
   cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
   device, host = model_lib.memory_estimate(
-      cfg, param_sets=sets, fsdp=fsdp,
-      # ddp keeps all R replicas' gradients of a step before summing them; DiLoCo steps one
-      # replica at a time; accumulation adds the running sum.
-      grad_copies=(r + 1 if ddp else 1) + (accum > 1), host_copies=0 if ddp else 2 * r + 3,
+      cfg, param_sets=sets, fsdp=fsdp, grad_copies=profile.grad_copies + (accum > 1),
+      host_copies=profile.host_copies,
       micro_batch=max(config.batch_size * groups // (accum * num_local_devices), 1))
   d = config.data
   if d.source == "synthetic":  # the chain's tables (probs, cdf, sort scratch) and samples

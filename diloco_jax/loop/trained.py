@@ -1,7 +1,8 @@
 """The model a run trained, read from its workdir in one process, without the trainer:
 what `sample` and `export` start from.
 
-The params are those the run evaluates (docs/algorithms.md): the anchor in sync, delayed
+The params are those the run evaluates (docs/algorithms.md), as the mode's driver reads
+them from the checkpoint's trees (`trained_params` in modes/): the anchor in sync, delayed
 and streaming DiLoCo (streaming: every fragment's global copy), ddp's one set of params,
 and in eager mode host 0's first replica during the run and the mean of all K replicas
 (with the last mean applied) once the run has finished. The newest checkpoint is read
@@ -21,12 +22,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax import config as config_lib
-from diloco_jax.algo import diloco
-from diloco_jax.algo import fragments as streaming
-from diloco_jax.algo import optim
-from diloco_jax.algo import state as state_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
 from diloco_jax.models import model as model_lib
+from diloco_jax.modes import registry
 
 Params = Any
 
@@ -68,51 +66,16 @@ def _read(manager: ocp.CheckpointManager, step: int, items: tuple[str, ...]) -> 
   return {item: jax.tree.map(np.asarray, restored[item]) for item in items}
 
 
-def _fill(template: Any, raw: Any) -> Any:
-  """`template`'s tree with the leaves found at the same paths in `raw` (orbax returns
-  dataclasses and tuples as dicts and lists)."""
-  def find(path, _):
-    node = raw
-    for key in path:
-      node = node[getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))]
-    return np.asarray(node)
-  return jax.tree_util.tree_map_with_path(find, template)
-
-
-def _rows(tree: Any) -> Any:
-  """[hosts, R, ...] -> [K, ...]: every replica of every host, host-major."""
-  return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)
-
-
 def model_params(config: ml_collections.ConfigDict, meta: dict, template: Params,
                  read) -> Params:
-  """The params to evaluate, from a checkpoint's items (`read(items)`) and `meta`."""
-  mode = meta["mode"]
-  if mode in ("sync", "delayed"):
-    return _fill(template, read(("shared",))["shared"]["outer"]["anchor"])
-  if mode == "streaming":
-    o = config.outer
-    ids = jax.tree.leaves(streaming.model_fragment_ids(template, o.fragments,
-                                                       o.fragment_layout))
-    states = read(("shared",))["shared"]["outer"]
-    return streaming.join([list(s["anchor"]) for s in states], ids,
-                          jax.tree.structure(template))
-  items = read(("shared", "hosts"))
-  if mode == "ddp":
-    return jax.tree.map(lambda x: x[0][0], _fill(template, items["hosts"]["replicas"]["params"]))
-  if mode != "eager":
-    raise LoadError(f"a checkpoint of mode {mode!r}, unknown to this version")
-  own = items["hosts"]["outer"]
-  if not meta["finished"]:  # what the run evaluates: host 0's first replica
-    return jax.tree.map(lambda x: x[0][0], _fill(template, own["params"]))
-  num_replicas = meta["num_hosts"] * meta["replicas_per_host"]
-  rule = diloco.Eager(optim.outer_optimizer(config.outer), num_replicas)
-  like = jax.eval_shape(lambda anchor: state_lib.init_eager_state(
-      rule.optimizer, anchor, num_replicas), template)
-  raw = {"params": _rows(own["params"]), "opt_state": _rows(own["opt_state"]),
-         "prev_deltas": _rows(own["prev_deltas"]), **items["shared"]["outer"]}
-  per_replica = jax.jit(rule.final)(_fill(like, raw))
-  return jax.tree.map(lambda x: np.asarray(x).mean(axis=0), per_replica)
+  """The params to evaluate, from a checkpoint's items (`read(items)`) and `meta`: the
+  mode's driver says which (`modes.base.Driver.trained_params`)."""
+  try:
+    driver = registry.driver(meta["mode"])
+  except KeyError:
+    raise LoadError(f"a checkpoint of mode {meta['mode']!r}, unknown to this version"
+                    ) from None
+  return driver.trained_params(config, meta, template, read)
 
 
 def load(workdir: str, step: int | None = None) -> Trained:

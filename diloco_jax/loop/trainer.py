@@ -1,11 +1,11 @@
 """The round loop: inner phases of every local replica, the outer step, eval, checkpoints.
 
 One round is H inner steps of every local replica (one jitted call per step, dispatched
-without waiting), then the mode's outer step. Every mode's driver (`outer.OuterStep` over a
-`diloco` rule, `streaming_step.StreamingOuterStep`, `ddp.DDPRound`) has the same interface,
-so nothing here depends on the mode. What a round reports travels back as values into
-`metrics.RoundLog`, which writes each record one round late so the devices never wait
-for logging; only host 0 prints and writes files.
+without waiting), then the mode's outer step. Every mode's driver comes from
+`modes.registry` and is used only through `modes.base.Driver`, so nothing here depends on
+the mode. What a round reports travels back as values into `metrics.RoundLog`, which
+writes each record one round late so the devices never wait for logging; only host 0
+prints and writes files.
 """
 
 from __future__ import annotations
@@ -34,20 +34,14 @@ from diloco_jax.loop import metrics
 from diloco_jax.loop import profiling
 from diloco_jax.loop import writers
 from diloco_jax.models import model as model_lib
-from diloco_jax.modes import ddp
-from diloco_jax.modes import outer as outer_lib
-from diloco_jax.modes import streaming as streaming_step
+from diloco_jax.modes import base as modes_base
+from diloco_jax.modes import registry
 from diloco_jax.runtime import hostmem
 from diloco_jax.runtime import preemption
 from diloco_jax.runtime import workdir as workdir_lib
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib
 from diloco_jax.wire import integrity
-
-# Each mode's outer step: a rule's driver, streaming's fragments, or ddp's per-step sums.
-DRIVERS = {"sync": outer_lib.OuterStep, "delayed": outer_lib.OuterStep,
-           "eager": outer_lib.OuterStep, "streaming": streaming_step.StreamingOuterStep,
-           "ddp": ddp.DDPRound}
 
 
 class TrainResult(NamedTuple):
@@ -76,11 +70,14 @@ class Trainer:
   """Everything one host needs for a run: `run_round(r)` trains round r, `run()` the run."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False):
+               dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False,
+               pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None):
     config = corpus_reader.resolved(config, announce=jax.process_index() == 0)
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
-    mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count())
+    driver = registry.driver(config.mode)
+    mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count(),
+                          driver.memory_profile(config))
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self.is_host0 = self.host == 0
@@ -113,7 +110,6 @@ class Trainer:
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
         collective=self.collective, save_timeout=self.membership.save_timeout)
-    driver = DRIVERS[config.mode]
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
                                         grad_accum_steps=config.grad_accum_steps,
                                         collective=self.collective, dispatcher=dispatcher,
@@ -122,14 +118,17 @@ class Trainer:
         config.outer, collective=self.collective, dispatcher=dispatcher,
         replicas_per_host=self.replicas_per_host,
         steps_finished=self.train_step.steps_finished, extra=self.membership.sum_extra)
-    self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange)
+    param_shapes = model_lib.param_shapes(self.model_cfg)
+    self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange,
+                                         params=param_shapes,
+                                         pseudo_gradient_hook=pseudo_gradient_hook)
     self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
                                             num_replicas=self.outer_step.param_sets)
     # Compiled from the state's shapes before the state exists: compiling is start-up's
     # biggest use of host memory (LLVM), and the state (65 MB on configs/peer.py's model)
     # would add to that peak.
     self.step_memory = self.train_step.compile(
-        jax.eval_shape(self._init_replicas, model_lib.param_shapes(self.model_cfg)),
+        jax.eval_shape(self._init_replicas, param_shapes),
         (self.replicas_per_host, config.batch_size, config.model.seq_len + 1))
     with jax.default_device(self.exchange.host_device):
       anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
@@ -184,7 +183,7 @@ class Trainer:
     self._round_checks(r)
     hostmem.trim()  # what the round's compiles and host copies freed
 
-  def _take(self, r: int, update: outer_lib.Update) -> None:
+  def _take(self, r: int, update: modes_base.Update) -> None:
     self.outer, self.replicas = update.outer, update.replicas
     self.log.add_times(r, update.times)
     self.log.add_synced(update.synced)
@@ -357,13 +356,17 @@ class Trainer:
     self.log.write_through(r)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       restart_from_scratch: bool = False) -> TrainResult:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, restart_from_scratch: bool = False, *,
+    pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None) -> TrainResult:
   """Trains per `config`, writing run.json, metrics, TensorBoard events and a loss plot to
   `workdir` (host 0). On several hosts, `distributed.initialize` must have run first.
-  `restart_from_scratch`: move the workdir's previous run aside and start from round 1."""
+  `restart_from_scratch`: move the workdir's previous run aside and start from round 1.
+  `pseudo_gradient_hook`: transforms this host's pseudo-gradients before they are checked
+  and sent (`modes.base.PseudoGradientHook`; a tool's, e.g. bench/poison.py's attacks)."""
   with dispatch.Dispatcher() as dispatcher:
-    trainer = Trainer(config, workdir, dispatcher, restart_from_scratch)
+    trainer = Trainer(config, workdir, dispatcher, restart_from_scratch,
+                      pseudo_gradient_hook=pseudo_gradient_hook)
     try:
       with trainer.preemption.handling_signals():
         return trainer.run()

@@ -1,2 +1,2 @@
-"""One driver per mode (sync, delayed, eager, streaming, ddp) behind one protocol, and the
-NaN-skip policy."""
+"""One driver per mode (sync, delayed, eager, streaming, ddp) behind one protocol
+(`base.Driver`), found by name in `registry`, and the NaN-skip policy."""

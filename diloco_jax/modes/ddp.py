@@ -1,26 +1,29 @@
 """The data-parallel baseline (mode 'ddp'): one set of params, gradients all-reduced every step.
 
-`DDPStep` is its inner step; `DDPRound` gives it the outer step's interface (`outer.py`),
-so the trainer runs every mode through the same loop: a ddp "round" is H steps between log
-lines, its end only sums the round's loss over hosts.
+`DDPStep` is its inner step; `DDPRound` is its driver (`base.Driver`), so the trainer
+runs every mode through the same loop: a ddp "round" is H steps between log lines, its end
+only sums the round's loss over hosts.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.device import inner
-from diloco_jax.modes import outer as outer_lib
+from diloco_jax.device import mesh as mesh_lib
+from diloco_jax.modes import base
 from diloco_jax.modes import skips
+from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib
 
 Params = Any
@@ -91,7 +94,7 @@ class DDPStep(inner.Step):
 
 
 class DDPRound:
-  """ddp with the outer step's interface: no outer state, nothing in flight."""
+  """ddp's driver (`base.Driver`): no outer state, nothing in flight."""
 
   param_sets = 1  # one set of params stands for all K replicas
 
@@ -100,13 +103,19 @@ class DDPRound:
     self._sent = 0  # the collective's count at the end of the previous round
 
   @classmethod
-  def from_config(cls, config, *, mesh: Mesh, exchange: exchange_lib.Exchange) -> DDPRound:
-    del config
+  def from_config(cls, config: ml_collections.ConfigDict, *, mesh: Mesh,
+                  exchange: exchange_lib.Exchange, params: Params,
+                  pseudo_gradient_hook: base.PseudoGradientHook | None = None) -> DDPRound:
+    del config, params
+    if pseudo_gradient_hook is not None:  # ignored, a tool would measure nothing
+      raise ValueError("mode 'ddp' has no pseudo-gradients for a pseudo_gradient_hook: "
+                       "it sums gradients every step")
     return cls(mesh=mesh, exchange=exchange)
 
   @staticmethod
-  def inner_step(loss_fn, optimizer, *, mesh: Mesh, grad_accum_steps: int, collective,
-                 dispatcher, num_replicas: int) -> DDPStep:
+  def inner_step(loss_fn: inner.LossFn, optimizer: optax.GradientTransformation, *,
+                 mesh: Mesh, grad_accum_steps: int, collective: Any,
+                 dispatcher: dispatch.Dispatcher, num_replicas: int) -> DDPStep:
     """Every step: this host's gradient sum, summed across hosts on the dispatch thread."""
     reduce = None
     if collective.num_hosts > 1:
@@ -115,14 +124,29 @@ class DDPRound:
     return DDPStep(loss_fn, optimizer, mesh=mesh, num_replicas=num_replicas, reduce=reduce,
                    grad_accum_steps=grad_accum_steps)
 
-  def init(self, anchor: Params) -> outer_lib.Outer:
+  @staticmethod
+  def memory_profile(config: ml_collections.ConfigDict) -> mesh_lib.MemoryProfile:
+    """One set of params; a step keeps all R replicas' gradients before summing them, and
+    the sum; nothing on the host."""
+    return mesh_lib.MemoryProfile(param_sets=1, grad_copies=config.replicas_per_host + 1,
+                                  host_copies=0)
+
+  @classmethod
+  def trained_params(cls, config: ml_collections.ConfigDict, meta: dict, template: Params,
+                     read: base.Read) -> Params:
+    """The one set of params, host 0's (every host holds the same)."""
+    del config, meta
+    params = read(("hosts",))["hosts"]["replicas"]["params"]
+    return jax.tree.map(lambda x: x[0][0], base.fill(template, params))
+
+  def init(self, anchor: Params) -> base.Outer:
     self._sent = self.exchange.collective.bytes_sent
-    return outer_lib.Outer(None, state_lib.SkipCounters.of(0, 0), {})
+    return base.Outer(None, state_lib.SkipCounters.of(0, 0), {})
 
-  def after_step(self, outer, replicas, step: int, round_: int) -> outer_lib.Update:
-    return outer_lib.Update(outer, replicas, {})
+  def after_step(self, outer, replicas, step: int, round_: int) -> base.Update:
+    return base.Update(outer, replicas, {})
 
-  def end_round(self, outer, replicas, loss_sum, round_: int) -> outer_lib.Update:
+  def end_round(self, outer, replicas, loss_sum, round_: int) -> base.Update:
     """The round's loss summed over hosts, and the bytes its gradient and loss sums sent
     (round 1's also count the start-up's agreements: a few bytes per host)."""
     collective = self.exchange.collective
@@ -132,10 +156,10 @@ class DDPRound:
     sent, self._sent = collective.bytes_sent - self._sent, collective.bytes_sent
     arrived = exchange_lib.Arrived(round_, 0, None, np.zeros(0, bool), loss_sum, None,
                                    None, sent, 0)
-    return outer_lib.Update(outer, replicas, {}, (skips.Synced(arrived, True, 0, ""),))
+    return base.Update(outer, replicas, {}, (skips.Synced(arrived, True, 0, ""),))
 
-  def drain(self, outer, replicas) -> outer_lib.Update:
-    return outer_lib.Update(outer, replicas, {})
+  def drain(self, outer, replicas) -> base.Update:
+    return base.Update(outer, replicas, {})
 
   def final(self, outer, replicas) -> Params:
     return jax.tree.map(lambda x: x[0], replicas.params)
@@ -152,5 +176,5 @@ class DDPRound:
   def split_like(self, outer, replicas, inflight: bool) -> tuple[dict, dict]:
     return self.split(outer)
 
-  def join(self, shared: dict, own: dict | None) -> outer_lib.Outer:
-    return outer_lib.Outer(None, state_lib.SkipCounters.of(0, 0), {})
+  def join(self, shared: dict, own: dict | None) -> base.Outer:
+    return base.Outer(None, state_lib.SkipCounters.of(0, 0), {})

@@ -4,7 +4,7 @@ The schedule is `streaming.events`, the table `simulate` follows too: after inne
 fragment p's Δ against its own global copy θᵍ_p is sent (one job on the dispatch thread),
 and τ steps later its mean moves θᵍ_p with the sync rule and every replica merges it in,
 θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p. The pieces (placement, Δ, NaN check, exchange, skip
-policy, checkpoint layout) are `outer.HostSide`'s. The state is the list of the P
+policy, checkpoint layout) are `host.HostSide`'s. The state is the list of the P
 fragments' OuterStates; fragment 0's send, at the end of each round, carries the round's
 loss. At a round boundary only fragment 0 can be in flight (τ < H/P), so it is checkpointed
 and issued again on resume like a delayed round's sum.
@@ -17,26 +17,44 @@ import time
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
+from jax.sharding import Mesh
 
 from diloco_jax import config as config_lib
 from diloco_jax.algo import diloco
 from diloco_jax.algo import fragments as streaming
 from diloco_jax.algo import optim
 from diloco_jax.algo import state as state_lib
-from diloco_jax.modes import outer as outer_lib
+from diloco_jax.modes import base
+from diloco_jax.modes import host as host_lib
 from diloco_jax.wire import exchange as exchange_lib
 
 Params = Any
 
 
-class StreamingOuterStep(outer_lib.HostSide):
-  """The streaming driver: the interface of `outer.OuterStep`, events instead of a rule."""
+def fragments_of(params: Params, num_fragments: int,
+                 layout: str) -> tuple[list[int], streaming.Fragments]:
+  """(each leaf's fragment, the fragments seen as one rule) for params of these shapes."""
+  try:
+    ids = streaming.model_fragment_ids(params, num_fragments, layout)
+  except ValueError as e:  # your own module, with fewer blocks than fragments
+    raise config_lib.ConfigError(f"config.outer.fragments = {num_fragments}: {e}") from None
+  ids = jax.tree.leaves(ids)
+  return ids, streaming.Fragments(tuple(ids), jax.tree.structure(params))
 
-  def __init__(self, optimizer, *, num_fragments: int, layout: str, overlap_steps: int,
-               merge_alpha: float, num_rounds: int, inner_steps: int, **kw):
-    super().__init__(**kw)
-    self.num_fragments, self.fragment_layout = num_fragments, layout
+
+class StreamingOuterStep(host_lib.HostSide):
+  """The streaming driver: `base.Driver` with events instead of a rule's round.
+
+  `params`: the model's param shapes, which fix the fragments."""
+
+  def __init__(self, optimizer, *, params: Params, num_fragments: int, layout: str,
+               overlap_steps: int, merge_alpha: float, num_rounds: int, inner_steps: int,
+               **kw):
+    self.ids, self.fragments = fragments_of(params, num_fragments, layout)
+    super().__init__(self.fragments, **kw)
+    self.num_fragments = num_fragments
     self.alpha = merge_alpha
     self.optimizer, self.h = optimizer, inner_steps
     self.fragment_rule = diloco.Sync(optimizer, self.num_replicas)  # a fragment's outer step
@@ -46,43 +64,52 @@ class StreamingOuterStep(outer_lib.HostSide):
                                             num_replicas=self.replicas_per_host))
 
   @classmethod
-  def from_config(cls, config, **kw) -> StreamingOuterStep:
+  def from_config(cls, config: ml_collections.ConfigDict, *, mesh: Mesh,
+                  exchange: exchange_lib.Exchange, params: Params,
+                  pseudo_gradient_hook: base.PseudoGradientHook | None = None
+                  ) -> StreamingOuterStep:
     o = config.outer
-    return cls(optim.outer_optimizer(o), num_fragments=o.fragments, layout=o.fragment_layout,
-               overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha,
-               num_rounds=config.num_rounds, inner_steps=config.inner_steps,
-               max_skipped_rounds=o.max_skipped_rounds, **kw)
+    return cls(optim.outer_optimizer(o), params=params, num_fragments=o.fragments,
+               layout=o.fragment_layout, overlap_steps=o.overlap_steps,
+               merge_alpha=o.merge_alpha, num_rounds=config.num_rounds,
+               inner_steps=config.inner_steps, mesh=mesh, exchange=exchange,
+               max_skipped_rounds=o.max_skipped_rounds,
+               pseudo_gradient_hook=pseudo_gradient_hook)
 
-  def init(self, anchor: Params) -> outer_lib.Outer:
-    try:
-      ids = streaming.model_fragment_ids(anchor, self.num_fragments, self.fragment_layout)
-    except ValueError as e:  # your own module, with fewer blocks than fragments
-      raise config_lib.ConfigError(f"config.outer.fragments = {self.num_fragments}: {e}"
-                                   ) from None
-    self.ids = jax.tree.leaves(ids)
-    self.rule = streaming.Fragments(tuple(self.ids), jax.tree.structure(anchor))
+  @classmethod
+  def trained_params(cls, config: ml_collections.ConfigDict, meta: dict, template: Params,
+                     read: base.Read) -> Params:
+    """θᵍ: every fragment's global copy."""
+    o = config.outer
+    ids, rule = fragments_of(template, o.fragments, o.fragment_layout)
+    like = jax.eval_shape(lambda anchor: streaming.outer_states(
+        optim.outer_optimizer(o), anchor, ids, o.fragments), template)
+    return rule.final(cls.restored_state(rule, like, read))
+
+  def init(self, anchor: Params) -> base.Outer:
     states = jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
                                                    self.num_fragments), self.host)
-    return outer_lib.Outer(states, state_lib.SkipCounters.of(0, 0), self.init_residuals(states))
+    return base.Outer(states, state_lib.SkipCounters.of(0, 0), self.init_residuals(states))
 
   def init_residuals(self, states) -> dict[int, np.ndarray]:
     return self.exchange.init_residuals({p: exchange_lib.entries(s.anchor)
                                          for p, s in enumerate(states)})
 
-  def after_step(self, outer, replicas, step: int, round_: int) -> outer_lib.Update:
+  def after_step(self, outer, replicas, step: int, round_: int) -> base.Update:
     return self._handle(outer, replicas, step, round_, None)
 
-  def end_round(self, outer, replicas, loss_sum, round_: int) -> outer_lib.Update:
+  def end_round(self, outer, replicas, loss_sum, round_: int) -> base.Update:
     return self._handle(outer, replicas, round_ * self.h, round_, loss_sum)
 
-  def _handle(self, outer, replicas, step: int, round_: int, loss_sum) -> outer_lib.Update:
+  def _handle(self, outer, replicas, step: int, round_: int, loss_sum) -> base.Update:
     times = {"outer_d2h": 0.0, "outer_update": 0.0}
     synced = []
     for kind, p in self.events.get(step, ()):
       if kind == "send":
         local, seconds = self.to_host(self._fragment(replicas.params, p))
         times["outer_d2h"] += seconds
-        deltas_R = self.pseudo_gradients(outer.state[p].anchor, local)
+        deltas_R = self.pseudo_gradients(outer.state[p].anchor, local, round_=round_,
+                                         fragment=p)
         finite_R, replicas = self.check_finite(deltas_R, replicas)
         loss = loss_sum if p == 0 else np.zeros((), np.float32)
         outer = outer._replace(inflight=(*outer.inflight, self.exchange.submit(
@@ -97,8 +124,8 @@ class StreamingOuterStep(outer_lib.HostSide):
       replicas = self._merge_in(replicas, p, states[p].anchor)
       outer = outer._replace(state=states)
       times["outer_update"] += time.perf_counter() - t
-    return outer_lib.Update(outer, replicas, times if self.events.get(step) else {},
-                            tuple(synced))
+    return base.Update(outer, replicas, times if self.events.get(step) else {},
+                       tuple(synced))
 
   def _fragment(self, params: Params, p: int) -> list:
     return streaming.split(params, self.ids, self.num_fragments)[p]
@@ -112,11 +139,11 @@ class StreamingOuterStep(outer_lib.HostSide):
       new = self.layout.hold(self._merge(self._fragment(replicas.params, p), placed))
     parts = streaming.split(replicas.params, self.ids, self.num_fragments)
     parts[p] = jax.block_until_ready(new)
-    return replicas.replace(params=streaming.join(parts, self.ids, self.rule.treedef))
+    return replicas.replace(params=streaming.join(parts, self.ids, self.fragments.treedef))
 
-  def drain(self, outer, replicas) -> outer_lib.Update:
+  def drain(self, outer, replicas) -> base.Update:
     """Nothing: the schedule receives every send by the last inner step."""
-    return outer_lib.Update(outer, replicas, {})
+    return base.Update(outer, replicas, {})
 
   def sent_at_boundary(self, params_R: Params) -> Params:
     return self._fragment(params_R, 0)  # only fragment 0 crosses a round boundary

@@ -1,0 +1,68 @@
+"""The modes' one protocol (`modes.base.Driver`), their registry and the pseudo-gradient hook."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from diloco_jax import config as config_lib
+from diloco_jax.algo import diloco
+from diloco_jax.device import inner
+from diloco_jax.modes import base
+from diloco_jax.modes import ddp
+from diloco_jax.modes import host
+from diloco_jax.modes import registry
+
+# Every member the round loop, the rejoin and the model reader may use on a driver.
+MEMBERS = sorted({name for name in vars(base.Driver) if not name.startswith("_")}
+                 | set(base.Driver.__annotations__))
+
+
+def test_every_mode_has_a_driver():
+  assert set(registry.DRIVERS) == set(config_lib.MODES)
+  with pytest.raises(KeyError, match="mode 'nope': one of"):
+    registry.driver("nope")
+
+
+@pytest.mark.parametrize("mode", config_lib.MODES)
+def test_every_driver_has_every_member_of_the_protocol(mode):
+  driver = registry.driver(mode)
+  assert {"init", "end_round", "join", "trained_params", "param_sets"} <= set(MEMBERS)
+  missing = [name for name in MEMBERS if not hasattr(driver, name)]
+  assert not missing, f"{driver.__name__} lacks {missing}"
+
+
+def test_memory_profiles():
+  config = config_lib.get_default_config()
+  config.replicas_per_host, config.mesh.replicas = 4, 2
+  assert registry.driver("sync").memory_profile(config) == (2, 1, 11)
+  assert registry.driver("ddp").memory_profile(config) == (1, 5, 0)
+
+
+def test_pseudo_gradient_hook_sees_every_send():
+  """The hook gets Δ of every local replica with its round and fragment; what it returns
+  is what the driver checks and sends."""
+  calls = []
+
+  def hook(deltas_R, *, round_, fragment):
+    calls.append((round_, fragment))
+    return jax.tree.map(lambda d: d.at[1].set(jnp.nan), deltas_R)
+
+  exchange = types.SimpleNamespace(replicas_per_host=2, num_replicas=2,
+                                   host_device=jax.devices("cpu")[0])
+  side = host.HostSide(diloco.Sync(optax.sgd(1.0), 2), mesh=inner.local_mesh(),
+                       exchange=exchange, max_skipped_rounds=3, pseudo_gradient_hook=hook)
+  anchor = {"w": jnp.ones(3)}
+  deltas_R = side.pseudo_gradients(anchor, {"w": jnp.zeros((2, 3))}, round_=7, fragment=1)
+  assert calls == [(7, 1)]
+  np.testing.assert_array_equal(deltas_R["w"][0], np.ones(3))
+  assert np.isnan(deltas_R["w"][1]).all()
+
+
+def test_ddp_refuses_a_pseudo_gradient_hook():
+  with pytest.raises(ValueError, match="mode 'ddp' has no pseudo-gradients"):
+    ddp.DDPRound.from_config(config_lib.get_default_config(), mesh=None, exchange=None,
+                             params=None, pseudo_gradient_hook=lambda d, **_: d)
