@@ -2,8 +2,9 @@
 
 Reads documents (corpus/sources.py), tokenizes them in worker processes
 (corpus/tokenizer.py), and writes DIR in the format `data.source = "prepared"` reads
-(docs/prepared_format.md): per split, token shards `<split>-NNNNN.bin` (each document's ids, then EOS) with a document index
-`<split>-NNNNN.idx`, the tokenizer's file, and `manifest.json` last.
+(docs/prepared_format.md): per split, token shards `<split>-NNNNN.bin` (each document's
+ids, then EOS) with a document index `<split>-NNNNN.idx`, the tokenizer's file, and
+`manifest.json` last.
 
 DIR is built in `.DIR.partial` beside it and renamed into place once complete, so an
 interrupted run leaves no half-written corpus (the next run clears it). A run whose
