@@ -19,13 +19,16 @@ OUTER = {"compression": "chunk_topk", "topk_chunk": CHUNK, "topk_fraction": K_PE
 
 def np_chunk_topk_2bit(x):
   """Per chunk of CHUNK entries (the last zero-padded): the K_PER_CHUNK largest |x| kept
-  (a full sort), each as its sign and the middle of its half of [min, max] of the kept
-  magnitudes."""
+  (a full sort), each non-zero one as its sign and the middle of its half of [min, max]
+  of the kept non-zero magnitudes; kept zeros stay 0."""
   out = np.zeros(-(-x.size // CHUNK) * CHUNK)
   padded = np.concatenate([x, np.zeros(out.size - x.size)])
   for start in range(0, out.size, CHUNK):
     chunk = padded[start:start + CHUNK]
     keep = np.argsort(-np.abs(chunk), kind="stable")[:K_PER_CHUNK]
+    keep = keep[chunk[keep] != 0]
+    if not keep.size:
+      continue
     mag = np.abs(chunk[keep])
     lo, hi = mag.min(), mag.max()
     width = (hi - lo) / 2
@@ -103,3 +106,25 @@ def test_chunk_topk_round_trip():
     values = {2: 2 * 64 // 8, 4: 4 * 64 // 8, 32: 4 * 64}[bits]
     assert enc.nbytes == 2 * (2 * 64 + values + (0 if bits == 32 else 8))
 
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_chunk_topk_sends_zeros_as_zeros(bits):
+  """A chunk with fewer non-zeros than k: the zeros top-k has to keep decode to exact 0,
+  the non-zeros are quantized over their own [lo, hi] = [1, 3], and the bytes are those
+  of a full chunk. The second chunk is all zeros and the third is zero-padded."""
+  chunk = 64
+  options = dict(topk_fraction=6 / chunk, topk_chunk=chunk, value_bits=bits)
+  x = np.zeros(2 * chunk + 10, np.float32)
+  x[:2] = [3, -1]
+  x[2 * chunk + 4] = 0.5
+  enc = compress.encode(x, "chunk_topk", **options)
+  y = compress.decode(enc, **options)
+  width = 2 / 2 ** (bits - 1)  # (hi − lo) / levels
+  # 3 is in the top cell, 1 in the bottom one: each decodes to its cell's midpoint.
+  want = np.zeros_like(x)
+  want[:2] = [1 + (2 ** (bits - 1) - 0.5) * width, -(1 + 0.5 * width)]
+  want[2 * chunk + 4] = 0.5  # alone in its chunk: lo = hi, sent exactly
+  np.testing.assert_array_equal(y, want)
+  # As many slots as a chunk with no zeros: uint16 offsets, packed codes, [lo, hi].
+  assert enc.nbytes == 3 * (2 * 6 + 8) + -(-3 * 6 * bits // 8)

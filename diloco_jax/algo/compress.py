@@ -23,16 +23,28 @@ float32; sums of decoded vectors are taken in float32. Formats:
   topk  the largest `fraction` of entries by magnitude, as int32 indices + float32
         values (8 bytes each); what is left out is the caller's to carry (error
         feedback, `encode` returns the decoded vector for that).
-  chunk_topk  SparseLoCo's: in every chunk of `topk_chunk` entries, the k = round(
-        fraction x chunk) largest by magnitude, as uint16 offsets in the chunk and values
-        of `value_bits` bits: 32 (float32), or a sign bit and b − 1 bits of magnitude,
-        2^(b−1) levels at the cell midpoints of the chunk's kept [min|v|, max|v|] (two
-        float32 per chunk), so |v − v̂| ≤ (max|v| − min|v|) / 2^b. (A quantizer over
-        [−max, max] would spend its levels near zero, where no kept value is.) At 4096
-        entries, k = 64 and 2 bits: 152 bytes per chunk, 0.0093x of float32. Every
-        chunk keeps the same k, so every host's message has the same size: the messages
-        are all-gathered whole (`collective.reduce_encoded`), since a sum of sparse
-        vectors is not sparse.
+  chunk_topk  SparseLoCo's: the vector is cut into chunks of `topk_chunk` entries, the
+        last one zero-padded; the vector is a fragment's leaves flattened and concatenated
+        in tree order, so a chunk can run across tensor boundaries. Every chunk keeps its
+        k = chunk_k(fraction, chunk) = max(1, round(fraction x chunk)) largest entries by
+        magnitude (Python's `round`: halves go to the even integer), as uint16 offsets in
+        the chunk and values of `value_bits` bits: 32 (float32), or a sign bit and b − 1
+        bits of magnitude, 2^(b−1) levels at the cell midpoints of [lo, hi] = [min|v|,
+        max|v|] over the chunk's kept non-zero values (two float32 per chunk), so
+        |v − v̂| ≤ (hi − lo) / 2^b. (A quantizer over [−max, max] would spend its levels
+        near zero, where no kept value is.) At 4096 entries, k = 64 and 2 bits: 152 bytes
+        per chunk, 0.0093x of float32. Every chunk keeps the same k, so every host's
+        message has the same size: the messages are all-gathered whole
+        (`collective.reduce_encoded`), since a sum of sparse vectors is not sparse.
+        Exact zeros: a chunk with m < k non-zero entries (the zero-padded last chunk, a
+        leaf whose Δ is 0) sends its m non-zeros first, by ascending offset, then k − m
+        padding slots that repeat the previous slot's offset (offset 0 when m = 0) with
+        code 0; a slot whose offset equals the one before it decodes to nothing, so zeros
+        arrive as exact zeros, not as ±(lo + w/2), in the same bytes. (When m = 0 the first slot is
+        not padding but decodes to 0: lo = hi = 0.) The error feedback that carries what
+        is left out is the caller's (exchange.py): for the mean, one accumulator per host
+        over the sum of its replicas' Δ, where the SparseLoCo paper keeps one per worker
+        (a robust aggregation sends, and so accumulates, one row per replica).
 """
 
 from __future__ import annotations
@@ -89,14 +101,22 @@ def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 
 def _sign_magnitude(values: np.ndarray, bits: int) -> dict[str, np.ndarray]:
-  """[chunks, k] -> sign + (bits − 1)-bit magnitude codes over each chunk's [lo, hi]."""
+  """[chunks, k] -> sign + (bits − 1)-bit magnitude codes over each chunk's [lo, hi].
+
+  [lo, hi] spans the non-zero values only: the zeros are padding slots that the offsets
+  mark and the decoder drops, so they must not pull lo down to 0. A chunk with no
+  non-zero value sends lo = hi = 0.
+  """
   mag = np.abs(values)
-  lo, hi = mag.min(axis=1), mag.max(axis=1)
+  kept = values != 0
+  lo = np.where(kept, mag, np.float32(np.inf)).min(axis=1)
+  lo = np.where(kept.any(axis=1), lo, np.float32(0))
+  hi = np.where(kept, mag, np.float32(0)).max(axis=1)
   levels = 1 << (bits - 1)
   width = (hi - lo) / np.float32(levels)  # 0 when every kept value has one magnitude
   safe = np.where(width > 0, width, np.float32(1))
   j = np.clip(np.floor((mag - lo[:, None]) / safe[:, None]), 0, levels - 1)
-  codes = (j + levels * (values < 0)).astype(np.uint8)
+  codes = np.where(kept, j + levels * (values < 0), 0).astype(np.uint8)
   return {"q": _pack(codes, bits), "lo": lo.astype(np.float32), "hi": hi.astype(np.float32)}
 
 
@@ -111,7 +131,8 @@ def _sign_magnitude_decode(p: dict[str, np.ndarray], bits: int, n_chunks: int,
 
 
 def chunk_k(topk_fraction: float, topk_chunk: int) -> int:
-  """Entries kept per chunk by chunk_topk."""
+  """Entries kept per chunk by chunk_topk: max(1, round(fraction x chunk)) with Python's
+  `round`, which sends halves to the even integer: 2.5 keeps 2, 0.5 rounds to 0 and keeps 1."""
   return max(1, int(round(topk_fraction * topk_chunk)))
 
 
@@ -146,8 +167,16 @@ def encode(x: np.ndarray, fmt: str, *, block: int = BLOCK, topk_fraction: float 
   if fmt == "chunk_topk":
     k = chunk_k(topk_fraction, topk_chunk)
     chunks = _blocks(x, topk_chunk)
-    idx = np.sort(np.argpartition(-np.abs(chunks), k - 1, axis=1)[:, :k], axis=1)
+    idx = np.argpartition(-np.abs(chunks), k - 1, axis=1)[:, :k]
     values = np.take_along_axis(chunks, idx, axis=1)
+    # Non-zeros by ascending offset, then the zeros as padding slots that repeat the
+    # previous offset (the module docstring's encoding): a kept zero must decode to 0.
+    idx = np.where(values != 0, idx, topk_chunk)
+    order = np.argsort(idx, axis=1, kind="stable")
+    idx, values = np.take_along_axis(idx, order, axis=1), np.take_along_axis(values, order, 1)
+    nonzero = (idx < topk_chunk).sum(axis=1)
+    last = np.take_along_axis(idx, np.maximum(nonzero - 1, 0)[:, None], axis=1)
+    idx = np.where(idx < topk_chunk, idx, np.where(nonzero[:, None] > 0, last, 0))
     parts = ({"values": values.ravel()} if value_bits == 32
              else _sign_magnitude(values, value_bits))
     return Encoded(fmt, x.size, {"indices": idx.astype(np.uint16).ravel(), **parts})
@@ -163,10 +192,14 @@ def decode(enc: Encoded, *, block: int = BLOCK, topk_fraction: float = 0.01,
     n_chunks = p["indices"].size // k
     values = (p["values"] if value_bits == 32
               else _sign_magnitude_decode(p, value_bits, n_chunks, k))
-    out = np.zeros((n_chunks, topk_chunk), np.float32)
-    np.put_along_axis(out, p["indices"].reshape(n_chunks, k).astype(np.int64),
-                      values.reshape(n_chunks, k), axis=1)
-    return out.ravel()[:enc.size]
+    idx = p["indices"].reshape(n_chunks, k).astype(np.int64)
+    # A slot repeating the offset before it is padding (a zero): it goes to a spare
+    # column that is cut off, so it cannot overwrite the real value at that offset.
+    pad = np.zeros_like(idx, bool)
+    pad[:, 1:] = idx[:, 1:] == idx[:, :-1]
+    out = np.zeros((n_chunks, topk_chunk + 1), np.float32)
+    np.put_along_axis(out, np.where(pad, topk_chunk, idx), values.reshape(n_chunks, k), axis=1)
+    return out[:, :topk_chunk].ravel()[:enc.size]
   if enc.fmt == "none":
     return p["values"].astype(np.float32)
   if enc.fmt == "bf16":
