@@ -1,13 +1,13 @@
 """Streaming DiLoCo (docs/algorithms.md §5): the params in P fragments, synced at staggered times.
 
-Phase convention (S25's): with K = H/P, fragment p sends its pseudo-gradient after global
-inner steps n·H + p·K for n = 1, 2, ..., so every fragment trains exactly H inner steps
-between two sends (fragment p ≥ 1 first sends after H + p·K steps). Its mean arrives τ
-inner steps later (τ < K: one fragment in flight at a time); then the fragment's own
-outer optimizer moves its global copy θᵍ_p, and every replica mixes it in:
-θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p. With τ = 0 the mean is applied at the step it is sent.
-A mean still in flight after the last step is applied at the end. The model to evaluate
-is θᵍ; fragment p ≥ 1 holds the replicas' work up to its last send.
+Phase convention (S25's): with J = H/P (K is the replica count), fragment p sends its
+pseudo-gradient after global inner steps n·H + p·J for n = 1, 2, ..., so every fragment
+trains exactly H inner steps between two sends (fragment p ≥ 1 first sends after H + p·J
+steps). Its mean arrives τ inner steps later (τ < J: one fragment in flight at a time);
+then the fragment's own outer optimizer moves its global copy θᵍ_p, and every replica
+mixes it in: θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p. With τ = 0 the mean is applied at the step it
+is sent. A mean still in flight after the last step is applied at the end. The model to
+evaluate is θᵍ; fragment p ≥ 1 holds the replicas' work up to its last send.
 
 Fragments are lists of leaves (in `jax.tree.leaves` order); `fragment_ids` maps each leaf
 to its fragment. `model_fragment_ids` puts block l (the top-level params named `block_<l>`,
@@ -76,7 +76,7 @@ def merge(local_K: list[jax.Array], new_global: list[jax.Array], alpha: float,
 
 
 def check_schedule(h: int, num_fragments: int, tau: int) -> int:
-  """K = H/P, after checking that P divides H and that τ < K."""
+  """J = H/P, after checking that P divides H and that τ < J."""
   if h % num_fragments:
     raise ValueError(f"inner_steps H = {h} must be divisible by the {num_fragments} fragments")
   k = h // num_fragments
