@@ -212,3 +212,21 @@ def test_old_import_paths_still_import_with_a_deprecation_warning():
   for old, (found, warned) in result.items():
     assert found, old
     assert warned and all(f"diloco_jax.{old}" in w and "moved to" in w for w in warned), old
+
+
+def test_the_readme_changelog_lists_every_old_path():
+  readme = (PACKAGE.parent / "README.md").read_text()
+  changelog = readme[readme.index("## Changelog"):]
+  for old, new in {**_moved_table()}.items():
+    row = f"| `diloco_jax.{old}` | " + ", ".join(f"`diloco_jax.{n}`" for n in new) + " |"
+    assert row in changelog, row
+
+
+def _moved_table() -> dict[str, tuple[str, ...]]:
+  """_moved's tables, read without importing the package (it would import jax)."""
+  tree = ast.parse((PACKAGE / "_moved.py").read_text())
+  tables = {}
+  for node in tree.body:
+    if isinstance(node, ast.AnnAssign) and node.target.id in ("MOVED", "SHADOWED"):
+      tables.update(ast.literal_eval(node.value))
+  return tables
