@@ -217,7 +217,7 @@ def test_old_import_paths_still_import_with_a_deprecation_warning():
 def test_the_readme_changelog_lists_every_old_path():
   readme = (PACKAGE.parent / "README.md").read_text()
   changelog = readme[readme.index("## Changelog"):]
-  for old, new in {**_moved_table()}.items():
+  for old, new in _moved_table().items():
     row = f"| `diloco_jax.{old}` | " + ", ".join(f"`diloco_jax.{n}`" for n in new) + " |"
     assert row in changelog, row
 
