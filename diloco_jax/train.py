@@ -223,6 +223,7 @@ def main(argv):
              "--workdir=/tmp/diloco_tiny")
   # pylint: disable=import-outside-toplevel
   import jax
+
   from diloco_jax.loop import checkpoint
   from diloco_jax.loop import trainer
   from diloco_jax.loop import writers
