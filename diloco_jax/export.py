@@ -16,9 +16,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from diloco_jax.loop import trained as trained_lib
-from diloco_jax.models import exported
-from diloco_jax.models import model as model_lib
+# The checkpoint reader and the model (jax, orbax) are imported where they are used, so
+# that --help answers at once.
 
 
 def define_flags() -> None:
@@ -59,6 +58,8 @@ def export(workdir: str, output: str, step: int | None = None,
            overwrite: bool = False) -> list[str]:
   """The model of `workdir`'s newest checkpoint (or `step`'s) to `output`; returns the
   paths written. Raises exported.ExportError, trained.LoadError or model.ModuleError."""
+  from diloco_jax.loop import trained as trained_lib  # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import exported  # pylint: disable=import-outside-toplevel
   exported.check_output(output)  # before the checkpoint is read: it takes seconds
   exported.check_free([output, os.path.join(os.path.dirname(output) or ".", exported.CONFIG)],
                       overwrite)
@@ -91,6 +92,9 @@ def main(argv: list[str]) -> None:
       sys.exit(f"Missing --{flag.name} (see --help)")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every read, and warns that it is
     logging.set_verbosity(logging.ERROR)    # read-only: nothing the user needs
+  from diloco_jax.loop import trained as trained_lib  # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import exported  # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
   try:
     paths = export(_WORKDIR.value, _OUTPUT.value, _STEP.value, _OVERWRITE.value)
   except (exported.ExportError, trained_lib.LoadError, model_lib.ModuleError) as e:

@@ -16,23 +16,16 @@ import signal
 import sys
 import traceback
 
-import jax
 import ml_collections
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+# Only what the flags, --help and --print_config need: jax, orbax and the trainer take a
+# second or more to import, and `main` imports them once it knows it will train.
 from diloco_jax import config as config_lib
-from diloco_jax.loop import checkpoint
-from diloco_jax.loop import trainer
-from diloco_jax.loop import writers
-from diloco_jax.modes import skips
-from diloco_jax.runtime import cluster as distributed
-from diloco_jax.runtime import elastic
 from diloco_jax.runtime import hostmem
-from diloco_jax.runtime import workdir
-from diloco_jax.wire import dispatch
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Required: the config file (configs/*.py); override its fields with "
@@ -228,6 +221,18 @@ def main(argv):
   if not _WORKDIR.value:
     sys.exit("Missing --workdir: the directory for checkpoints, metrics and plots, e.g. "
              "--workdir=/tmp/diloco_tiny")
+  # pylint: disable=import-outside-toplevel
+  import jax
+
+  from diloco_jax.loop import checkpoint
+  from diloco_jax.loop import trainer
+  from diloco_jax.loop import writers
+  from diloco_jax.modes import skips
+  from diloco_jax.runtime import cluster as distributed
+  from diloco_jax.runtime import elastic
+  from diloco_jax.runtime import workdir
+  from diloco_jax.wire import dispatch
+  # pylint: enable=import-outside-toplevel
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
   _use_compilation_cache(_COMPILATION_CACHE.value, _WORKDIR.value)
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
@@ -282,6 +287,7 @@ def _use_compilation_cache(path: str | None, workdir: str) -> None:
   from host 0 only, and an unreadable entry is compiled again (with a warning)."""
   if os.environ.get("JAX_COMPILATION_CACHE_DIR") or path == "none":
     return
+  import jax  # pylint: disable=import-outside-toplevel  # main has imported it
   jax.config.update("jax_compilation_cache_dir",
                     path or os.path.join(workdir, "compilation_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -292,6 +298,7 @@ def _fail(message: str, code: int = 1) -> None:
   once (orbax's threads would print shutdown noise); several hosts, which all stop on the
   same error, meet at JAX's shutdown barrier as usual."""
   sys.stderr.write(message + "\n")
+  import jax  # pylint: disable=import-outside-toplevel  # main has imported it
   if jax.process_count() > 1:
     sys.exit(code)
   _exit(code)

@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("checkpoint", "data", "eta", "linkdrop", "memory", "models", "outer_step",
            "overhead", "peer", "poison", "quality", "restart", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
+MULTIHOST = {"linkdrop", "outer_step", "peer", "quality", "wan"}  # smoke runs of 2 hosts
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
 # The keys a full run writes: at the top of the JSON, in "config", in every row.
@@ -251,7 +252,9 @@ def test_help(name):
   assert "usage:" in out and "--smoke" in out and "--out" in out
 
 
-@pytest.mark.parametrize("name", BENCHES)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.multihost)
+                                  if n in MULTIHOST else n for n in BENCHES])
 def test_smoke(name, tmp_path):
   before = results_digest()
   out = str(tmp_path / "x.json")

@@ -55,6 +55,7 @@ STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps":
     ("streaming", {**STREAMING, "model.module": "tests.custom_model:make"})],
     ids=["sync", "delayed", "eager", "sync-topk", "delayed-4bit-trimmed",
          "streaming-int8", "delayed-llama", "streaming-own-module"])
+@pytest.mark.slow
 def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode, overrides):
   """Stop after round 2 of 4 (checkpoint, clean return), run again: the same final params,
   and the same metrics for every round, as a run never stopped. In async modes the sum in
@@ -93,6 +94,7 @@ def test_finished_run_is_not_trained_again(tmp_path, capsys):
 
 # Orbax's failed read of the truncated file leaves its other reads' coroutines to the
 # garbage collector, which reports them as unraisable exceptions (whichever test runs then).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd):
   config = multihost.small_config(num_rounds=3)
@@ -287,6 +289,8 @@ def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):
   same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
 def test_nan_pseudo_gradient_skips_the_round_on_every_host(tmp_path):
   """NaN in host 1's replica's Δ in round 2: every host skips that outer step (the anchor
   hash, taken on every host, stays that of round 1) and counts it."""
@@ -304,6 +308,8 @@ def test_nan_pseudo_gradient_skips_the_round_on_every_host(tmp_path):
     assert [json.loads(line).get("skipped", 0) for line in f] == [0, 1, 0, 0]
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
 def test_repeated_nan_stops_the_job_naming_the_replica(tmp_path):
   port = multihost.free_port()
   overrides = json.dumps({"replicas_per_host": 1, "num_rounds": 6,
@@ -339,6 +345,7 @@ def test_slurm_script_restarts_failed_steps(tmp_path):
   assert f"--workdir={tmp_path / 'run'}" in lines[0] and "--config.num_rounds=3" in lines[0]
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_host_run(tmp_path):
   """One host, no jax.distributed: SIGTERM is caught by the trainer itself."""
   cmd = [sys.executable, "-m", "diloco_jax.train", "--config=configs/tiny.py",

@@ -8,7 +8,11 @@ import signal
 import sys
 import time
 
+import pytest
+
 from tests import multihost
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
 def test_survivors_continue_and_a_returning_host_rejoins(tmp_path):

@@ -20,6 +20,9 @@ from diloco_jax.runtime import preemption
 from diloco_jax.runtime import workdir as workdir_lib
 from tests import multihost
 
+# Each test trains, kills or restarts whole runs.
+pytestmark = pytest.mark.slow
+
 TINY = ["--config=configs/tiny.py", "--config.num_rounds=200", "--config.inner_steps=2",
         "--config.inner.warmup_steps=2", "--config.replicas_per_host=2",
         "--config.debug_checks=True"]
@@ -172,6 +175,7 @@ def test_full_disk_names_the_checkpoint_and_keeps_the_one_before(tmp_path):
   assert np.isfinite([r["train_loss"] for r in records(copy)]).all()
 
 
+@pytest.mark.multihost
 def test_a_host_cut_off_stops_the_job_within_the_link_timeout(tmp_path):
   """Host 1 stops answering (SIGSTOP: as if its link were down) while the job trains:
   host 0's link watchdog ends it with one "link lost" line within --link_timeout,

@@ -7,6 +7,7 @@ import textwrap
 
 import jax
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +43,7 @@ def _run(grad_accum_steps):
   return namespace["run"](grad_accum_steps)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_full_batch():
   full, loss_full, _ = _run(1)
   accumulated, loss_acc, traces = _run(4)
@@ -50,6 +52,7 @@ def test_grad_accumulation_matches_full_batch():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), accumulated, full)
 
 
+@pytest.mark.slow
 def test_two_local_devices_match_one(tmp_path):
   """Batch sharded over 2 CPU devices ('data' axis) gives the one-device result."""
   out = tmp_path / "params.npz"

@@ -13,6 +13,8 @@ import pytest
 
 from tests import multihost
 
+pytestmark = pytest.mark.multihost
+
 
 def assert_same_leaves(a, b, atol=0.0):
   assert len(a) == len(b)
@@ -26,6 +28,7 @@ def assert_same_leaves(a, b, atol=0.0):
 TOKEN = "the-join-token-of-this-test-0123456789"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "delayed", "eager", "ddp"])
 def test_two_hosts_equal_one_host(tmp_path, mode):
   """2 hosts x 1 replica and 1 host x 2 replicas: the same shards (g = host * R + r), the
@@ -62,6 +65,7 @@ def test_two_hosts_equal_one_host(tmp_path, mode):
                              [r["train_loss"] for r in one[0]["records"]], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fragments_and_compression_identical_on_every_host(tmp_path):
   """3 hosts x 2 replicas, streaming (P = 2, τ = 1, α = 0.5) with 4-bit Δ on the wire,
   error feedback and a trimmed mean, host 2's second replica sending Δ x 1e6 at every
@@ -136,6 +140,7 @@ def test_join_tokens_that_differ_stop_every_host(tmp_path):
   assert time.monotonic() - t0 < 60  # the initialization timeout
 
 
+@pytest.mark.slow
 def test_a_host_whose_anchor_diverged_is_named(tmp_path):
   """3 hosts; host 1's anchor changes in one entry after round 3. With the default
   anchor_check_every (10) and no debug_checks, every host hashes after round 10, reads the
@@ -148,6 +153,7 @@ def test_a_host_whose_anchor_diverged_is_named(tmp_path):
             "others") in text, text[-3000:]
 
 
+@pytest.mark.slow
 def test_killed_host_stops_the_launcher(tmp_path):
   """SIGKILL of host 1 mid-run: the launcher kills host 0 and exits non-zero at once."""
   launcher = multihost.start([sys.executable, "launch/local.py", "--hosts=2", "--",
@@ -174,6 +180,7 @@ def test_killed_host_stops_the_launcher(tmp_path):
   assert not [p for p in hosts if multihost.alive(p)], "orphaned host processes"
 
 
+@pytest.mark.slow
 def test_slurm_environment_is_detected(tmp_path):
   """No flags under SLURM: JAX's auto-detection finds the coordinator, hosts and ids."""
   port = multihost.free_port()

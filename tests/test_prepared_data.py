@@ -231,6 +231,7 @@ def test_trainer_trains_on_prepared_data(prepared, tmp_path, capsys):
   assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_preempted_run_resumes_bit_identically(prepared, tmp_path, monkeypatch):
   """Stop after round 2 of 4, run again: the same params and records as a run never
   stopped (the data iterators' state is in the checkpoint)."""
@@ -273,6 +274,8 @@ def records(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
+@pytest.mark.multihost
 def test_sigkill_restart_resumes_bit_identically(prepared, tmp_path):
   """Host 1 killed (SIGKILL) after checkpoint 3 of a 2-host run; the launcher restarts
   both, which resume and end where an uninterrupted run ends, anchor hashes included."""
@@ -296,7 +299,7 @@ def test_sigkill_restart_resumes_bit_identically(prepared, tmp_path):
     assert [r.get(key) for r in got] == [r.get(key) for r in want], key
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "train"])
+@pytest.mark.parametrize("tokenizer", ["bytes", pytest.param("train", marks=pytest.mark.slow)])
 def test_through_prepare(tmp_path, documents, tokenizer):
   """`python -m diloco_jax.prepare` on a JSONL of the tagged documents (small shards, so
   replicas take blocks of several): 2 hosts x 2 replicas on disjoint documents, none of
@@ -339,7 +342,8 @@ def test_through_prepare(tmp_path, documents, tokenizer):
 
 @pytest.mark.parametrize("fmt, tokenizer", [("parquet", "bytes"), ("save_to_disk", "bytes"),
                                              ("jsonl.gz", "tokenizer.json"),
-                                             ("txt", "sentencepiece")])
+                                             pytest.param("txt", "sentencepiece",
+                                                          marks=pytest.mark.slow)])
 def test_trains_on_every_input_format_and_tokenizer(tmp_path, fmt, tokenizer):
   """prepare, then train, for each kind of input and of tokenizer file: the eval loss falls
   (tests/test_prepare.py checks the corpora themselves, token by token)."""

@@ -160,6 +160,7 @@ COLLECTIVE_HOST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multihost
 def test_host_collective_three_hosts(tmp_path):
   port = multihost.free_port()
   procs = [multihost.start([sys.executable, "-c", COLLECTIVE_HOST, str(h), str(port),

@@ -113,6 +113,7 @@ def test_cli_errors(bytes_run, tmp_path):
   assert run_sample("--help").returncode == 0
 
 
+@pytest.mark.slow
 def test_cli_prepared_run(tmp_path):
   corpus = write_prepared(tmp_path / "corpus", *corpus_documents())
   workdir = train_tiny(tmp_path / "run", source="prepared", path=corpus, vocab_size=257)

@@ -67,7 +67,8 @@ def run_wire(tmp_path, num_hosts, replicas_per_host):
   return [np.load(tmp_path / f"wire{h}.npz") for h in range(num_hosts)]
 
 
-@pytest.mark.parametrize("num_hosts,replicas_per_host", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("num_hosts,replicas_per_host",
+                         [(1, 2), pytest.param(2, 1, marks=pytest.mark.multihost)])
 def test_accumulator_and_chunk_topk_equal_numpy(tmp_path, num_hosts, replicas_per_host):
   hosts = run_wire(tmp_path, num_hosts, replicas_per_host)
   want_means, want_residuals = np_sparseloco(num_hosts, replicas_per_host)

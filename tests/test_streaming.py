@@ -122,6 +122,7 @@ def test_model_fragments():
 STREAMING = {"mode": "streaming", "model.num_layers": 2}
 
 
+@pytest.mark.slow
 def test_trainer_one_fragment_is_sync_bit_for_bit(tmp_path):
   """P = 1, τ = 0, α = 0 in the trainer runs sync's jitted programs on the same leaves:
   the same params and losses, bit for bit."""
@@ -135,6 +136,7 @@ def test_trainer_one_fragment_is_sync_bit_for_bit(tmp_path):
           [r["train_loss"] for r in sync.records])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tau, alpha, layout", [(0, 0.0, "strided"), (1, 0.5, "sequential")])
 def test_trainer_two_fragments_equal_simulate(tmp_path, tau, alpha, layout):
   """P = 2 in the trainer (mid-round sends and merges on the devices) against `simulate`
@@ -150,7 +152,9 @@ def test_trainer_two_fragments_equal_simulate(tmp_path, tau, alpha, layout):
   assert [r["fragments_synced"] for r in result.records] == [1, 2, 2]  # fragment 1 from H+K
 
 
-@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "median"])
+@pytest.mark.parametrize("aggregation", [pytest.param("mean", marks=pytest.mark.slow),
+                                         pytest.param("trimmed_mean", marks=pytest.mark.slow),
+                                         "median"])  # median: the fast tier's streaming run
 def test_trainer_robust_aggregation_ignores_a_poisoned_replica(tmp_path, aggregation):
   """K = 5 replicas, int8 on the wire; replica 4 sends Δ x 1e6 at every round. With the
   trimmed mean or the median the anchor ends within a small distance of the unpoisoned

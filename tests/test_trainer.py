@@ -110,6 +110,7 @@ def test_run_json_says_what_the_run_is(sync_run):
   assert run["versions"]["jax"] == jax.__version__ and run["versions"]["diloco_jax"]
 
 
+@pytest.mark.slow
 def test_ddp_equals_mean_gradient_adamw(tmp_path):
   config = small_config(mode="ddp", num_rounds=2)
   result = trainer.train_and_evaluate(config, str(tmp_path))
@@ -139,6 +140,7 @@ def run_cli(*args, timeout=300, env=None):
                         env=env or {**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.slow
 def test_cli_runs_and_prints_round_lines(tmp_path):
   """...and keeps its compiled programs in workdir/compilation_cache (without the test
   session's cache in the environment), where running the command again finds them all.
@@ -228,6 +230,7 @@ def _rounds_with_slow_collective(tmp_path, mode, slow_sum_of, num_rounds=5, inne
     return t.run().records
 
 
+@pytest.mark.slow
 def test_async_modes_overlap_the_collective(tmp_path):
   """Delayed and eager keep the devices busy while the cross-host sum is in flight: a
   collective that cannot finish until the next inner phase has run half its steps still

@@ -10,9 +10,6 @@ import os
 
 import ml_collections
 
-from diloco_jax.algo import aggregate
-from diloco_jax.algo import compress
-from diloco_jax.algo import fragments as streaming
 from diloco_jax.config.schema import COMPUTE_DTYPES
 from diloco_jax.config.schema import DATA_SOURCES
 from diloco_jax.config.schema import INNER_OPTIMIZERS
@@ -197,6 +194,8 @@ def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) 
 
 
 def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
+  # Here, not at the top: algo imports jax, which `--help` and `--print_config` do not need.
+  from diloco_jax.algo import fragments as streaming  # pylint: disable=import-outside-toplevel
   o = c.outer
   if c.mode != "streaming":
     for key, default in (("fragments", 1), ("overlap_steps", 0), ("merge_alpha", 0.0)):
@@ -220,6 +219,8 @@ def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
 
 
 def _check_wire(c: ml_collections.ConfigDict, check, num_replicas: int) -> None:
+  from diloco_jax.algo import aggregate  # pylint: disable=import-outside-toplevel
+  from diloco_jax.algo import compress  # pylint: disable=import-outside-toplevel
   o = c.outer
   check("config.outer.compression", o.compression in compress.FORMATS,
         f"must be one of {compress.FORMATS}")

@@ -22,6 +22,7 @@ def max_anchor_diff(result, expected) -> float:
                                           result.outer_state.anchor, expected.params)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     {"model.family": "llama", "model.num_kv_heads": 1},
     {"model.module": OWN, "model.num_layers": 2}],
@@ -151,6 +152,7 @@ def test_cpu_weight_gradients_contract_the_lhs_last_axis():
   assert "lhs_contracting_dims={0}" not in hlo
 
 
+@pytest.mark.slow
 def test_remat_changes_no_loss_or_gradient():
   cfg = model_lib.ModelConfig(vocab_size=20, seq_len=8, num_layers=2, d_model=16, num_heads=2,
                               mlp_dim=32, family="llama")
