@@ -108,7 +108,7 @@ class Trainer(setup.Setup):
     if snap is None:
       return 0
     self.finished_before, r = snap.meta["finished"], snap.round
-    if snap.own is None:  # elastic: this host was down when the checkpoint was written
+    if snap.own is None:  # this host was out of the job when the checkpoint was written
       self.outer, self.replicas = membership_lib.rejoin(
           self.outer_step, snap, self._init_replicas, self.data, self.h)
     else:
