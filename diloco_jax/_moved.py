@@ -39,7 +39,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "security": ("runtime.security",),
     "hostmem": ("runtime.hostmem",),
     "workdir": ("runtime.workdir",),
-    "inner": ("device.inner",),
+    "inner": ("device.inner", "algo.step"),
     "mesh": ("device.mesh",),
     "outer": ("modes.outer", "modes.host", "modes.base"),
     "streaming_step": ("modes.streaming",),

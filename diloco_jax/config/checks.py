@@ -173,7 +173,8 @@ def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) 
   check("config.model.norm_eps", m.norm_eps > 0, "must be > 0")
   check("config.model.num_kv_heads", m.num_kv_heads >= 0, "must be >= 0 (0: num_heads)")
   if m.module:
-    from diloco_jax.models import model as model_lib  # noqa: PLC0415 -- model imports config
+    # Here, not at the top: models import jax, which `--print_config` does not need.
+    from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
     try:
       model_lib.import_factory(m.module)
     except model_lib.ModuleError as e:

@@ -22,10 +22,9 @@ import optax
 from jax.sharding import Mesh
 
 from diloco_jax.algo import state as state_lib
-from diloco_jax.algo.step import LossFn  # noqa: F401
-from diloco_jax.algo.step import Params  # noqa: F401
-from diloco_jax.algo.step import make_grad_fn  # noqa: F401
-from diloco_jax.algo.step import make_train_step  # noqa: F401
+from diloco_jax.algo.step import LossFn
+from diloco_jax.algo.step import Params
+from diloco_jax.algo.step import make_train_step
 from diloco_jax.device import mesh as mesh_lib
 
 local_mesh = mesh_lib.local_mesh  # where the inner step runs

@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh
 
 from diloco_jax.algo import state as state_lib
+from diloco_jax.algo import step as step_lib
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.modes import skips
@@ -94,7 +95,7 @@ class Driver(Protocol):
     ...
 
   @staticmethod
-  def inner_step(loss_fn: inner.LossFn, optimizer: optax.GradientTransformation, *,
+  def inner_step(loss_fn: step_lib.LossFn, optimizer: optax.GradientTransformation, *,
                  mesh: Mesh, grad_accum_steps: int, collective: Any,
                  dispatcher: dispatch.Dispatcher, num_replicas: int) -> inner.Step:
     """The inner step this mode's replicas take."""

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from diloco_jax.algo import state as state_lib
+from diloco_jax.algo import step as step_lib
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.modes import base
@@ -38,12 +39,12 @@ class DDPStep(inner.Step):
   layouts of the same K replicas (one host or many) run these same two programs.
   """
 
-  def __init__(self, loss_fn: inner.LossFn, optimizer: optax.GradientTransformation, *,
+  def __init__(self, loss_fn: step_lib.LossFn, optimizer: optax.GradientTransformation, *,
                mesh: Mesh, num_replicas: int, grad_accum_steps: int = 1,
                reduce: Callable[[Params], Params] | None = None):
     super().__init__(mesh)
     self._reduce = reduce
-    grad_fn = inner.make_grad_fn(loss_fn, grad_accum_steps)
+    grad_fn = step_lib.make_grad_fn(loss_fn, grad_accum_steps)
 
     def grad_sum(params_1, batch_RxBxL1):
       self.traces += 1
@@ -113,7 +114,7 @@ class DDPRound:
     return cls(mesh=mesh, exchange=exchange)
 
   @staticmethod
-  def inner_step(loss_fn: inner.LossFn, optimizer: optax.GradientTransformation, *,
+  def inner_step(loss_fn: step_lib.LossFn, optimizer: optax.GradientTransformation, *,
                  mesh: Mesh, grad_accum_steps: int, collective: Any,
                  dispatcher: dispatch.Dispatcher, num_replicas: int) -> DDPStep:
     """Every step: this host's gradient sum, summed across hosts on the dispatch thread."""

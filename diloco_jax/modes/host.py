@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from diloco_jax.algo import diloco
 from diloco_jax.algo import state as state_lib
+from diloco_jax.algo import step as step_lib
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.modes import base
@@ -77,7 +78,7 @@ class HostSide:
     return self.replicas_per_host
 
   @staticmethod
-  def inner_step(loss_fn: inner.LossFn, optimizer: optax.GradientTransformation, *,
+  def inner_step(loss_fn: step_lib.LossFn, optimizer: optax.GradientTransformation, *,
                  mesh: Mesh, grad_accum_steps: int, collective: Any,
                  dispatcher: dispatch.Dispatcher, num_replicas: int) -> inner.ReplicaStep:
     """Every replica's inner step, one after another; it never communicates."""
