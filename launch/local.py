@@ -11,6 +11,10 @@ from the newest checkpoint in --workdir. SIGTERM to the launcher is passed to ev
 (the trainer's preemption signal: checkpoint, exit 0; no restart follows), and so is a
 first Ctrl-C; a second Ctrl-C kills them. A failure is blamed on the host that exited
 first. Hosts die with the launcher even if it is SIGKILLed.
+
+--workdir_per_host gives host i the workdir WORKDIR/host<i> instead of WORKDIR itself, as
+hosts on different machines with disks of their own would have: each keeps its own
+checkpoints, and a host whose directory was wiped heals from the others.
 """
 
 from __future__ import annotations
@@ -47,12 +51,14 @@ def _die_with_parent() -> None:
 class Hosts:
   """The running host processes and the threads copying their output."""
 
-  def __init__(self, num_hosts: int, train_args: list[str], port: int):
+  def __init__(self, num_hosts: int, train_args: list[str], port: int,
+               workdir_per_host: bool = False):
     self._env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                  "PYTHONUNBUFFERED": "1"}
     self._env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, self._env.get("PYTHONPATH")) if p)
     self.num_hosts, self.train_args, self.port = num_hosts, train_args, port
+    self.workdir_per_host = workdir_per_host
     self.procs: list[subprocess.Popen] = []
     self.exited_at: dict[int, float] = {}  # pid -> when it exited (monotonic)
     self._lock = threading.Lock()
@@ -61,7 +67,10 @@ class Hosts:
       self.procs.append(self._start(host))
 
   def _start(self, host: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "diloco_jax.train", *self.train_args,
+    args = self.train_args
+    if self.workdir_per_host:
+      args = [f"{a}/host{host}" if a.startswith("--workdir=") else a for a in args]
+    cmd = [sys.executable, "-m", "diloco_jax.train", *args,
            f"--coordinator_address=127.0.0.1:{self.port}", f"--num_hosts={self.num_hosts}",
            f"--host_id={host}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -169,6 +178,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--rejoin_after", type=float, default=None,
                       help="elastic mode (--config.elastic=True): start a dead host other "
                            "than 0 again after this many seconds, without stopping the others")
+  parser.add_argument("--workdir_per_host", action="store_true",
+                      help="host i gets --workdir=WORKDIR/host<i>: a disk of its own, as on "
+                           "machines that share no filesystem")
   args, unknown = parser.parse_known_args(own)
   example = "e.g. python launch/local.py --hosts=2 -- --config=configs/tiny.py --workdir=/tmp/run"
   if unknown:
@@ -178,6 +190,8 @@ def main(argv: list[str]) -> int:
     parser.error(f"no trainer flags: give them after `--`, {example}")
   if args.hosts < 1:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
+  if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
+    parser.error("--workdir_per_host needs the trainer's --workdir=DIR (with `=`) after `--`")
   if args.max_restarts < 0:
     parser.error(f"--max_restarts={args.max_restarts}: must be >= 0")
   current: list[Hosts] = []
@@ -200,7 +214,8 @@ def main(argv: list[str]) -> int:
   attempt = 0
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
-    current.append(Hosts(args.hosts, train_args, args.port or free_port()))
+    current.append(Hosts(args.hosts, train_args, args.port or free_port(),
+                         args.workdir_per_host))
     try:
       code = current[-1].wait(args.rejoin_after)
     except KeyboardInterrupt:

@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +15,11 @@ import jax
 import numpy as np
 import pytest
 
+from diloco_jax.algo import state as state_lib
 from diloco_jax.loop import checkpoint
 from diloco_jax.loop import trained
 from diloco_jax.loop import trainer
+from diloco_jax.loop import treebytes
 from diloco_jax.runtime import preemption
 from tests import multihost
 from tests import test_trained
@@ -375,3 +378,75 @@ def test_trained_model_of_a_two_host_run(references, mode):
   assert model.finished and model.config.mode == mode
   assert test_trained.eval_loss(model) == pytest.approx(test_trained.final_eval_loss(workdir),
                                                         rel=1e-5)
+
+
+# Hosts with a workdir each (launch/local.py --workdir_per_host), as on machines that share
+# no disk: loop/local_checkpoint.py and loop/recovery.py.
+
+def launch_per_host(workdir, *extra, hosts=2, max_restarts=0):
+  return multihost.start([sys.executable, "launch/local.py", f"--hosts={hosts}",
+                          "--workdir_per_host", f"--max_restarts={max_restarts}", "--",
+                          f"--workdir={workdir}", *TINY, *extra])
+
+
+def host_checkpoints(workdir, host):
+  path = os.path.join(workdir, f"host{host}", checkpoint.CHECKPOINTS)
+  return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+
+
+def checkpoint_files(workdir):
+  return sorted((str(p.relative_to(workdir)), p.stat().st_size)
+                for p in workdir.rglob("*") if checkpoint.CHECKPOINTS in str(p))
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
+    tmp_path, references):
+  """2 hosts, each its own workdir. SIGKILL of host 1 after its checkpoint 3: the launcher
+  restarts both, which agree on the newest round both hold and end where the uninterrupted
+  shared-workdir run ends, every round's anchor hash included. Then host 1's last
+  checkpoint is made to disagree with host 0's (one bit, with a matching hash): refused,
+  nothing deleted. Then host 1's workdir is deleted: the same command heals it from host 0
+  (bench/chaos.py heals hosts mid-run)."""
+  reference = references("sync")
+  work = tmp_path / "run"
+  launcher = launch_per_host(work, max_restarts=1)
+  deadline = time.monotonic() + 180
+  while max(host_checkpoints(work, 1), default=0) < 3:
+    assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+    time.sleep(0.05)
+  time.sleep(random.uniform(0, 0.5))
+  os.kill(host_pid(launcher, 1), signal.SIGKILL)
+  text = launcher.communicate(timeout=300)[0]
+  assert launcher.returncode == 0, text[-4000:]
+  assert "host 1 killed by signal 9" in text and "restart 1/1" in text, text[-4000:]
+  assert "checkpoints in a workdir per host" in text and "resumed from checkpoint" in text
+  same_run(work / "host0", reference)
+  assert not (work / "host1" / "metrics.jsonl").exists()  # host 0 alone writes them
+  assert host_checkpoints(work, 0) == host_checkpoints(work, 1) == [8, 9, 10]
+
+  ckpt = work / "host1" / checkpoint.CHECKPOINTS / "10"
+  meta = json.loads((ckpt / "meta.json").read_text())
+  raw = bytearray((ckpt / "shared.bin").read_bytes())
+  raw[0] ^= 1  # one bit of the anchor, and a hash that matches it: a real divergence
+  (ckpt / "shared.bin").write_bytes(bytes(raw))
+  meta["shared_sha256"] = state_lib.fingerprint(treebytes.from_buffer(
+      bytes(raw), [np.zeros(s, d) for d, s, _ in meta["items"]["shared"]], "test"))
+  (ckpt / "meta.json").write_text(json.dumps(meta))
+  before = checkpoint_files(work)
+  launcher = launch_per_host(work)
+  text = launcher.communicate(timeout=300)[0]
+  assert launcher.returncode != 0
+  assert "hosts disagree on the shared state of round 10: host 0 hold sha256" in text, \
+      text[-3000:]
+  assert checkpoint_files(work) == before
+
+  shutil.rmtree(work / "host1")
+  text = launch_per_host(work).communicate(timeout=300)[0]
+  assert "host 1 healed from host 0: outer state" in text, text[-4000:]
+  assert "the run had finished" in text and "final eval loss" in text
+  with open(work / "host0" / "run.json") as f:
+    start = json.load(f)["start"]
+  assert (start["round"], start["hosts_from_anchor"], start["healed_from"]) == (10, [1], 0)
+  assert start["heal_bytes"] > 0

@@ -67,11 +67,15 @@ class Snapshot:
     shared: pytree identical on every host (written once).
     own: pytree of this host's state (one row per host on disk).
     meta: JSON-serializable description (round, config, world, versions).
+    missing: on restore, the hosts of this run that have no row of their own in it (a
+      new, wiped or returning host, or more hosts than wrote it): they restart their
+      replicas from the anchor. The same on every host.
   """
   round: int
   shared: Any
   own: Any
   meta: dict[str, Any]
+  missing: tuple[int, ...] = ()
 
 
 def encode_json(items: list[Any]) -> np.ndarray:
@@ -113,15 +117,15 @@ def check_writable(workdir: str) -> None:
 
 def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: int,
                      where: str) -> None:
-  """Refuses a checkpoint written by another world, or with a config whose math differs."""
-  saved = (meta["num_hosts"], meta["replicas_per_host"])
-  if saved != (num_hosts, replicas_per_host):
+  """Refuses a checkpoint written with another number of replicas per host, or with a
+  config whose math differs. Another number of hosts is allowed (loop/trainer.py)."""
+  if meta["replicas_per_host"] != replicas_per_host:
     raise CheckpointError(
-        f"{where} was written by {saved[0]} host(s) x {saved[1]} replica(s); this run has "
-        f"{num_hosts} x {replicas_per_host}. A run resumes only in the world that wrote it "
-        f"(each replica's inner state, data iterator and in-flight pseudo-gradient belong "
-        f"to one host and replica): restart with {saved[0]} host(s) and "
-        f"--config.replicas_per_host={saved[1]}, or use a new --workdir")
+        f"{where} was written by {meta['num_hosts']} host(s) x {meta['replicas_per_host']} "
+        f"replica(s); this run has {num_hosts} x {replicas_per_host}. A run resumes with "
+        f"the replicas per host that wrote it (each replica's inner state and data "
+        f"iterator belong to one host): restart with "
+        f"--config.replicas_per_host={meta['replicas_per_host']}, or use a new --workdir")
   before = config_lib.flatten(config_lib.from_saved(meta["config"]))
   now = config_lib.flatten(config)
   changed = sorted(k for k in before.keys() | now.keys()
@@ -143,7 +147,7 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     return None, e
 
 
-def _to_host(tree: Any, private: bool) -> Any:
+def to_host(tree: Any, private: bool) -> Any:
   """The tree in host memory: a private copy (`private`: the live arrays are donated by
   the next step), else the arrays themselves where they already are in host memory (a
   CPU jax.Array is read in place; a GPU one is copied, as it must be)."""
@@ -230,7 +234,7 @@ class Checkpointer:
     so they are written without a private copy first: on CPU that copy was the biggest
     part of the host memory a save adds (bench/checkpoint.py measures a save)."""
     t = time.perf_counter()
-    shared, own = _to_host(snapshot.shared, not last), _to_host(snapshot.own, not last)
+    shared, own = to_host(snapshot.shared, not last), to_host(snapshot.own, not last)
     blocked = time.perf_counter() - t
     # Elastic mode: only the live hosts write (the manager of the whole world is dropped,
     # with any save it still had in flight).
@@ -336,7 +340,7 @@ class Checkpointer:
         want = like(meta)
         # The hosts that wrote rows: all of them, except after elastic mode lost some
         # (then a host without a row gets own=None and starts its replicas afresh).
-        writers = meta.get("hosts_in_rows", list(range(self.num_hosts)))
+        writers = meta.get("hosts_in_rows", list(range(meta["num_hosts"])))
         everyone = self._shardings(list(range(self.num_hosts)))[0]  # a copy on every host
         # Each host reads its own row; if some host has none, every host reads all rows
         # (orbax cannot restore an array of which a host holds no shard).
@@ -353,7 +357,8 @@ class Checkpointer:
             row = 0 if rows is self._rows else writers.index(self.host)
             own = jax.tree.map(lambda g: np.asarray(g.addressable_data(0))[row],  # noqa: B023
                                restored.hosts)
-          snapshot = Snapshot(step, shared, own, meta)
+          missing = tuple(h for h in range(self.num_hosts) if h not in writers)
+          snapshot = Snapshot(step, shared, own, meta, missing)
       ok = error is None
       flags = self.dispatcher.run(self.collective.allgather, np.array([ok], np.int32),
                                   what="agreeing on a readable checkpoint")[:, 0]

@@ -130,12 +130,14 @@ def rejoin(outer_step, snap, init_replicas: Callable, data, inner_steps: int):
   no row of its own: the shared outer state, its replicas from the anchor with fresh AdamW
   moments (the step count, which drives the lr schedule, set to the run's), and its data
   iterators where host 0's are (every replica has read the same number of batches of its
-  own shard). Returns the outer step's carry and the replicas."""
+  own shard; `data` None: they start a new pass, the host count having changed). Returns
+  the outer step's carry and the replicas."""
   outer = outer_step.join(snap.shared, None)
   replicas = init_replicas(outer_step.model(outer, None))
   step = snap.round * inner_steps
   replicas = replicas.replace(opt_state=state_lib.with_step_count(replicas.opt_state, step))
-  data.set_state(snap.meta["data_state"])
+  if data is not None:
+    data.set_state(snap.meta["data_state"])
   print(f"host {jax.process_index()}: rejoining at round {snap.round + 1}: replicas from the "
         f"anchor with fresh optimizer moments (step {step})", flush=True)
   return outer, replicas

@@ -13,7 +13,6 @@ import time
 
 import jax
 import ml_collections
-import numpy as np
 
 from diloco_jax import config as config_lib
 from diloco_jax._version import __version__
@@ -23,6 +22,7 @@ from diloco_jax.data import prepared as corpus_reader
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
+from diloco_jax.loop import local_checkpoint
 from diloco_jax.loop import membership as membership_lib
 from diloco_jax.loop import metrics
 from diloco_jax.loop import profiling
@@ -75,16 +75,30 @@ class Setup:
     self.membership = membership_lib.of(config)
     self.collective = self.membership.collective
     self.membership.connect(dispatcher)
-    self.lock = workdir_lib.claim(  # before anything in the workdir is written
-        workdir, is_host0=self.is_host0, restart_from_scratch=restart_from_scratch,
-        agree=lambda ok: bool(dispatcher.run(self.collective.allgather, np.array([ok]),
-                                             what="agreeing on the workdir lock").all()))
-    # Opening the checkpoint directory waits at a barrier for every host (elastic: for
-    # only `elastic_timeout` seconds): it comes right after the lock's agreement, before
-    # the compiles that finish at different times on different hosts.
-    self.checkpointer = checkpoint_lib.Checkpointer(
-        workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
-        collective=self.collective, save_timeout=self.membership.save_timeout)
+    # Before anything in the workdir is written: the lock, and whether the hosts share
+    # one workdir or each has its own (runtime/workdir.py).
+    claim = workdir_lib.claim(
+        workdir, host=self.host, num_hosts=self.num_hosts,
+        restart_from_scratch=restart_from_scratch,
+        allgather=lambda words: dispatcher.run(self.collective.allgather, words,
+                                               what="agreeing on the workdir"))
+    self.lock, self.shared_storage = claim.lock, claim.shared
+    if not claim.shared and config.elastic:
+      claim.release()
+      raise checkpoint_lib.CheckpointError(
+          "config.elastic needs one --workdir shared by every host: with a workdir per "
+          "host, a returning host's older checkpoints would roll the others back")
+    # Opening the shared checkpoint directory waits at a barrier for every host (elastic:
+    # for only `elastic_timeout` seconds): it comes right after the lock's agreement,
+    # before the compiles that finish at different times on different hosts.
+    if claim.shared:
+      self.checkpointer = checkpoint_lib.Checkpointer(
+          workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
+          collective=self.collective, save_timeout=self.membership.save_timeout)
+    else:
+      self.checkpointer = local_checkpoint.LocalCheckpointer(
+          workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
+          collective=self.collective)
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
                                         grad_accum_steps=config.grad_accum_steps,
                                         collective=self.collective, dispatcher=dispatcher,
@@ -124,6 +138,8 @@ class Setup:
         # the run ends by writing a checkpoint and waiting for it: as long as the last did
         finish_estimate=lambda: self.checkpointer.write_seconds or 0.0)
     self.finished_before = False  # resumed from the checkpoint of a finished run
+    self.run_id = ""  # this run's id, kept in its checkpoints (set by resume)
+    self.start: dict = {}  # how this start resumed, for run.json (set by resume)
     self.preemption = preemption.Preemption()
     self.profile = profiling.ProfileWindow(
         workdir, self.host, start=config.profile.start_round,
@@ -142,7 +158,9 @@ class Setup:
         model=self.model_cfg.module or self.model_cfg.family,
         flops_per_token=self.flops_per_token, num_rounds=self.num_rounds, inner_steps=self.h,
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
-        unigram=self.spec.unigram_loss)
+        unigram=self.spec.unigram_loss,
+        storage=None if self.num_hosts == 1 else "one shared workdir" if self.shared_storage
+        else "a workdir per host (each keeps its own checkpoints)")
 
   def write_run_json(self) -> None:
     """Host 0: the step's memory line and run.json."""
@@ -152,7 +170,7 @@ class Setup:
                            flops_per_token=self.flops_per_token,
                            tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
                            memory=self.step_memory,
-                           layout=self.train_step.layout.describe())
+                           layout=self.train_step.layout.describe(), start=self.start)
 
   def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
     """Everything needed to continue after round r (after its outer step); `finished`:
@@ -166,7 +184,7 @@ class Setup:
     meta = {"round": r, "finished": finished, "inflight": inflight, "mode": self.config.mode,
             "num_hosts": self.num_hosts, "replicas_per_host": self.replicas_per_host,
             "data_state": self.data.get_state(),  # host 0's (meta is written by host 0)
-            "config": self.config.to_dict(), "diloco_jax": __version__,
+            "run_id": self.run_id, "config": self.config.to_dict(), "diloco_jax": __version__,
             "jax": jax.__version__, "saved_at": time.time()}
     return checkpoint_lib.Snapshot(r, shared, own, meta)
 

@@ -11,18 +11,21 @@ prints and writes files.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
 from diloco_jax.loop import membership as membership_lib
 from diloco_jax.loop import metrics
 from diloco_jax.loop import profiling
+from diloco_jax.loop import resize
 from diloco_jax.loop import setup
 from diloco_jax.loop import writers
 from diloco_jax.modes import base as modes_base
@@ -105,16 +108,32 @@ class Trainer(setup.Setup):
       return self._snapshot(0, shared, own, False, meta["inflight"])
 
     snap = self.checkpointer.restore(like, self._check_checkpoint)
+    self.run_id = self._agreed_run_id(snap.meta.get("run_id", "") if snap else "")
+    storage = "shared" if self.shared_storage else "per_host"
     if snap is None:
+      self.start = {"round": 0, "storage": storage}
       return 0
     self.finished_before, r = snap.meta["finished"], snap.round
-    if snap.own is None:  # this host was out of the job when the checkpoint was written
+    world = resize.World.of(snap, self.num_hosts)
+    resize.check_mode(world, self.config.mode, where=f"checkpoint {r}")
+    own = resize.without_inflight(snap.own) if world.partial else snap.own
+    if own is None:  # a new, wiped or returning host: no row of its own
       self.outer, self.replicas = membership_lib.rejoin(
-          self.outer_step, snap, self._init_replicas, self.data, self.h)
+          self.outer_step, snap, self._init_replicas, None if world.changed else self.data,
+          self.h)
     else:
-      self.outer = self.outer_step.join(snap.shared, snap.own)
-      self.replicas = self.train_step.place(snap.own["replicas"])
-      self.data.set_state(checkpoint_lib.decode_json(snap.own["data"]))
+      self.outer = self.outer_step.join(snap.shared, own)
+      self.replicas = self.train_step.place(own["replicas"])
+      if not world.changed:  # else every replica starts a new pass over the new shards
+        self.data.set_state(checkpoint_lib.decode_json(own["data"]))
+    recovered = getattr(self.checkpointer, "recovered", None)
+    self.start = {"round": r, "storage": storage, **world.describe(),
+                  "healed_from": recovered.source if recovered and recovered.healed else None,
+                  "heal_bytes": recovered.bytes if recovered else 0,
+                  "heal_seconds": recovered.seconds if recovered else 0.0}
+    if self.is_host0 and world.partial:
+      print(world.message(r, replicas_per_host=self.replicas_per_host,
+                          inflight=bool(snap.meta["inflight"])), flush=True)
     if self.is_host0:
       metrics.print_resumed(r, self.checkpointer.directory, replicas=self.num_replicas,
                             inflight=bool(self.outer.inflight),
@@ -124,6 +143,12 @@ class Trainer(setup.Setup):
                     resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0, eta=0.0)
       self._round_checks(r)
     return r
+
+  def _agreed_run_id(self, saved: str) -> str:
+    """The run's id: the checkpoint's, else a new one; host 0's on every host."""
+    mine = np.frombuffer(bytes.fromhex(saved or uuid.uuid4().hex), np.uint8)
+    words = self.dispatcher.run(self.collective.allgather, mine, what="agreeing on the run")
+    return bytes(words[0]).hex()
 
   def run(self) -> TrainResult:
     self.announce()

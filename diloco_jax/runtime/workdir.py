@@ -8,6 +8,13 @@ is stale and taken over. Where a shared filesystem does not carry flocks between
 machines, the holder also touches the file every `REFRESH_S` seconds, and a file naming
 another machine that was touched within `STALE_AFTER_S` seconds is refused too.
 
+Hosts on different machines need not share a disk. At start host 0 takes the lock and
+writes a fresh nonce into it; every other host looks for that nonce in its own workdir's
+lock. All find it: the workdir is one shared directory (host 0 writes the checkpoints'
+shared part, loop/checkpoint.py). None finds it: each host has its own workdir, takes its
+own lock there and keeps its own checkpoints (loop/local_checkpoint.py). Some but not all:
+refused, naming which hosts share host 0's directory.
+
 Starting over is always explicit: `--restart_from_scratch` moves the workdir's previous
 run (checkpoints, metrics, events, plot, run.json) into `workdir/previous/<time>/` and
 says where; without it, a workdir whose checkpoints cannot be read is refused on every
@@ -23,6 +30,10 @@ import socket
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
 
 LOCK = "lock"
 PREVIOUS = "previous"
@@ -78,7 +89,8 @@ class Lock:
       os.close(self._fd)
       raise self._in_use(holder)
     self.stale = holder
-    me = {"host": socket.gethostname(), "pid": os.getpid(),
+    self.nonce = uuid.uuid4().hex  # read by the other hosts: is this workdir theirs too?
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "nonce": self.nonce,
           "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
     os.ftruncate(self._fd, 0)
     os.pwrite(self._fd, (json.dumps(me) + "\n").encode(), 0)
@@ -129,27 +141,85 @@ def move_previous_run(workdir: str) -> str | None:
   return target
 
 
-def claim(workdir: str, *, is_host0: bool, agree, restart_from_scratch: bool) -> Lock | None:
-  """Host 0 locks the workdir and, with `restart_from_scratch`, moves the previous run
-  aside; every host learns whether it could (`agree(ok)`: True when every host is ok, the
-  same answer everywhere). Returns host 0's lock."""
-  lock, error = None, None
-  if is_host0:
-    try:
-      lock = Lock(workdir)
-      if lock.stale:
-        print(f"workdir lock of an earlier run that ended without releasing it taken over "
-              f"({describe(lock.stale)})", flush=True)
-      if restart_from_scratch:
-        moved = move_previous_run(workdir)
-        print("--restart_from_scratch: " + (f"the previous run in {workdir} moved to {moved}"
-                                            if moved else f"nothing to move in {workdir}"),
-              flush=True)
-    except WorkdirInUseError as e:
-      error = e
+class Claim:
+  """What start-up learned about the workdir. Attributes: lock, this host's lock (host 0's
+  on a shared workdir, every host's own on per-host workdirs; None: another host holds
+  it); shared, whether every host's --workdir is the same directory."""
+
+  def __init__(self, lock: Lock | None, shared: bool):
+    self.lock, self.shared = lock, shared
+
+  def release(self) -> None:
+    if self.lock is not None:
+      self.lock.release()
+
+
+def _take(workdir: str, restart_from_scratch: bool) -> Lock:
+  lock = Lock(workdir)
+  if lock.stale:
+    print(f"workdir lock of an earlier run that ended without releasing it taken over "
+          f"({describe(lock.stale)})", flush=True)
+  if restart_from_scratch:
+    moved = move_previous_run(workdir)
+    print("--restart_from_scratch: " + (f"the previous run in {workdir} moved to {moved}"
+                                        if moved else f"nothing to move in {workdir}"),
+          flush=True)
+  return lock
+
+
+def _agree_or_raise(lock: Lock | None, error: Exception | None, agree, other: str) -> None:
   if not agree(error is None):
     if lock is not None:
       lock.release()
-    raise error or WorkdirInUseError(f"host 0 found --workdir={workdir} in use by another "
-                                     f"run (its log names the holder)")
-  return lock
+    raise error or WorkdirInUseError(other)
+
+
+def _holds_nonce(workdir: str, nonce: str) -> bool:
+  try:
+    with open(os.path.join(workdir, LOCK)) as f:
+      return json.loads(f.read() or "null").get("nonce") == nonce
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+def claim(workdir: str, *, host: int, num_hosts: int,
+          allgather: Callable[[np.ndarray], np.ndarray],
+          restart_from_scratch: bool) -> Claim:
+  """Host 0 locks the workdir (with `restart_from_scratch`, moving the previous run
+  aside); then the hosts learn whether they share it (module docstring) and, if not, each
+  other host does the same in its own. `allgather(words)` is the job's all-gather: every
+  host's array, in host order. Every host returns or raises alike."""
+  def agree(ok: bool) -> bool:
+    return bool(allgather(np.array([ok])).all())
+
+  lock, error = None, None
+  if host == 0:
+    try:
+      lock = _take(workdir, restart_from_scratch)
+    except WorkdirInUseError as e:
+      error = e
+  _agree_or_raise(lock, error, agree, "host 0 found its --workdir in use by another run "
+                                      "(its log names the holder)")
+  if num_hosts == 1:
+    return Claim(lock, shared=True)
+  mine = bytes.fromhex(lock.nonce) if host == 0 else bytes(16)
+  nonce = bytes(allgather(np.frombuffer(mine, np.uint8))[0]).hex()
+  sees = allgather(np.array([host == 0 or _holds_nonce(workdir, nonce)]))[:, 0]
+  if sees.all():
+    return Claim(lock, shared=True)
+  if sees[1:].any():
+    same = [h for h in range(num_hosts) if sees[h]]
+    other = [h for h in range(num_hosts) if not sees[h]]
+    if lock is not None:
+      lock.release()
+    raise WorkdirInUseError(
+        f"hosts {same} share one --workdir and hosts {other} each have their own: give "
+        f"every host the same shared directory, or every host a directory of its own")
+  if host != 0:
+    try:
+      lock = _take(workdir, restart_from_scratch)
+    except WorkdirInUseError as e:
+      error = e
+  _agree_or_raise(lock, error, agree, "another host found its --workdir in use by another "
+                                      "run (its log names the holder)")
+  return Claim(lock, shared=False)

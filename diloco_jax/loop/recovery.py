@@ -1,0 +1,238 @@
+"""Hosts with their own disks agree where to resume, and a host without a checkpoint heals.
+
+At start every host lists the complete checkpoints on its own disk (loop/local_checkpoint.py)
+and the hosts all-gather what each holds: per checkpoint its round, the host that wrote
+it, the sha256 of its shared state (the outer state, the same on every host) and the id
+of the run that wrote it. From that table every host computes the same `Plan`:
+
+  - checkpoints of another run beside this run's, or two hosts whose shared state differs
+    at the same round, stop the job with one line naming the hosts and rounds: one is
+    never picked silently, and nothing is deleted;
+  - the round is the newest that every host holding any checkpoint holds (then the run
+    continues bit for bit as if never stopped), else the newest any host holds;
+  - a host that does not hold that round (a new machine, a wiped or unreadable disk, or a
+    host id the checkpoint's world did not have) heals: the lowest host that holds it
+    sends its metadata and shared state over the job's own collective (chunked sums in
+    which every other host adds zeros, so the bytes arrive unchanged), and the receiver
+    checks them against the hash in the table.
+
+A healed host has no replica state of its own: the round loop restarts its replicas from
+the anchor (`membership.rejoin`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+from typing import Callable
+
+import numpy as np
+
+from diloco_jax import units
+from diloco_jax.algo import state as state_lib
+from diloco_jax.loop import checkpoint as checkpoint_lib
+from diloco_jax.loop import treebytes
+
+SLOTS = 16  # checkpoints per host in the table (more than anyone keeps: config.checkpoint.keep)
+# Per checkpoint: round, writer, sha256 (8 words), run id (4 words). int32: the collective
+# carries what jax does, and jax without x64 would cut int64 words in half.
+WORDS = 14
+CHUNK_BYTES = 64 << 20  # one sum of the heal's broadcast
+
+CheckpointError = checkpoint_lib.CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """One complete checkpoint on a host's disk: its round, the host id that wrote it, the
+  sha256 (hex) of its shared state and its run's id (32 hex digits; "" if unknown)."""
+  round: int
+  writer: int
+  sha: str
+  run_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What every host does (the same on every host). round 0: start from scratch."""
+  round: int
+  source: int = -1  # the host whose shared state the others take (-1: none needed)
+  sha: str = ""
+  run_id: str = ""
+  heal: tuple[int, ...] = ()  # hosts that do not hold `round`
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovered:
+  """What `resume` did, for the start-up lines and run.json."""
+  round: int
+  source: int
+  healed: tuple[int, ...]
+  bytes: int = 0
+  seconds: float = 0.0
+
+
+def _words(hex_digits: str) -> np.ndarray:
+  return np.frombuffer(bytes.fromhex(hex_digits), ">i4").astype(np.int32)
+
+
+def _hex(words: np.ndarray) -> str:
+  return np.asarray(words).astype(">i4").tobytes().hex()
+
+
+def encode(held: list[Held], unreadable: list[int]) -> np.ndarray:
+  """int32 [1 + SLOTS, WORDS]: row 0 the count and rounds of unreadable checkpoints, then
+  one row per held checkpoint (round -1: empty)."""
+  out = np.full((1 + SLOTS, WORDS), -1, np.int32)
+  bad = sorted(unreadable, reverse=True)[:WORDS - 1]
+  out[0, 0], out[0, 1:1 + len(bad)] = len(unreadable), bad
+  for row, h in zip(out[1:], held[:SLOTS]):
+    row[0], row[1] = h.round, h.writer
+    row[2:10] = _words(h.sha)
+    row[10:14] = _words(h.run_id.ljust(32, "0"))
+  return out
+
+
+def decode(table: np.ndarray) -> tuple[list[Held], list[int]]:
+  table = np.asarray(table, np.int32)
+  bad = [int(r) for r in table[0, 1:] if r >= 0]
+  held = [Held(int(row[0]), int(row[1]), _hex(row[2:10]), _hex(row[10:14]))
+          for row in table[1:] if row[0] >= 0]
+  return held, bad
+
+
+def _hosts(hosts) -> str:
+  hosts = sorted(hosts)
+  return f"host {hosts[0]}" if len(hosts) == 1 else f"hosts {', '.join(map(str, hosts))}"
+
+
+def plan(tables: list[tuple[list[Held], list[int]]]) -> Plan:
+  """The plan from every host's (held, unreadable rounds), in host order (module
+  docstring). Raises CheckpointError, the same on every host, when no plan is safe."""
+  held = {h: [c for c in cs if c.writer == h] for h, (cs, _) in enumerate(tables)}
+  runs: dict[str, list[int]] = {}
+  for h, cs in held.items():
+    for rid in sorted({c.run_id for c in cs}):
+      runs.setdefault(rid, []).append(h)
+  if len(runs) > 1:
+    ours = max(runs, key=lambda rid: (len(runs[rid]), -min(runs[rid])))
+    other = {rid: hs for rid, hs in runs.items() if rid != ours}
+    rid, hs = next(iter(other.items()))
+    rounds = sorted({c.round for h in hs for c in held[h] if c.run_id == rid})
+    raise CheckpointError(
+        f"{_hosts(hs)} hold(s) checkpoints of another run (run {rid[:8]}, rounds "
+        f"{rounds}) than {_hosts(runs[ours])} (run {ours[:8]}): each host's --workdir must "
+        f"hold this run's checkpoints or none. Nothing was deleted: move the other run's "
+        f"aside on {_hosts(hs)}, or give it a new --workdir")
+  by_round: dict[int, dict[int, str]] = {}
+  for h, cs in held.items():
+    for c in cs:
+      by_round.setdefault(c.round, {})[h] = c.sha
+  for r in sorted(by_round, reverse=True):
+    if len(set(by_round[r].values())) > 1:
+      shas = by_round[r]
+      first = shas[min(shas)]
+      odd = [h for h, s in shas.items() if s != first]
+      raise CheckpointError(
+          f"hosts disagree on the shared state of round {r}: {_hosts(shas.keys() - set(odd))}"
+          f" hold sha256 {first[:12]}, {_hosts(odd)} {shas[odd[0]][:12]}. Neither is "
+          f"chosen and nothing was deleted: move the wrong host's checkpoints aside (its "
+          f"replicas then heal from the others)")
+  holders = [h for h, cs in held.items() if cs]
+  if not holders:
+    bad = {h: b for h, (_, b) in enumerate(tables) if b}
+    if bad:
+      raise CheckpointError(
+          f"no host in this job holds a usable checkpoint to resume or heal from: "
+          f"{'; '.join(f'host {h} cannot read rounds {b}' for h, b in bad.items())}. "
+          f"Nothing was deleted: if a disk was missing for a moment, run the same command "
+          f"again; to start over, add --restart_from_scratch (the old run is moved aside)")
+    return Plan(0)
+  common = set.intersection(*({c.round for c in held[h]} for h in holders))
+  r = max(common) if common else max(by_round)
+  source = min(by_round[r])
+  heal = tuple(h for h in range(len(tables)) if h not in by_round[r])
+  return Plan(r, source, by_round[r][source], next(iter(runs)), heal)
+
+
+def broadcast(payload: bytes | None, source: int, *, sum_: Callable, allgather: Callable,
+              host: int) -> bytes:
+  """`payload` of host `source`, on every host: int32 sums of CHUNK_BYTES in which every
+  other host adds zeros (x + 0 is x, bit for bit, for integers)."""
+  length = len(payload) if host == source else 0
+  high, low = allgather(np.array([length >> 31, length & (2**31 - 1)], np.int32))[source]
+  n = (int(high) << 31) | int(low)
+  out = bytearray()
+  for start in range(0, n, CHUNK_BYTES):
+    size = min(CHUNK_BYTES, n - start)
+    words = np.zeros((size + 3) // 4, np.int32)
+    if host == source:
+      words.view(np.uint8)[:size] = np.frombuffer(payload, np.uint8, size, start)
+    total = np.asarray(sum_({"bytes": words})["bytes"])
+    out += total.view(np.uint8)[:size].tobytes()
+  return bytes(out)
+
+
+def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
+           check_meta: Callable[[dict], None]
+           ) -> tuple[checkpoint_lib.Snapshot | None, Recovered | None]:
+  """The snapshot this host resumes from (`own` None: it heals) and what was done; (None,
+  None) when no host holds a checkpoint. Every host calls it at the same time."""
+  c = checkpointer
+  run = c.dispatcher.run
+  while True:
+    mine = encode(c.held(), sorted(c._unreadable))
+    tables = run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")
+    p = plan([decode(t) for t in tables])
+    if p.round == 0:
+      return None, None
+    snap, error = None, None
+    if c.host not in p.heal:
+      try:
+        snap = c.read(p.round, like)
+      except Exception as e:  # noqa: BLE001 -- any read failure: that host heals instead
+        error = e
+        print(f"host {c.host}: cannot read checkpoint {p.round} in {c.directory}: "
+              f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (left where it is)",
+              flush=True)
+        c.mark_unreadable(p.round)
+    ok = run(c.collective.allgather, np.array([error is None], np.int32),
+             what="agreeing on a readable checkpoint")[:, 0]
+    if ok.all():
+      break
+  if snap is not None:
+    check_meta(snap.meta)
+  if not p.heal:
+    return snap, Recovered(p.round, p.source, ())
+  if snap is not None:
+    snap = dataclasses.replace(snap, missing=p.heal)
+  t = time.perf_counter()
+  send = c.host == p.source
+
+  def bcast(payload):
+    return run(lambda: broadcast(payload, p.source, sum_=c.collective.sum,
+                                 allgather=c.collective.allgather, host=c.host),
+               what="healing a host")
+
+  meta = json.loads(bcast(json.dumps(snap.meta).encode()
+                                         if send else None))
+  payload = bcast(treebytes.to_bytes(snap.shared) if send else None)
+  seconds = time.perf_counter() - t
+  if c.host in p.heal:
+    check_meta(meta)
+    shared = treebytes.from_buffer(payload, like(meta).shared,
+                                          f"the shared state sent by host {p.source}")
+    if state_lib.fingerprint(shared) != p.sha:
+      raise CheckpointError(f"host {c.host}: the shared state of round {p.round} received "
+                            f"from host {p.source} does not match its hash: not used")
+    snap = checkpoint_lib.Snapshot(p.round, shared, None, meta, p.heal)
+    print(f"host {c.host} healed from host {p.source}: outer state "
+          f"{units.format_bytes(len(payload))} in {seconds:.1f} s at round {p.round}",
+          flush=True)
+  return snap, Recovered(p.round, p.source, p.heal, len(payload), seconds)
+
+
+def describe(rec: Recovered) -> dict[str, Any]:
+  return dataclasses.asdict(rec)

@@ -1,0 +1,203 @@
+"""Hosts that share no disk: per-host checkpoints, the resume plan, heals, other host counts.
+
+The plan every host computes from the table of what each holds, the byte layout a heal
+sends, and the data rule after a host-count change are checked here in one process; the
+multi-host runs (launch/local.py --workdir_per_host) check them end to end: a SIGKILLed
+job resumes bit for bit, a wiped host heals, a run moves from 4 hosts to 3 and to 5, and
+hosts whose shared state differs are refused.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from diloco_jax.algo import state as state_lib
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.loop import checkpoint
+from diloco_jax.loop import recovery
+from diloco_jax.loop import resize
+from diloco_jax.loop import treebytes
+from tests import multihost
+from tests.test_checkpoint import TINY
+from tests.test_checkpoint import records
+
+RUN, OTHER = "ab" * 16, "cd" * 16
+
+
+def held(host, *rounds, sha=None, run=RUN):
+  return [recovery.Held(r, host, sha or f"{r:064x}", run) for r in rounds]
+
+
+def test_the_table_round_trips_through_int32_words():
+  rows = held(1, 7, 6, sha="f" * 64) + held(1, 5, run="0" * 31 + "1")
+  table = recovery.encode(rows, [9, 8])
+  assert table.dtype == np.int32
+  assert recovery.decode(table) == (rows, [9, 8])
+
+
+def test_the_plan_resumes_from_the_newest_round_every_holder_holds():
+  # host 1 was killed while writing checkpoint 6; host 2's disk was wiped
+  p = recovery.plan([(held(0, 6, 5, 4), []), (held(1, 5, 4), []), ([], [])])
+  assert (p.round, p.source, p.heal, p.run_id) == (5, 0, (2,), RUN)
+  assert p.sha == f"{5:064x}"
+  assert recovery.plan([(held(0, 6, 5), []), (held(1, 6, 5), [])]).heal == ()
+  # no round in common: the newest, and whoever lacks it heals
+  p = recovery.plan([(held(0, 8, 7), []), (held(1, 3), [])])
+  assert (p.round, p.source, p.heal) == (8, 0, (1,))
+  # a checkpoint written by another host id is not this host's: it heals
+  assert recovery.plan([(held(0, 4), []), (held(0, 4), [])]).heal == (1,)
+  assert recovery.plan([([], []), ([], [])]).round == 0  # a new run
+
+
+def test_the_plan_refuses_what_it_cannot_resume_safely():
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"round 5: hosts 0, 2 hold sha256 0{12}, host 1 f{12}\. "):
+    recovery.plan([(held(0, 5), []), (held(1, 5, sha="f" * 64), []), (held(2, 5), [])])
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"^host 1 hold\(s\) checkpoints of another run \(run cdcdcdcd, "
+                           r"rounds \[3\]\) than hosts 0, 2 \(run abababab\)"):
+    recovery.plan([(held(0, 5), []), (held(1, 3, run=OTHER), []), (held(2, 5), [])])
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"no host in this job holds a usable checkpoint to resume or heal "
+                           r"from: host 1 cannot read rounds \[4, 3\]"):
+    recovery.plan([([], []), ([], [4, 3])])
+
+
+def test_a_tree_survives_its_bytes_and_a_wrong_layout_is_named():
+  tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.int32(7),
+          "c": np.array([-0.0, np.nan], np.float32)}
+  back = treebytes.from_buffer(treebytes.to_bytes(tree), tree, "x")
+  assert state_lib.fingerprint(back) == state_lib.fingerprint(tree)  # -0.0 and NaN too
+  with pytest.raises(treebytes.LayoutError, match="leaf 0: .*float32.*2, 3"):
+    treebytes.check_layout(treebytes.index({"a": np.zeros((3, 2), np.float32)}), tree, "x")
+
+
+class FakeJob:
+  """`hosts` threads that meet in every collective, as processes would."""
+
+  def __init__(self, hosts):
+    self.hosts, self.barrier, self.rows = hosts, threading.Barrier(hosts), {}
+
+  def _meet(self, host, x, combine):
+    self.rows[host] = np.asarray(x)
+    self.barrier.wait()
+    out = combine([self.rows[h] for h in range(self.hosts)])
+    self.barrier.wait()  # nobody overwrites a row before everyone has read it
+    return out
+
+  def run(self, fn):
+    results = [None] * self.hosts
+    threads = [threading.Thread(target=lambda h=h: results.__setitem__(h, fn(h)))
+               for h in range(self.hosts)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    return results
+
+
+def test_broadcast_carries_bytes_unchanged_through_integer_sums(monkeypatch):
+  monkeypatch.setattr(recovery, "CHUNK_BYTES", 100)  # several chunks, the last one short
+  payload = bytes(range(256)) * 3 + b"\x01"
+  job = FakeJob(3)
+  got = job.run(lambda h: recovery.broadcast(
+      payload if h == 1 else None, 1, host=h,
+      sum_=lambda tree, h=h: {"bytes": job._meet(h, tree["bytes"], lambda rows: sum(rows))},
+      allgather=lambda x, h=h: job._meet(h, x, np.stack)))
+  assert got == [payload] * 3
+
+
+def test_after_a_host_count_change_every_replica_reads_a_disjoint_new_shard(tmp_path):
+  """4 hosts x 2 replicas become 3 x 2: the data is cut into 6 shards, every replica
+  starts a new pass (resize.py), and within that pass no sequence is read by two replicas."""
+  config = multihost.small_config(replicas_per_host=2)
+  seen = []
+  for host in range(3):
+    data = data_lib.make_host_data(config.data, seq_len=config.model.seq_len,
+                                   batch_size=config.batch_size, replicas_per_host=2,
+                                   num_eval_batches=1, host_index=host, num_hosts=3)
+    per_pass = config.data.num_sequences // 6 // config.batch_size
+    batches = np.stack([data.next_batch() for _ in range(per_pass)])  # [T, R, B, L+1]
+    for r in range(2):
+      seen.append({row.tobytes() for row in batches[:, r].reshape(-1, batches.shape[-1])})
+  for i in range(len(seen)):
+    for j in range(i):
+      assert not seen[i] & seen[j], (i, j)
+  world = resize.World(4, 3, ())
+  assert world.changed and world.partial
+  assert "cut into 6 shards" in world.message(9, replicas_per_host=2, inflight=True)
+  with pytest.raises(checkpoint.CheckpointError, match="mode 'eager' keeps an outer state"):
+    resize.check_mode(resize.World(2, 2, (1,)), "eager", "checkpoint 3")
+  resize.check_mode(resize.World(2, 2, ()), "eager", "checkpoint 3")
+
+
+def test_launcher_needs_a_workdir_to_split():
+  text = multihost.start([sys.executable, "launch/local.py", "--hosts=2", "--workdir_per_host",
+                          "--", "--config=configs/tiny.py"]).communicate(timeout=60)[0]
+  assert "--workdir_per_host needs the trainer's --workdir=DIR" in text
+
+
+# Several hosts through the launcher, each with a workdir of its own.
+
+def launch(workdir, *extra, hosts=2, max_restarts=0):
+  return multihost.start([sys.executable, "launch/local.py", f"--hosts={hosts}",
+                          "--workdir_per_host", f"--max_restarts={max_restarts}", "--",
+                          f"--workdir={workdir}", *TINY, *extra])
+
+
+def host_checkpoints(workdir, host):
+  path = os.path.join(workdir, f"host{host}", checkpoint.CHECKPOINTS)
+  return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+
+
+def wait_until(predicate, launcher, timeout=180):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return
+    assert launcher.poll() is None, launcher.communicate()[0][-4000:]
+    time.sleep(0.05)
+  raise AssertionError(f"not reached in {timeout}s")
+
+
+def preempt_after(workdir, launcher, round_, hosts):
+  """SIGTERM to the launcher once every host holds checkpoint `round_`: the hosts stop
+  together after a later round, with a checkpoint of it; returns that round."""
+  wait_until(lambda: all(max(host_checkpoints(workdir, h), default=0) >= round_
+                         for h in range(hosts)), launcher)
+  launcher.send_signal(signal.SIGTERM)
+  text = launcher.communicate(timeout=180)[0]
+  assert launcher.returncode == 0, text[-4000:]
+  return int(text.split("preempted: stopped after round ")[1].split()[0]), text
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_a_run_moves_from_4_hosts_to_3_and_to_5(tmp_path):
+  """Preempted on 4 hosts, resumed on 3 (host 3's replica is gone), preempted again,
+  resumed on 5 (host 4 heals from host 0 and starts from the anchor), to the end; every
+  round's anchor is compared across hosts (debug_checks), and run.json says what changed."""
+  work = tmp_path / "run"
+  rounds = ["--config.num_rounds=40", "--config.inner_steps=2"]
+  first, _ = preempt_after(work, launch(work, *rounds, hosts=4), 2, 4)
+  second, text = preempt_after(work, launch(work, *rounds, hosts=3), first + 2, 3)
+  assert "checkpoint %d was written by 4 host(s), this run has 3" % first in text, text[-3000:]
+  assert "cut into 3 shards" in text
+  launcher = launch(work, *rounds, hosts=5)
+  text = launcher.communicate(timeout=300)[0]
+  assert launcher.returncode == 0, text[-4000:]
+  assert f"checkpoint {second} was written by 3 host(s), this run has 5" in text
+  assert "host 3 healed from host 0" in text and "host 4 healed from host 0" in text
+  assert "final eval loss" in text
+  got = records(work / "host0")
+  assert got[-1]["round"] == 40 and all("anchor_hash" in r for r in got)
+  start = json.load(open(work / "host0" / "run.json"))["start"]
+  assert (start["checkpoint_hosts"], start["hosts"], start["hosts_from_anchor"]) == (3, 5, [3, 4])
+
+
