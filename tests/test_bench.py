@@ -18,10 +18,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("checkpoint", "data", "eta", "linkdrop", "memory", "models", "outer_step",
+BENCHES = ("chaos", "checkpoint", "data", "eta", "linkdrop", "memory", "models", "outer_step",
            "overhead", "peer", "poison", "quality", "restart", "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
-MULTIHOST = {"linkdrop", "outer_step", "peer", "quality", "wan"}  # smoke runs of 2 hosts
+MULTIHOST = {"chaos", "linkdrop", "outer_step", "peer", "quality", "wan"}  # smoke runs of 2 hosts
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
 # The keys a full run writes: at the top of the JSON, in "config", in every row.
@@ -192,6 +192,21 @@ def check_eta(result: dict) -> None:
     assert run["rows"][-1]["eta"] == 0  # the last round: printed as the run ends
 
 
+def check_chaos(result: dict) -> None:
+  """--smoke: 3 hosts with their own workdirs; one host killed and its workdir wiped (it
+  heals from a peer), a resume on 2 hosts, then on 3 again (host 2's disk, two host-count
+  changes old, heals too); the run completes with the anchors compared every round."""
+  events = result["events"]
+  assert [e["kind"] for e in events] == ["kill_wipe", "fewer", "more"], events
+  assert [e["hosts_after"] for e in events] == [3, 2, 3]
+  assert events[0]["healed"] == [events[0]["host"]] and events[0]["heal_bytes"] > 0
+  assert events[1]["healed"] == [] and events[2]["healed"] == [2]
+  assert all(e["resumed_from"] <= e["reached"] + 1 and e["down_s"] > 0 for e in events)
+  assert result["rounds_completed"] == result["rounds"] == 40
+  assert result["events_survived"] == 3
+  assert result["final_eval_loss"] > 0 and result["uninterrupted"]["final_eval_loss"] > 0
+
+
 def check_restart(result: dict) -> None:
   """--smoke: a preempted run resumed once with the cache it filled and once without: the
   resume with the cache found every program there (its figures are for the full run)."""
@@ -212,7 +227,7 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
-CHECKS = {"checkpoint": check_checkpoint, "data": check_data, "eta": check_eta,
+CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data, "eta": check_eta,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,

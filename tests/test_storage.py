@@ -50,6 +50,10 @@ def test_the_plan_resumes_from_the_newest_round_every_holder_holds():
   # no round in common: the newest, and whoever lacks it heals
   p = recovery.plan([(held(0, 8, 7), []), (held(1, 3), [])])
   assert (p.round, p.source, p.heal) == (8, 0, (1,))
+  # a host back with older checkpoints (a round in common, but two saves behind) heals
+  # rather than roll the others back
+  p = recovery.plan([(held(0, 22, 21, 20), []), (held(1, 22, 21, 20), []), (held(2, 20, 19), [])])
+  assert (p.round, p.heal) == (22, (2,))
   # a checkpoint written by another host id is not this host's: it heals
   assert recovery.plan([(held(0, 4), []), (held(0, 4), [])]).heal == (1,)
   assert recovery.plan([([], []), ([], [])]).round == 0  # a new run

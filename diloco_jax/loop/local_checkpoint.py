@@ -58,6 +58,15 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
+def present(workdir: str) -> bool:
+  """Whether `workdir` holds host checkpoints (a run of one host resuming what hosts
+  with their own disks wrote keeps that format)."""
+  directory = os.path.join(workdir, checkpoint_lib.CHECKPOINTS)
+  return os.path.isdir(directory) and any(
+      os.path.exists(os.path.join(directory, n, META)) for n in os.listdir(directory)
+      if n.isdigit())
+
+
 class LocalCheckpointer:
   """This host's checkpoints under its own workdir/checkpoints (module docstring), with
   the interface of `checkpoint.Checkpointer`; `restore` agrees with the other hosts on the

@@ -9,7 +9,10 @@ of the run that wrote it. From that table every host computes the same `Plan`:
     at the same round, stop the job with one line naming the hosts and rounds: one is
     never picked silently, and nothing is deleted;
   - the round is the newest that every host holding any checkpoint holds (then the run
-    continues bit for bit as if never stopped), else the newest any host holds;
+    continues bit for bit as if never stopped) if it is the newest round any host holds or
+    the one before (a job stops as one, with at most the last save unfinished on some
+    host); else the newest any host holds: a host whose checkpoints are older (its disk
+    from before the host count changed) heals rather than roll every other host back;
   - a host that does not hold that round (a new machine, a wiped or unreadable disk, or a
     host id the checkpoint's world did not have) heals: the lowest host that holds it
     sends its metadata and shared state over the job's own collective (chunked sums in
@@ -151,7 +154,8 @@ def plan(tables: list[tuple[list[Held], list[int]]]) -> Plan:
           f"again; to start over, add --restart_from_scratch (the old run is moved aside)")
     return Plan(0)
   common = set.intersection(*({c.round for c in held[h]} for h in holders))
-  r = max(common) if common else max(by_round)
+  newest = sorted(by_round, reverse=True)[:2]  # the newest round anyone holds, the one before
+  r = max(common) if common and max(common) in newest else newest[0]
   source = min(by_round[r])
   heal = tuple(h for h in range(len(tables)) if h not in by_round[r])
   return Plan(r, source, by_round[r][source], next(iter(runs)), heal)

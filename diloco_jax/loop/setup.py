@@ -82,7 +82,9 @@ class Setup:
         restart_from_scratch=restart_from_scratch,
         allgather=lambda words: dispatcher.run(self.collective.allgather, words,
                                                what="agreeing on the workdir"))
-    self.lock, self.shared_storage = claim.lock, claim.shared
+    self.lock = claim.lock
+    self.shared_storage = claim.shared and not (self.num_hosts == 1
+                                                and local_checkpoint.present(workdir))
     if not claim.shared and config.elastic:
       claim.release()
       raise checkpoint_lib.CheckpointError(
@@ -91,7 +93,7 @@ class Setup:
     # Opening the shared checkpoint directory waits at a barrier for every host (elastic:
     # for only `elastic_timeout` seconds): it comes right after the lock's agreement,
     # before the compiles that finish at different times on different hosts.
-    if claim.shared:
+    if self.shared_storage:
       self.checkpointer = checkpoint_lib.Checkpointer(
           workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
           collective=self.collective, save_timeout=self.membership.save_timeout)
