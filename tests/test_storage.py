@@ -23,6 +23,7 @@ from diloco_jax.loop import checkpoint
 from diloco_jax.loop import recovery
 from diloco_jax.loop import resize
 from diloco_jax.loop import treebytes
+from diloco_jax.runtime import workdir as workdir_lib
 from tests import multihost
 from tests.test_checkpoint import TINY
 from tests.test_checkpoint import records
@@ -205,3 +206,35 @@ def test_a_run_moves_from_4_hosts_to_3_and_to_5(tmp_path):
   assert (start["checkpoint_hosts"], start["hosts"], start["hosts_from_anchor"]) == (3, 5, [3, 4])
 
 
+
+
+@pytest.mark.parametrize("dirs,shared", [("aaa", True), ("abc", False), ("aab", None)],
+                         ids=["one-shared", "one-per-host", "mixed"])
+def test_hosts_find_out_whether_they_share_the_workdir(tmp_path, dirs, shared):
+  """Host 0's nonce in its lock, looked for by every other host in its own workdir."""
+  job = FakeJob(3)
+  for d in set(dirs):
+    (tmp_path / d).mkdir()
+
+  def claim(h):
+    try:
+      return workdir_lib.claim(str(tmp_path / dirs[h]), host=h, num_hosts=3,
+                               allgather=lambda x: job._meet(h, x, np.stack),
+                               restart_from_scratch=False)
+    except workdir_lib.WorkdirInUseError as e:
+      return e
+
+  claims = job.run(claim)
+  try:
+    if shared is None:
+      assert all(isinstance(c, workdir_lib.WorkdirInUseError) for c in claims)
+      assert "hosts [0, 1] share one --workdir and hosts [2] each have their own" in str(claims[0])
+      assert not (tmp_path / "a" / workdir_lib.LOCK).exists()  # released
+    else:
+      assert [c.shared for c in claims] == [shared] * 3
+      locked = [c.lock is not None for c in claims]
+      assert locked == ([True, False, False] if shared else [True, True, True])
+  finally:
+    for c in claims:
+      if isinstance(c, workdir_lib.Claim):
+        c.release()
