@@ -245,8 +245,10 @@ def main(argv):
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)
-      # Orbax's barriers (coordination service) otherwise wait 300 s for a dead host.
+      # Orbax's barriers (coordination service) otherwise wait for a dead host.
       checkpoint.set_barrier_timeout(config.elastic_timeout)
+    else:  # a save waiting for a host at a barrier gives up with the save's own timeout
+      checkpoint.set_barrier_timeout(config.checkpoint.timeout)
     distributed.initialize(cluster)
     multi_host_elastic = config.elastic and jax.process_count() > 1
     if multi_host_elastic and elastic.is_returning():

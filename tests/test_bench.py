@@ -193,17 +193,17 @@ def check_eta(result: dict) -> None:
 
 
 def check_chaos(result: dict) -> None:
-  """--smoke: 3 hosts with their own workdirs; one host killed and its workdir wiped (it
-  heals from a peer), a resume on 2 hosts, then on 3 again (host 2's disk, two host-count
-  changes old, heals too); the run completes with the anchors compared every round."""
+  """--smoke: 2 hosts with their own workdirs; one host killed and its workdir wiped (it
+  heals from a peer), then a resume on 3 hosts (the new one heals too); the run completes
+  with the anchors compared every round."""
   events = result["events"]
-  assert [e["kind"] for e in events] == ["kill_wipe", "fewer", "more"], events
-  assert [e["hosts_after"] for e in events] == [3, 2, 3]
+  assert [e["kind"] for e in events] == ["kill_wipe", "more"], events
+  assert [e["hosts_after"] for e in events] == [2, 3]
   assert events[0]["healed"] == [events[0]["host"]] and events[0]["heal_bytes"] > 0
-  assert events[1]["healed"] == [] and events[2]["healed"] == [2]
+  assert events[1]["healed"] == [2] and events[1]["heal_bytes"] == events[0]["heal_bytes"]
   assert all(e["resumed_from"] <= e["reached"] + 1 and e["down_s"] > 0 for e in events)
-  assert result["rounds_completed"] == result["rounds"] == 40
-  assert result["events_survived"] == 3
+  assert result["rounds_completed"] == result["rounds"] == 30
+  assert result["events_survived"] == 2
   assert result["final_eval_loss"] > 0 and result["uninterrupted"]["final_eval_loss"] > 0
 
 

@@ -238,3 +238,31 @@ def test_hosts_find_out_whether_they_share_the_workdir(tmp_path, dirs, shared):
     for c in claims:
       if isinstance(c, workdir_lib.Claim):
         c.release()
+
+
+def test_a_save_that_hangs_stops_the_run_within_its_timeout(tmp_path, monkeypatch):
+  """A host's own save never waits for a peer; one whose disk hangs fails after
+  config.checkpoint.timeout with one line, the checkpoints before it intact."""
+  from diloco_jax.loop import local_checkpoint
+  from diloco_jax.wire import collective as collective_lib
+  ckpt = local_checkpoint.LocalCheckpointer(str(tmp_path), keep=2, dispatcher=None,
+                                            collective=collective_lib.LocalCollective(),
+                                            timeout=1)
+  snap = checkpoint.Snapshot(1, {"anchor": np.arange(4, dtype=np.float32)},
+                             {"replicas": np.ones((2, 3), np.float32)}, {"round": 1})
+  ckpt.save(snap)
+  ckpt.wait()
+  assert ckpt.steps() == [1]
+  hang = threading.Event()
+  monkeypatch.setattr(local_checkpoint.treebytes, "write", lambda *_: hang.wait())
+  ckpt.save(checkpoint.Snapshot(2, snap.shared, snap.own, {"round": 2}))
+  t = time.monotonic()
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"^checkpoint 2 was not on disk in .* after 1 s \(config.checkpoint"
+                           r".timeout\): the disk may hang. The checkpoints before it are intact$"):
+    ckpt.wait()
+  assert time.monotonic() - t < 5
+  hang.set()
+  assert ckpt.steps()[-1] == 1
+  back = ckpt.read(1, lambda meta: snap)
+  assert back.shared["anchor"].tolist() == [0, 1, 2, 3] and back.meta["host"] == 0

@@ -145,6 +145,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
   check("config.checkpoint.every", c.checkpoint.every >= 0,
         "must be >= 0 (0: checkpoints only at preemption and at the end)")
   check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
+  check("config.checkpoint.timeout", c.checkpoint.timeout >= 1, "must be >= 1")
   _check_streaming(c, check)
   _check_reporting(c, check)
   _check_wire(c, check, num_replicas=num_hosts * c.replicas_per_host)

@@ -122,6 +122,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
   c.checkpoint.keep = 3  # Newest checkpoints kept in workdir/checkpoints.
+  c.checkpoint.timeout = 900  # Seconds a save may take (every host's part) before the run stops.
   c.log = ml_collections.ConfigDict()
   c.log.wandb_project = ""  # W&B project to log each round to (extra [wandb]); "": off.
   c.log.wandb_mode = "offline"  # offline (files in workdir/wandb, for `wandb sync`) or online.
@@ -141,6 +142,7 @@ def get_default_config() -> ml_collections.ConfigDict:
 RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
                      "config.anchor_check_every",
                      "config.checkpoint.every", "config.checkpoint.keep",
+                     "config.checkpoint.timeout",
                      "config.outer.max_skipped_rounds", "config.elastic",
                      "config.elastic_timeout", "config.mesh.replicas", "config.mesh.fsdp",
                      "config.log.wandb_project", "config.log.wandb_mode",

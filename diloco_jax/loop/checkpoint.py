@@ -164,7 +164,7 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
-               save_timeout: int | None = None):
+               save_timeout: int | None = None, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, CHECKPOINTS)
     self.dispatcher, self.collective = dispatcher, collective
@@ -179,6 +179,7 @@ class Checkpointer:
     # holding the dispatch thread (and the sum that will find the host dead) for orbax's
     # default 20 minutes. None: hosts share fate, saves run in the background.
     self.save_timeout = save_timeout
+    self.timeout = timeout  # config.checkpoint.timeout: a background save's own limit
     self._first_cpu = list(collective_lib.host_mesh().devices.flat)
     self.device = self._first_cpu[self.host]
     os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
@@ -196,7 +197,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep, create=False, enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # a save cut short by a crash
-        async_options=ocp.AsyncOptions(timeout_secs=self.save_timeout or 1200,
+        async_options=ocp.AsyncOptions(timeout_secs=self.save_timeout or self.timeout,
                                        post_finalization_callback=self._written),
         multiprocessing_options=ocp.options.MultiprocessingOptions(
             active_processes=processes,

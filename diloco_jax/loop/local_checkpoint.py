@@ -28,6 +28,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from typing import Any
@@ -74,14 +75,14 @@ class LocalCheckpointer:
 
   shared_storage = False
 
-  def __init__(self, workdir: str, *, keep: int, dispatcher, collective):
+  def __init__(self, workdir: str, *, keep: int, dispatcher, collective, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, checkpoint_lib.CHECKPOINTS)
     self.keep, self.dispatcher, self.collective = keep, dispatcher, collective
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self.write_seconds: float | None = None
     self.recovered: recovery.Recovered | None = None  # what `restore` did, for the logs
-    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+    self.timeout = timeout  # config.checkpoint.timeout
     self._pending: tuple[int, concurrent.futures.Future] | None = None
     self._unreadable: set[int] = set()  # rounds this process failed to read (kept on disk)
     os.makedirs(self.directory, exist_ok=True)
@@ -100,7 +101,14 @@ class LocalCheckpointer:
     own = checkpoint_lib.to_host(snapshot.own, not last)
     blocked = time.perf_counter() - t
     meta = dict(snapshot.meta, host=self.host)
-    future = self._writer.submit(self._write_checkpoint, snapshot.round, shared, own, meta)
+    future = concurrent.futures.Future()
+
+    def write():  # on a daemon thread: a disk that hangs cannot hold the process at exit
+      try:
+        future.set_result(self._write_checkpoint(snapshot.round, shared, own, meta))
+      except BaseException as e:  # noqa: BLE001 -- reported by _finish_previous
+        future.set_exception(e)
+    threading.Thread(target=write, daemon=True, name=f"checkpoint-{snapshot.round}").start()
     self._pending = (snapshot.round, future)
     return blocked
 
@@ -143,7 +151,12 @@ class LocalCheckpointer:
     r, future = self._pending
     self._pending = None
     try:
-      future.result()
+      future.result(timeout=self.timeout)
+    except concurrent.futures.TimeoutError:
+      raise CheckpointError(
+          f"checkpoint {r} was not on disk in {self.directory} after {self.timeout} s "
+          f"(config.checkpoint.timeout): the disk may hang. The checkpoints before it are "
+          f"intact") from None
     except CheckpointError:
       raise
     except Exception as e:  # noqa: BLE001 -- any write failure, reported with its round
@@ -158,7 +171,7 @@ class LocalCheckpointer:
     self._finish_previous()
 
   def close(self) -> None:
-    self._writer.shutdown(wait=True)
+    self._finish_previous()
 
   # Reading this host's own.
 

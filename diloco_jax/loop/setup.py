@@ -96,11 +96,12 @@ class Setup:
     if self.shared_storage:
       self.checkpointer = checkpoint_lib.Checkpointer(
           workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
-          collective=self.collective, save_timeout=self.membership.save_timeout)
+          collective=self.collective, save_timeout=self.membership.save_timeout,
+          timeout=config.checkpoint.timeout)
     else:
       self.checkpointer = local_checkpoint.LocalCheckpointer(
           workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
-          collective=self.collective)
+          collective=self.collective, timeout=config.checkpoint.timeout)
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
                                         grad_accum_steps=config.grad_accum_steps,
                                         collective=self.collective, dispatcher=dispatcher,
