@@ -227,7 +227,8 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
-CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data, "eta": check_eta,
+CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data,
+          "eta": check_eta,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,

@@ -62,10 +62,10 @@ def test_the_plan_resumes_from_the_newest_round_every_holder_holds():
 
 def test_the_plan_refuses_what_it_cannot_resume_safely():
   with pytest.raises(checkpoint.CheckpointError,
-                     match=r"round 5: hosts 0, 2 hold sha256 0{12}, host 1 f{12}\. "):
+                     match=r"round 5: hosts 0, 2: sha256 0{12}; host 1: sha256 f{12}\. "):
     recovery.plan([(held(0, 5), []), (held(1, 5, sha="f" * 64), []), (held(2, 5), [])])
   with pytest.raises(checkpoint.CheckpointError,
-                     match=r"^host 1 hold\(s\) checkpoints of another run \(run cdcdcdcd, "
+                     match=r"^host 1: checkpoints of another run \(run cdcdcdcd, "
                            r"rounds \[3\]\) than hosts 0, 2 \(run abababab\)"):
     recovery.plan([(held(0, 5), []), (held(1, 3, run=OTHER), []), (held(2, 5), [])])
   with pytest.raises(checkpoint.CheckpointError,

@@ -1,4 +1,5 @@
-"""Checkpoints at round boundaries: orbax, written in the background, restored on start.
+"""Checkpoints at round boundaries in a workdir every host shares: orbax, written in the
+background, restored on start. (Hosts with a workdir each: loop/local_checkpoint.py.)
 
 A checkpoint is one orbax step directory, workdir/checkpoints/<round>, with three items:
 

@@ -43,6 +43,7 @@ SLOTS = 16  # checkpoints per host in the table (more than anyone keeps: config.
 # carries what jax does, and jax without x64 would cut int64 words in half.
 WORDS = 14
 CHUNK_BYTES = 64 << 20  # one sum of the heal's broadcast
+PATH_BYTES = 512  # of each host's checkpoint directory, for the messages
 
 CheckpointError = checkpoint_lib.CheckpointError
 
@@ -111,9 +112,15 @@ def _hosts(hosts) -> str:
   return f"host {hosts[0]}" if len(hosts) == 1 else f"hosts {', '.join(map(str, hosts))}"
 
 
-def plan(tables: list[tuple[list[Held], list[int]]]) -> Plan:
+def _where(hosts, paths: list[str] | None) -> str:
+  """Which hosts, with their checkpoint directories when known."""
+  return _hosts(hosts) + (f" ({', '.join(paths[h] for h in sorted(hosts))})" if paths else "")
+
+
+def plan(tables: list[tuple[list[Held], list[int]]], paths: list[str] | None = None) -> Plan:
   """The plan from every host's (held, unreadable rounds), in host order (module
-  docstring). Raises CheckpointError, the same on every host, when no plan is safe."""
+  docstring); `paths`, each host's checkpoint directory, for the messages. Raises
+  CheckpointError, the same on every host, when no plan is safe."""
   held = {h: [c for c in cs if c.writer == h] for h, (cs, _) in enumerate(tables)}
   runs: dict[str, list[int]] = {}
   for h, cs in held.items():
@@ -125,8 +132,8 @@ def plan(tables: list[tuple[list[Held], list[int]]]) -> Plan:
     rid, hs = next(iter(other.items()))
     rounds = sorted({c.round for h in hs for c in held[h] if c.run_id == rid})
     raise CheckpointError(
-        f"{_hosts(hs)} hold(s) checkpoints of another run (run {rid[:8]}, rounds "
-        f"{rounds}) than {_hosts(runs[ours])} (run {ours[:8]}): each host's --workdir must "
+        f"{_where(hs, paths)}: checkpoints of another run (run {rid[:8]}, rounds {rounds}) "
+        f"than {_hosts(runs[ours])} (run {ours[:8]}): each host's --workdir must "
         f"hold this run's checkpoints or none. Nothing was deleted: move the other run's "
         f"aside on {_hosts(hs)}, or give it a new --workdir")
   by_round: dict[int, dict[int, str]] = {}
@@ -139,8 +146,9 @@ def plan(tables: list[tuple[list[Held], list[int]]]) -> Plan:
       first = shas[min(shas)]
       odd = [h for h, s in shas.items() if s != first]
       raise CheckpointError(
-          f"hosts disagree on the shared state of round {r}: {_hosts(shas.keys() - set(odd))}"
-          f" hold sha256 {first[:12]}, {_hosts(odd)} {shas[odd[0]][:12]}. Neither is "
+          f"hosts disagree on the shared state of round {r}: "
+          f"{_where(shas.keys() - set(odd), paths)}: sha256 {first[:12]}; "
+          f"{_where(odd, paths)}: sha256 {shas[odd[0]][:12]}. Neither is "
           f"chosen and nothing was deleted: move the wrong host's checkpoints aside (its "
           f"replicas then heal from the others)")
   holders = [h for h, cs in held.items() if cs]
@@ -149,7 +157,7 @@ def plan(tables: list[tuple[list[Held], list[int]]]) -> Plan:
     if bad:
       raise CheckpointError(
           f"no host in this job holds a usable checkpoint to resume or heal from: "
-          f"{'; '.join(f'host {h} cannot read rounds {b}' for h, b in bad.items())}. "
+          f"{'; '.join(f'{_where([h], paths)} cannot read rounds {b}' for h, b in bad.items())}. "
           f"Nothing was deleted: if a disk was missing for a moment, run the same command "
           f"again; to start over, add --restart_from_scratch (the old run is moved aside)")
     return Plan(0)
@@ -186,10 +194,13 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
   None) when no host holds a checkpoint. Every host calls it at the same time."""
   c = checkpointer
   run = c.dispatcher.run
+  mine = np.frombuffer(c.directory.encode()[:PATH_BYTES].ljust(PATH_BYTES, b"\0"), np.uint8)
+  paths = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in
+           run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")]
   while True:
     mine = encode(c.held(), sorted(c._unreadable))
     tables = run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")
-    p = plan([decode(t) for t in tables])
+    p = plan([decode(t) for t in tables], paths)
     if p.round == 0:
       return None, None
     snap, error = None, None
@@ -202,12 +213,22 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
               f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (left where it is)",
               flush=True)
         c.mark_unreadable(p.round)
-    ok = run(c.collective.allgather, np.array([error is None], np.int32),
-             what="agreeing on a readable checkpoint")[:, 0]
-    if ok.all():
+    refused = None
+    if snap is not None:
+      try:
+        check_meta(snap.meta)  # the config and world: agreed on before anyone goes on
+      except CheckpointError as e:
+        refused = e
+    flags = run(c.collective.allgather, np.array([error is None, refused is None], np.int32),
+                what="agreeing on a readable checkpoint")
+    if refused is not None:
+      raise refused
+    if not flags[:, 1].all():
+      bad = [h for h in range(len(flags)) if not flags[h, 1]]
+      raise CheckpointError(f"checkpoint {p.round} does not fit this run on host(s) {bad} "
+                            f"(their log says why)")
+    if flags[:, 0].all():
       break
-  if snap is not None:
-    check_meta(snap.meta)
   if not p.heal:
     return snap, Recovered(p.round, p.source, ())
   if snap is not None:
