@@ -15,9 +15,11 @@ anchors on every host). After a random 2 to 5 rounds past the last resume, an ev
   kill_wipe   SIGKILL one host and delete its workdir (a new machine in its place); the
               job is started again and that host heals from a peer.
   sigterm     SIGTERM every host (a preemption notice): checkpoint, exit 0, start again.
-  fewer       SIGTERM every host, then start one host fewer (never fewer than 2).
-  more        SIGTERM every host, then start one more (a returning host keeps its old
-              disk, whose checkpoints are older: it heals too).
+  fewer       SIGTERM every host, then start one host fewer than at first (4 -> 3; never
+              fewer than 2): the highest host id is gone.
+  more        SIGTERM every host, then start one more than at first (4 -> 5): a host id
+              never seen has an empty disk, one seen before keeps its old disk, whose
+              checkpoints are older; both heal.
 
 Per event: the last round host 0 printed before the job stopped, the round the restarted
 job resumed from, the seconds from the event to the next round's line (`down_s`), the
@@ -129,9 +131,9 @@ def start_info(workdir: str) -> dict:
 
 
 def run(workdir: str, hosts: int, flags: list[str], plan: list[str], rng: random.Random,
-        log, max_hosts: int, rounds: int) -> dict:
+        log, rounds: int) -> dict:
   """Trains to the end through the events of `plan`; returns what happened."""
-  events, t0 = [], time.monotonic()
+  events, t0, first_hosts = [], time.monotonic(), hosts
   job, resumed = Job(workdir, hosts, flags, log), 0
   for kind in plan:
     target = resumed + rng.randint(2, 5)
@@ -141,8 +143,6 @@ def run(workdir: str, hosts: int, flags: list[str], plan: list[str], rng: random
       time.sleep(0.05)
     if job.proc.poll() is not None:
       break  # the run ended first
-    if kind == "fewer" and job.hosts <= 2 or kind == "more" and job.hosts >= max_hosts:
-      kind = "sigterm"
     victim = rng.randrange(job.hosts)
     t_event = time.monotonic()
     if kind.startswith("kill"):
@@ -155,7 +155,7 @@ def run(workdir: str, hosts: int, flags: list[str], plan: list[str], rng: random
       raise RuntimeError(f"{kind}: the launcher exited {code}:\n{job.text()[-3000:]}")
     if kind == "kill_wipe":
       shutil.rmtree(os.path.join(workdir, f"host{victim}"))
-    hosts = job.hosts + {"fewer": -1, "more": 1}.get(kind, 0)
+    hosts = {"fewer": max(first_hosts - 1, 2), "more": first_hosts + 1}.get(kind, job.hosts)
     job = Job(workdir, hosts, flags, log)
     while not job.rounds and job.proc.poll() is None:
       time.sleep(0.05)
@@ -213,13 +213,13 @@ def main(argv: list[str] | None = None) -> None:
   try:
     with open(log_path, "w") as log:
       reference = run(os.path.join(root, "reference"), args.hosts, flags, [], rng, log,
-                      args.hosts + 1, args.rounds)
+                      args.rounds)
       times = [b[0] - a[0] for a, b in zip(reference["job"].rounds, reference["job"].rounds[1:])]
       round_s = statistics.median(times) if times else 0.0
       print(f"uninterrupted: {args.rounds} rounds in {reference['wall_s']:.1f} s, final eval "
             f"loss {reference['final_eval_loss']}", flush=True)
       chaos = run(os.path.join(root, "chaos"), args.hosts, flags, plan, rng, log,
-                  args.hosts + 1, args.rounds)
+                  args.rounds)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   for e in chaos["events"]:
