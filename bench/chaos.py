@@ -2,8 +2,8 @@
 uninterrupted one.
 
   python bench/chaos.py [--hosts=4] [--rounds=60] [--events=6] [--seed=0]
-  python bench/chaos.py --smoke  # 2 hosts, 30 short rounds, two fixed events: kill+wipe,
-                                 # then a third host (tests/test_storage.py: 4 -> 3 -> 5)
+  python bench/chaos.py --smoke  # 4 hosts, 50 short rounds, three fixed events: on 3
+                                 # hosts, kill+wipe one, on 5 hosts
 
 Hosts are processes of `launch/local.py --workdir_per_host` (each host its own workdir,
 nothing shared but the network) training configs/tiny.py with debug_checks on (the outer
@@ -53,7 +53,7 @@ sys.path.insert(0, REPO)
 from bench import _smoke  # noqa: E402
 
 KINDS = ("kill", "kill_wipe", "sigterm", "fewer", "more")
-SMOKE_EVENTS = ("kill_wipe", "more")
+SMOKE_EVENTS = ("fewer", "kill_wipe", "more")
 SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
                "--config.model.mlp_dim=64", "--config.model.num_heads=2"]
 ROUND = re.compile(r"^\[host 0\] round (\d+)/")
@@ -165,6 +165,7 @@ def run(workdir: str, hosts: int, flags: list[str], plan: list[str], rng: random
     resumed = int(info.get("round", 0))
     events.append({"kind": kind, "host": victim if kind.startswith("kill") else None,
                    "reached": reached, "resumed_from": resumed, "hosts_after": hosts,
+                   "checkpoint_hosts": info.get("checkpoint_hosts"),
                    "down_s": job.rounds[0][0] - t_event,
                    "rounds_again": max(reached - resumed, 0),
                    "healed": info.get("hosts_from_anchor", []),
@@ -190,9 +191,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--hosts", type=int, default=4, help="hosts at the start")
   parser.add_argument("--rounds", type=int, default=60, help="rounds of the run")
   parser.add_argument("--inner_steps", type=int, default=5, help="inner steps per round")
-  parser.add_argument("--events", type=int, default=6, help="random events (--smoke: 2 fixed)")
+  parser.add_argument("--events", type=int, default=6, help="random events (--smoke: 3 fixed)")
   parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
-  args = _smoke.parse_args(parser, "chaos", dict(hosts=2, rounds=30, inner_steps=4), argv)
+  args = _smoke.parse_args(parser, "chaos", dict(hosts=4, rounds=50, inner_steps=2), argv)
   if args.hosts < 2:
     parser.error(f"--hosts={args.hosts}: at least 2")
   rng = random.Random(args.seed)

@@ -193,17 +193,21 @@ def check_eta(result: dict) -> None:
 
 
 def check_chaos(result: dict) -> None:
-  """--smoke: 2 hosts with their own workdirs; one host killed and its workdir wiped (it
-  heals from a peer), then a resume on 3 hosts (the new one heals too); the run completes
-  with the anchors compared every round."""
+  """--smoke: 4 hosts with their own workdirs. Resumed on 3 (host 3's replica is gone), one
+  of them killed and its workdir wiped (it heals from a peer), then resumed on 5: host 4
+  is new and host 3's disk is two restarts old, so both heal. The run completes, its
+  anchors compared across hosts every round (debug_checks); the data rule after a
+  host-count change is tests/test_storage.py's."""
   events = result["events"]
-  assert [e["kind"] for e in events] == ["kill_wipe", "more"], events
-  assert [e["hosts_after"] for e in events] == [2, 3]
-  assert events[0]["healed"] == [events[0]["host"]] and events[0]["heal_bytes"] > 0
-  assert events[1]["healed"] == [2] and events[1]["heal_bytes"] == events[0]["heal_bytes"]
+  assert [e["kind"] for e in events] == ["fewer", "kill_wipe", "more"], events
+  assert [e["hosts_after"] for e in events] == [3, 3, 5]
+  assert [e["checkpoint_hosts"] for e in events] == [4, 3, 3]
+  assert events[0]["healed"] == [] and events[0]["heal_bytes"] == 0
+  assert events[1]["healed"] == [events[1]["host"]] and events[1]["heal_bytes"] > 0
+  assert events[2]["healed"] == [3, 4] and events[2]["heal_bytes"] == events[1]["heal_bytes"]
   assert all(e["resumed_from"] <= e["reached"] + 1 and e["down_s"] > 0 for e in events)
-  assert result["rounds_completed"] == result["rounds"] == 30
-  assert result["events_survived"] == 2
+  assert result["rounds_completed"] == result["rounds"] == 50
+  assert result["events_survived"] == 3
   assert result["final_eval_loss"] > 0 and result["uninterrupted"]["final_eval_loss"] > 0
 
 

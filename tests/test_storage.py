@@ -1,15 +1,13 @@
 """Hosts that share no disk: per-host checkpoints, the resume plan, heals, other host counts.
 
-The plan every host computes from the table of what each holds, the byte layout a heal
-sends, and the data rule after a host-count change are checked here in one process; the
-multi-host runs (launch/local.py --workdir_per_host) check them end to end: a SIGKILLed
-job resumes bit for bit, a wiped host heals, a run moves from 4 hosts to 3 and to 5, and
-hosts whose shared state differs are refused.
+Checked here in one process (threads stand in for hosts where they must meet): the plan
+every host computes from the table of what each holds, the bytes a heal sends, the data
+rule after a host-count change, how hosts find out whether they share a workdir, and a
+save that hangs. End to end, with processes: tests/test_checkpoint.py (a SIGKILLed job
+resumes bit for bit, a divergence is refused, a wiped host heals) and bench/chaos.py's
+smoke in tests/test_bench.py (4 hosts resumed on 3, one wiped, then on 5).
 """
 
-import json
-import os
-import signal
 import sys
 import threading
 import time
@@ -25,8 +23,6 @@ from diloco_jax.loop import resize
 from diloco_jax.loop import treebytes
 from diloco_jax.runtime import workdir as workdir_lib
 from tests import multihost
-from tests.test_checkpoint import TINY
-from tests.test_checkpoint import records
 
 RUN, OTHER = "ab" * 16, "cd" * 16
 
@@ -146,66 +142,6 @@ def test_launcher_needs_a_workdir_to_split():
   text = multihost.start([sys.executable, "launch/local.py", "--hosts=2", "--workdir_per_host",
                           "--", "--config=configs/tiny.py"]).communicate(timeout=60)[0]
   assert "--workdir_per_host needs the trainer's --workdir=DIR" in text
-
-
-# Several hosts through the launcher, each with a workdir of its own.
-
-def launch(workdir, *extra, hosts=2, max_restarts=0):
-  return multihost.start([sys.executable, "launch/local.py", f"--hosts={hosts}",
-                          "--workdir_per_host", f"--max_restarts={max_restarts}", "--",
-                          f"--workdir={workdir}", *TINY, *extra])
-
-
-def host_checkpoints(workdir, host):
-  path = os.path.join(workdir, f"host{host}", checkpoint.CHECKPOINTS)
-  return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
-
-
-def wait_until(predicate, launcher, timeout=180):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return
-    assert launcher.poll() is None, launcher.communicate()[0][-4000:]
-    time.sleep(0.05)
-  raise AssertionError(f"not reached in {timeout}s")
-
-
-def preempt_after(workdir, launcher, round_, hosts):
-  """SIGTERM to the launcher once every host holds checkpoint `round_`: the hosts stop
-  together after a later round, with a checkpoint of it; returns that round."""
-  wait_until(lambda: all(max(host_checkpoints(workdir, h), default=0) >= round_
-                         for h in range(hosts)), launcher)
-  launcher.send_signal(signal.SIGTERM)
-  text = launcher.communicate(timeout=180)[0]
-  assert launcher.returncode == 0, text[-4000:]
-  return int(text.split("preempted: stopped after round ")[1].split()[0]), text
-
-
-@pytest.mark.slow
-@pytest.mark.multihost
-def test_a_run_moves_from_4_hosts_to_3_and_to_5(tmp_path):
-  """Preempted on 4 hosts, resumed on 3 (host 3's replica is gone), preempted again,
-  resumed on 5 (host 4 heals from host 0 and starts from the anchor), to the end; every
-  round's anchor is compared across hosts (debug_checks), and run.json says what changed."""
-  work = tmp_path / "run"
-  rounds = ["--config.num_rounds=40", "--config.inner_steps=2"]
-  first, _ = preempt_after(work, launch(work, *rounds, hosts=4), 2, 4)
-  second, text = preempt_after(work, launch(work, *rounds, hosts=3), first + 2, 3)
-  assert "checkpoint %d was written by 4 host(s), this run has 3" % first in text, text[-3000:]
-  assert "cut into 3 shards" in text
-  launcher = launch(work, *rounds, hosts=5)
-  text = launcher.communicate(timeout=300)[0]
-  assert launcher.returncode == 0, text[-4000:]
-  assert f"checkpoint {second} was written by 3 host(s), this run has 5" in text
-  assert "host 3 healed from host 0" in text and "host 4 healed from host 0" in text
-  assert "final eval loss" in text
-  got = records(work / "host0")
-  assert got[-1]["round"] == 40 and all("anchor_hash" in r for r in got)
-  start = json.load(open(work / "host0" / "run.json"))["start"]
-  assert (start["checkpoint_hosts"], start["hosts"], start["hosts_from_anchor"]) == (3, 5, [3, 4])
-
-
 
 
 @pytest.mark.parametrize("dirs,shared", [("aaa", True), ("abc", False), ("aab", None)],
