@@ -114,9 +114,9 @@ class Hosts:
 
   def wait(self, rejoin_after: float | None = None) -> int:
     """0 when every host exits 0; EXIT_RESTART when every host asks for a restart; else
-    the code of the host that failed first (by exit time), the rest killed. With `rejoin_after` (elastic mode), a dead
-    host other than 0 does not stop the others: it is started again that many seconds
-    later, and returns to the job."""
+    the code of the host that failed first (by exit time), the rest killed. With
+    `rejoin_after` (elastic mode), a dead host other than 0 does not stop the others: it
+    is started again that many seconds later, and returns to the job."""
     restart_at: dict[int, float] = {}
     while True:
       codes = [p.poll() for p in self.procs]
