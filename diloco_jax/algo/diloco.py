@@ -57,6 +57,19 @@ def replica_sum(deltas_R: Params) -> Params:
   return jax.tree.map(lambda d: jnp.sum(d, axis=0), deltas_R)
 
 
+def token_weighted(deltas_K: Params, tokens_K: jax.Array) -> Params:
+  """Each replica's Δ_k scaled by s_k = K·w_k / Σ_j w_j, w_k its tokens this round, in
+  Δ's dtype (docs/algorithms.md §10): Σ_k s_k Δ_k / K is the token-weighted mean, and
+  every rule applied to the scaled Δ_k is its token-weighted form. Equal weights give
+  s_k = 1.0 exactly (K·w and Σw are the same integer), so the unweighted rule's bits are
+  kept."""
+  def scaled(d):
+    w = tokens_K.astype(d.dtype)
+    s = w * w.shape[0] / jnp.sum(w)
+    return d * s.reshape((-1,) + (1,) * (d.ndim - 1))
+  return jax.tree.map(scaled, deltas_K)
+
+
 def divide(tree: Params, count: int | jax.Array) -> Params:
   return jax.tree.map(lambda x: x / jnp.asarray(count, x.dtype), tree)
 

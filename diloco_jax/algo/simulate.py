@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from diloco_jax.algo import diloco
@@ -41,7 +42,8 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
              *, inner_optimizer: optax.GradientTransformation,
              outer_optimizer: optax.GradientTransformation,
              mode: str = "sync", fragment_ids: Params | None = None,
-             overlap_steps: int = 0, merge_alpha: float = 0.0) -> SimulateResult:
+             overlap_steps: int = 0, merge_alpha: float = 0.0,
+             steps: Any = None) -> SimulateResult:
   """Trains K replicas of `loss_fn` from `init_params` with DiLoCo for T rounds of H steps.
 
   Args:
@@ -56,6 +58,11 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
       (drained), so `params` contains every round. 'streaming': docs/algorithms.md §5.
     fragment_ids, overlap_steps, merge_alpha: streaming only. A pytree like
       `init_params` giving each leaf's fragment in 0..P−1 (None: one fragment), τ, and α.
+    steps: None (every replica trains all H steps of every round), or integers [T, K] in
+      0..H: replica k trains the first steps[t, k] of its H batches in round t (unequal
+      hosts), and the outer step weights each replica by its tokens, i.e. by its steps
+      (docs/algorithms.md §10; sync, delayed, eager). A round's losses after a replica's
+      last step are NaN.
   """
   if mode not in MODES:
     raise ValueError(f"simulate: mode={mode!r} is not one of {MODES}")
@@ -67,17 +74,27 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     raise ValueError("simulate: the leaves of `batches` disagree on [T, K, H]: "
                      f"{[x.shape[:3] for x in leaves]}")
 
+  weights = None if steps is None else _weights(steps, mode, t, k, h)
   train_step = jax.vmap(step_lib.make_train_step(loss_fn, inner_optimizer))
 
-  def inner_steps(replicas, batches_KxH, start=0, stop=None):
-    """Inner steps start..stop−1 of a round on every replica; losses [K, steps]."""
+  def inner_steps(replicas, batches_KxH, start=0, stop=None, steps_K=None):
+    """Inner steps start..stop−1 of a round on every replica; losses [K, steps]. With
+    `steps_K`, replica k's steps from its steps_K[k]-th on leave it as it was."""
     batches_HxK = jax.tree.map(lambda x: x[:, start:stop].swapaxes(0, 1), batches_KxH)
 
-    def one_step(replicas, batch_K):
+    def one_step(replicas, i_and_batch_K):
+      i, batch_K = i_and_batch_K
       params, opt_state, loss_K = train_step(replicas.params, replicas.opt_state, batch_K)
-      return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_K
+      new = state_lib.ReplicaState(params=params, opt_state=opt_state)
+      if steps_K is None:
+        return new, loss_K
+      active = i < steps_K  # [K]
+      keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+      return jax.tree.map(keep, new, replicas), jnp.where(active, loss_K, jnp.nan)
 
-    replicas, losses_HxK = jax.lax.scan(one_step, replicas, batches_HxK)
+    count = jax.tree.leaves(batches_HxK)[0].shape[0]
+    replicas, losses_HxK = jax.lax.scan(one_step, replicas,
+                                        (start + jnp.arange(count), batches_HxK))
     return replicas, losses_HxK.T
 
   @jax.jit
@@ -87,9 +104,27 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
       return _streaming(inner_steps, outer_optimizer, init_params, replicas, batches,
                         fragment_ids, overlap_steps, merge_alpha, t, k, h)
     return _rounds(diloco.make_rule(mode, outer_optimizer, k), inner_steps, init_params,
-                   replicas, batches, k)
+                   replicas, batches, k, weights)
 
   return run(init_params, batches)
+
+
+def _weights(steps: Any, mode: str, t: int, k: int, h: int) -> jax.Array:
+  """`steps` checked: int32 [T, K] in 0..H, every round with some step."""
+  if mode == "streaming":
+    raise ValueError("simulate: steps= is for sync, delayed and eager; streaming's fragment "
+                     "schedule needs every replica at the same inner step")
+  steps = np.asarray(steps)
+  if steps.shape != (t, k) or not np.issubdtype(steps.dtype, np.integer):
+    raise ValueError(f"simulate: steps must be integers of shape [T, K] = {(t, k)}, got "
+                     f"{steps.dtype} {steps.shape}")
+  if steps.min() < 0 or steps.max() > h:
+    raise ValueError(f"simulate: steps must be in 0..H = {h}, got {steps.min()}..{steps.max()}")
+  idle = np.flatnonzero(steps.sum(axis=1) == 0)
+  if idle.size:
+    raise ValueError(f"simulate: no replica trains in round(s) {(idle + 1).tolist()}: the "
+                     f"weights of that round's mean are all zero")
+  return jnp.asarray(steps, jnp.int32)
 
 
 def _scan_rounds(round_fn, carry, batches):
@@ -100,13 +135,17 @@ def _scan_rounds(round_fn, carry, batches):
   return carry, jnp.concatenate([first[None], rest])
 
 
-def _rounds(rule, inner_steps, init_params, replicas, batches, k) -> SimulateResult:
-  """sync, delayed, eager: the rule's round, as the host driver runs it."""
+def _rounds(rule, inner_steps, init_params, replicas, batches, k, weights) -> SimulateResult:
+  """sync, delayed, eager: the rule's round, as the host driver runs it; with `weights`
+  [T, K], each replica's Δ scaled to its token share first (diloco.token_weighted)."""
 
-  def round_fn(carry, batches_KxH):
+  def round_fn(carry, batches_and_steps):
     state, replicas, in_flight = carry
-    replicas, losses = inner_steps(replicas, batches_KxH)
+    batches_KxH, steps_K = batches_and_steps
+    replicas, losses = inner_steps(replicas, batches_KxH, steps_K=steps_K)
     deltas_K = diloco.pseudo_gradients(rule.start(state), replicas.params)
+    if steps_K is not None:
+      deltas_K = diloco.token_weighted(deltas_K, steps_K)
     mean = diloco.replica_mean(deltas_K)  # what the all-reduce of this round brings
     state = rule.apply(state, deltas_K, in_flight if rule.delay else mean)
     start = rule.start(state)
@@ -115,7 +154,7 @@ def _rounds(rule, inner_steps, init_params, replicas, batches, k) -> SimulateRes
     return (state, replicas.replace(params=start), mean), losses
 
   (state, replicas, in_flight), losses = _scan_rounds(
-      round_fn, (rule.init(init_params, k), replicas, None), batches)
+      round_fn, (rule.init(init_params, k), replicas, None), (batches, weights))
   if rule.delay:
     state = rule.drain(state, in_flight)
   params = rule.final(state)
