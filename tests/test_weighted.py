@@ -1,5 +1,5 @@
 """Unequal inner steps per replica and the token-weighted outer step (docs/algorithms.md
-§10) in `simulate`, against independent float64 numpy implementations written here from
+§9) in `simulate`, against independent float64 numpy implementations written here from
 the definitions: the weighted mean Δ̄ = Σ_m w_m Δ_m / Σ_m w_m with w_m the replica's
 tokens (its steps × the batch's tokens), and in eager each replica's own weighted share
 w_m Δ_m / Σw now and the others' one round late."""

@@ -59,7 +59,7 @@ def replica_sum(deltas_R: Params) -> Params:
 
 def token_weighted(deltas_K: Params, tokens_K: jax.Array) -> Params:
   """Each replica's Δ_k scaled by s_k = K·w_k / Σ_j w_j, w_k its tokens this round, in
-  Δ's dtype (docs/algorithms.md §10): Σ_k s_k Δ_k / K is the token-weighted mean, and
+  Δ's dtype (docs/algorithms.md §9): Σ_k s_k Δ_k / K is the token-weighted mean, and
   every rule applied to the scaled Δ_k is its token-weighted form. Equal weights give
   s_k = 1.0 exactly (K·w and Σw are the same integer), so the unweighted rule's bits are
   kept."""

@@ -61,7 +61,7 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     steps: None (every replica trains all H steps of every round), or integers [T, K] in
       0..H: replica k trains the first steps[t, k] of its H batches in round t (unequal
       hosts), and the outer step weights each replica by its tokens, i.e. by its steps
-      (docs/algorithms.md §10; sync, delayed, eager). A round's losses after a replica's
+      (docs/algorithms.md §9; sync, delayed, eager). A round's losses after a replica's
       last step are NaN.
   """
   if mode not in MODES:
@@ -82,19 +82,23 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     `steps_K`, replica k's steps from its steps_K[k]-th on leave it as it was."""
     batches_HxK = jax.tree.map(lambda x: x[:, start:stop].swapaxes(0, 1), batches_KxH)
 
-    def one_step(replicas, i_and_batch_K):
-      i, batch_K = i_and_batch_K
+    def one_step(replicas, batch_K):
       params, opt_state, loss_K = train_step(replicas.params, replicas.opt_state, batch_K)
-      new = state_lib.ReplicaState(params=params, opt_state=opt_state)
-      if steps_K is None:
-        return new, loss_K
+      return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_K
+
+    def some_step(replicas, i_and_batch_K):  # replicas past their steps_K stay as they are
+      i, batch_K = i_and_batch_K
+      new, loss_K = one_step(replicas, batch_K)
       active = i < steps_K  # [K]
       keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
       return jax.tree.map(keep, new, replicas), jnp.where(active, loss_K, jnp.nan)
 
-    count = jax.tree.leaves(batches_HxK)[0].shape[0]
-    replicas, losses_HxK = jax.lax.scan(one_step, replicas,
-                                        (start + jnp.arange(count), batches_HxK))
+    if steps_K is None:
+      replicas, losses_HxK = jax.lax.scan(one_step, replicas, batches_HxK)
+    else:
+      count = jax.tree.leaves(batches_HxK)[0].shape[0]
+      replicas, losses_HxK = jax.lax.scan(some_step, replicas,
+                                          (start + jnp.arange(count), batches_HxK))
     return replicas, losses_HxK.T
 
   @jax.jit
