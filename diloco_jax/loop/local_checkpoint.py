@@ -233,4 +233,8 @@ class LocalCheckpointer:
     return snap
 
   def mark_unreadable(self, r: int) -> None:
+    """Round r failed to read: listed as unreadable from now on (it stays on disk)."""
     self._unreadable.add(r)
+
+  def unreadable(self) -> list[int]:
+    return sorted(self._unreadable)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
 from typing import Callable
 
 import numpy as np
@@ -198,7 +197,7 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
   paths = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in
            run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")]
   while True:
-    mine = encode(c.held(), sorted(c._unreadable))
+    mine = encode(c.held(), c.unreadable())
     tables = run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")
     p = plan([decode(t) for t in tables], paths)
     if p.round == 0:
@@ -241,14 +240,13 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
                                  allgather=c.collective.allgather, host=c.host),
                what="healing a host")
 
-  meta = json.loads(bcast(json.dumps(snap.meta).encode()
-                                         if send else None))
+  meta = json.loads(bcast(json.dumps(snap.meta).encode() if send else None))
   payload = bcast(treebytes.to_bytes(snap.shared) if send else None)
   seconds = time.perf_counter() - t
   if c.host in p.heal:
     check_meta(meta)
     shared = treebytes.from_buffer(payload, like(meta).shared,
-                                          f"the shared state sent by host {p.source}")
+                                   f"the shared state sent by host {p.source}")
     if state_lib.fingerprint(shared) != p.sha:
       raise CheckpointError(f"host {c.host}: the shared state of round {p.round} received "
                             f"from host {p.source} does not match its hash: not used")
@@ -258,6 +256,3 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
           flush=True)
   return snap, Recovered(p.round, p.source, p.heal, len(payload), seconds)
 
-
-def describe(rec: Recovered) -> dict[str, Any]:
-  return dataclasses.asdict(rec)
