@@ -140,6 +140,16 @@ def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: i
         f"resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
 
 
+def check_space(directory: str, r: int, needed: int) -> None:
+  """Refuses a save of `needed` bytes the filesystem cannot hold, before it is written."""
+  free = shutil.disk_usage(directory).free
+  if free < needed + needed // 10:
+    raise CheckpointError(
+        f"checkpoint {r} needs about {units.format_bytes(needed)} in {directory}, "
+        f"which has {units.format_bytes(free)} free: not written. The checkpoints before "
+        f"it are intact; free some space and run the same command to continue")
+
+
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
   """(fn(), None), or (None, the exception)."""
   try:
@@ -250,7 +260,7 @@ class Checkpointer:
         if hosts != self.hosts:
           self._open(hosts)
         self._finish_previous()
-        self._check_space(snapshot.round, needed)
+        check_space(self.directory, snapshot.round, needed)
         self._save_started = time.monotonic()
         self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
             shared=ocp.args.StandardSave(self._to_replicated(shared)),
@@ -279,15 +289,6 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001
       raise self._failed(self._writing, e) from None
     self._writing = None
-
-  def _check_space(self, r: int, needed: int) -> None:
-    """Refuses a save the filesystem cannot hold, before orbax writes a byte of it."""
-    free = shutil.disk_usage(self.directory).free
-    if free < needed + needed // 10:
-      raise CheckpointError(
-          f"checkpoint {r} needs about {units.format_bytes(needed)} in {self.directory}, "
-          f"which has {units.format_bytes(free)} free: not written. The checkpoints before "
-          f"it are intact; free some space and run the same command to continue")
 
   def _failed(self, r: int | None, error: BaseException) -> CheckpointError:
     text = str(error)

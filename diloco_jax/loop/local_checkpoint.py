@@ -36,7 +36,6 @@ from typing import Callable
 
 import jax
 
-from diloco_jax import units
 from diloco_jax.algo import state as state_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
 from diloco_jax.loop import recovery
@@ -73,13 +72,11 @@ class LocalCheckpointer:
   the interface of `checkpoint.Checkpointer`; `restore` agrees with the other hosts on the
   round to resume from and heals a host that holds none (loop/recovery.py)."""
 
-  shared_storage = False
-
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, checkpoint_lib.CHECKPOINTS)
     self.keep, self.dispatcher, self.collective = keep, dispatcher, collective
-    self.host, self.num_hosts = jax.process_index(), jax.process_count()
+    self.host = jax.process_index()
     self.write_seconds: float | None = None
     self.recovered: recovery.Recovered | None = None  # what `restore` did, for the logs
     self.timeout = timeout  # config.checkpoint.timeout
@@ -114,13 +111,8 @@ class LocalCheckpointer:
 
   def _write_checkpoint(self, r: int, shared: Any, own: Any, meta: dict) -> None:
     t = time.monotonic()
-    needed = collective_lib.payload_bytes(shared) + collective_lib.payload_bytes(own)
-    free = shutil.disk_usage(self.directory).free
-    if free < needed + needed // 10:
-      raise CheckpointError(
-          f"checkpoint {r} needs about {units.format_bytes(needed)} in {self.directory}, "
-          f"which has {units.format_bytes(free)} free: not written. The checkpoints before "
-          f"it are intact; free some space and run the same command to continue")
+    checkpoint_lib.check_space(self.directory, r, collective_lib.payload_bytes(shared)
+                               + collective_lib.payload_bytes(own))
     meta.update(format=FORMAT, shared_sha256=state_lib.fingerprint(shared),
                 items={"shared": treebytes.index(shared), "own": treebytes.index(own)})
     partial = os.path.join(self.directory, f"{r}{PARTIAL}{uuid.uuid4().hex[:8]}")

@@ -167,11 +167,22 @@ def _take(workdir: str, restart_from_scratch: bool) -> Lock:
   return lock
 
 
-def _agree_or_raise(lock: Lock | None, error: Exception | None, agree, other: str) -> None:
+def _take_and_agree(workdir: str, take: bool, restart_from_scratch: bool, agree,
+                    other: str, held: Lock | None = None) -> Lock | None:
+  """This host's lock (taken now if `take`, else `held`), once every host could take the
+  one it had to; else every host raises (the error of a host that could not, or `other`)
+  and lets go of its lock."""
+  lock, error = held, None
+  if take:
+    try:
+      lock = _take(workdir, restart_from_scratch)
+    except WorkdirInUseError as e:
+      error = e
   if not agree(error is None):
     if lock is not None:
       lock.release()
     raise error or WorkdirInUseError(other)
+  return lock
 
 
 def _holds_nonce(workdir: str, nonce: str) -> bool:
@@ -192,14 +203,9 @@ def claim(workdir: str, *, host: int, num_hosts: int,
   def agree(ok: bool) -> bool:
     return bool(allgather(np.array([ok])).all())
 
-  lock, error = None, None
-  if host == 0:
-    try:
-      lock = _take(workdir, restart_from_scratch)
-    except WorkdirInUseError as e:
-      error = e
-  _agree_or_raise(lock, error, agree, "host 0 found its --workdir in use by another run "
-                                      "(its log names the holder)")
+  lock = _take_and_agree(workdir, host == 0, restart_from_scratch, agree,
+                         "host 0 found its --workdir in use by another run (its log names "
+                         "the holder)")
   if num_hosts == 1:
     return Claim(lock, shared=True)
   mine = bytes.fromhex(lock.nonce) if host == 0 else bytes(16)
@@ -215,11 +221,7 @@ def claim(workdir: str, *, host: int, num_hosts: int,
     raise WorkdirInUseError(
         f"hosts {same} share one --workdir and hosts {other} each have their own: give "
         f"every host the same shared directory, or every host a directory of its own")
-  if host != 0:
-    try:
-      lock = _take(workdir, restart_from_scratch)
-    except WorkdirInUseError as e:
-      error = e
-  _agree_or_raise(lock, error, agree, "another host found its --workdir in use by another "
-                                      "run (its log names the holder)")
+  lock = _take_and_agree(workdir, host != 0, restart_from_scratch, agree,
+                         "another host found its --workdir in use by another run (its log "
+                         "names the holder)", held=lock)
   return Claim(lock, shared=False)
