@@ -6,7 +6,9 @@ CONFIG_JSON holds overrides of `tests.multihost.small_config()`, and optionally
 "_poison": {"host": h, "replica": m, "value": "nan" or a scale, "calls": [...]}: that
 replica's pseudo-gradient NaN or scaled (`multihost.poisoned`), and "_corrupt":
 {"host": h, "round": r}: that host's anchor changed in one entry after round r's outer
-step (sync mode), as a flipped bit in its memory would (`multihost.corrupted`). Writes
+step (sync mode), as a flipped bit in its memory would (`multihost.corrupted`); and
+"_pace": {"seconds": [per host], "jitter": j}: the seconds per inner step balance 'speed'
+measures on each host (`multihost.paced`). Writes
 OUT_DIR/host{HOST_ID}.npz with the final anchor's leaves and the per-round records; the
 hosts share the workdir OUT_DIR/work.
 """
@@ -37,6 +39,10 @@ def main(out_dir, host_id, num_hosts, port, overrides):
   if corrupt is not None and corrupt["host"] == int(host_id):
     trainer.Trainer._round_checks = multihost.corrupted(trainer.Trainer._round_checks,
                                                         corrupt["round"])
+  pace = overrides.pop("_pace", None)
+  if pace is not None:  # balance 'speed' with hosts of these speeds (multihost.paced)
+    from diloco_jax.loop import pacing
+    pacing.Pacer.measured = multihost.paced(pace["seconds"], pace.get("jitter", 0.0))
   config = multihost.small_config(**overrides)
   # One workdir for all hosts, as on a shared filesystem (checkpoints need it).
   result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -71,6 +72,18 @@ def corrupted(round_checks, at_round: int):
     return round_checks(self, r)
 
   return wrapped
+
+
+def paced(seconds_per_step: list[float], jitter: float = 0.0):
+  """`pacing.Pacer.measured` for a host of a given speed: host h's inner phase of round r
+  measures its steps x `seconds_per_step[h]`, give or take `jitter` (a fixed pattern by
+  round and host), so that the decisions of balance 'speed' are the same in every run.
+  A round the trainer does not time (it compiled) stays untimed."""
+  def measured(self, r: int, busy: float) -> None:
+    wobble = 1 + jitter * math.sin(7 * r + 3 * self.host)
+    self.busy = {r: busy and self.my_steps(r) * seconds_per_step[self.host] * wobble}
+
+  return measured
 
 
 def free_port() -> int:

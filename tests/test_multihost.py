@@ -33,12 +33,19 @@ TOKEN = "the-join-token-of-this-test-0123456789"
 def test_two_hosts_equal_one_host(tmp_path, mode):
   """2 hosts x 1 replica and 1 host x 2 replicas: the same shards (g = host * R + r), the
   same per-replica programs, and Σ over two replicas is a + b either way: bit-identical.
-  The two hosts share a join token, which appears in no output and no file they wrote."""
+  The two hosts share a join token, which appears in no output and no file they wrote.
+  DiLoCo's two hosts run balance 'speed', as fast as each other give or take 5%: they
+  decide equal steps every round, and the weighted rule is then the plain one, bit for bit."""
   (tmp_path / "two").mkdir()
   (tmp_path / "one").mkdir()
+  speed = {} if mode == "ddp" else dict(
+      balance="speed", balance_every=1, _pace={"seconds": [0.01, 0.01], "jitter": 0.05})
   two = multihost.run_hosts(tmp_path / "two", 2, mode=mode, replicas_per_host=1,
-                            debug_checks=True, num_rounds=3,
+                            debug_checks=True, num_rounds=3, **speed,
                             env={**multihost.ENV, "DILOCO_JOIN_TOKEN": TOKEN})
+  if speed:  # every round's steps came with its sum: timed on both hosts from round 2 on
+    assert [r["hosts_steps"] for r in two[0]["records"]] == [[4, 4]] * 3
+    assert [r["hosts_busy"][1] > 0 for r in two[0]["records"]] == [False, True, True]
   assert "hosts authenticated by the join token from $DILOCO_JOIN_TOKEN" in two[0]["output"]
   assert not any(TOKEN in h["output"] for h in two)
   # gloo's own connection lines are kept out; each host names its devices its own way

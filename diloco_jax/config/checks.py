@@ -10,6 +10,7 @@ import os
 
 import ml_collections
 
+from diloco_jax.config.schema import BALANCES
 from diloco_jax.config.schema import COMPUTE_DTYPES
 from diloco_jax.config.schema import DATA_SOURCES
 from diloco_jax.config.schema import INNER_OPTIMIZERS
@@ -149,11 +150,31 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
   _check_streaming(c, check)
   _check_reporting(c, check)
   _check_wire(c, check, num_replicas=num_hosts * c.replicas_per_host)
+  _check_balance(c, check)
   check("config.elastic_timeout", c.elastic_timeout >= 1, "must be >= 1")
   check("config.elastic", not c.elastic or c.mode == "sync",
         f"elastic mode is available for config.mode = 'sync' only (not {c.mode!r})")
   if errors:
     raise ConfigError("\n".join(errors))
+
+
+def _check_balance(c: ml_collections.ConfigDict, check) -> None:
+  check("config.balance", c.balance in BALANCES,
+        f"must be one of {BALANCES} ('window', a wall-clock window per round, is not "
+        f"built: its steps could not be replayed on resume)")
+  if c.balance == "speed":
+    check("config.balance", c.mode in ("sync", "delayed", "eager"),
+          f"'speed' needs mode 'sync', 'delayed' or 'eager' (not {c.mode!r}): "
+          + ("ddp's hosts all-reduce every step, so every host trains every step" if c.mode
+             == "ddp" else "streaming's fragments sync at the same step on every host"))
+    check("config.balance", c.outer.aggregation == "mean",
+          f"'speed' weights the mean by tokens; outer.aggregation = "
+          f"{c.outer.aggregation!r} has no token-weighted form")
+    check("config.balance", not c.elastic,
+          "'speed' with config.elastic: the weights assume every host's Δ arrives")
+  check("config.balance_every", c.balance_every >= 1, "must be >= 1")
+  check("config.balance_tolerance", 0 <= c.balance_tolerance < 1, "must be in [0, 1)")
+  check("config.balance_max_factor", c.balance_max_factor >= 1, "must be >= 1")
 
 
 def _check_reporting(c: ml_collections.ConfigDict, check) -> None:

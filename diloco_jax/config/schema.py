@@ -19,12 +19,13 @@ import ml_collections
 
 from diloco_jax.errors import ConfigError
 
-__all__ = ["ConfigError", "MODES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES", "COMPUTE_DTYPES",
+__all__ = ["ConfigError", "MODES", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES", "COMPUTE_DTYPES",
            "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "WANDB_MODES", "RESUMABLE_CHANGES",
            "get_default_config", "flatten", "from_saved", "known_names", "unknown_field",
            "field_docs", "format_config"]
 
 MODES = ("sync", "delayed", "eager", "streaming", "ddp")
+BALANCES = ("fixed", "speed")
 DATA_SOURCES = ("synthetic", "text", "tokens", "prepared")
 SHARDINGS = ("iid", "non_iid")
 TOKEN_DTYPES = ("uint16", "int32")
@@ -130,6 +131,12 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_round = 0  # First round traced by jax.profiler into workdir/profile; 0: none.
   c.profile.num_rounds = 2  # Rounds the trace covers.
+  # Unequal hosts (docs/algorithms.md §9): 'fixed', every host H inner steps per round; or
+  # 'speed', each host's steps sized to its measured speed (the slowest H), tokens-weighted.
+  c.balance = "fixed"
+  c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
+  c.balance_tolerance = 0.1  # 'speed': hosts within this fraction of the slowest train H.
+  c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
   c.elastic = False  # Experimental: survivors train on when a host dies (README).
   c.elastic_timeout = 60  # Elastic: seconds a sum or checkpoint waits for a dead host.
   return c

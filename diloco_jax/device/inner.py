@@ -165,8 +165,19 @@ class ReplicaStep(Step):
   def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                mesh: Mesh, grad_accum_steps: int = 1):
     super().__init__(mesh)
-    replica_step = map_replica_groups(make_train_step(loss_fn, optimizer, grad_accum_steps),
-                                      self.layout.groups)
+    self._loss_fn, self._grad_accum_steps = loss_fn, grad_accum_steps
+    self._set_optimizer(optimizer)
+    self.donates_state = mesh.devices.flat[0].platform != "cpu"
+
+  def reschedule(self, optimizer: optax.GradientTransformation) -> None:
+    """From the next call on, steps with `optimizer` (the same state structure: another
+    learning-rate schedule), compiled on that call."""
+    self._set_optimizer(optimizer)
+    self._compiled = None
+
+  def _set_optimizer(self, optimizer: optax.GradientTransformation) -> None:
+    replica_step = map_replica_groups(
+        make_train_step(self._loss_fn, optimizer, self._grad_accum_steps), self.layout.groups)
 
     def traced(state: state_lib.ReplicaState, batch_RxBxL1):
       self.traces += 1  # Runs at trace time only.
@@ -174,7 +185,6 @@ class ReplicaStep(Step):
       return state_lib.ReplicaState(params=params, opt_state=opt_state), loss_R
 
     self._traced = traced
-    self.donates_state = mesh.devices.flat[0].platform != "cpu"
 
   def _jit(self, state):
     shardings = self.state_shardings(state)

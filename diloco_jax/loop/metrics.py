@@ -48,6 +48,8 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
   if "replicas" in r:  # elastic mode: the replicas in this round's mean
     parts.append(f"{int(r['replicas'])} replicas")
+  if "hosts_steps" in r:  # balance 'speed': the slowest and the fastest host's steps
+    parts.append(f"steps/host {min(r['hosts_steps'])}-{max(r['hosts_steps'])}")
   parts.append(f"{format_count(r['tokens_per_sec'])} tok/s" + (
       f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else
       f" ({format_count(r['flops_per_sec'])}FLOP/s)" if "flops_per_sec" in r else ""))
@@ -180,11 +182,13 @@ class RoundLog:
     """Seconds of the rounds trained by this process."""
     return float(np.sum(self._round_times))
 
-  def timed(self, r: int, seconds: float, steady: bool = True) -> None:
+  def timed(self, r: int, seconds: float, steady: bool = True,
+            tokens: int | None = None) -> None:
     """Round r took `seconds` of wall time: its speed; and the time left: the rounds left
     at the mean wall time from one steady round's end to the next (its save included),
     plus the last checkpoint's write (`finish_estimate`: the run ends by writing one and
-    waiting for it). This process's first round is not steady (it compiles the outer
+    waiting for it); `tokens`: what round r trained, if not `tokens_per_round`. This
+    process's first round is not steady (it compiles the outer
     step and the eval and opens the connections, after a resume too), nor is a round
     with `steady` False (profiled)."""
     now = self._clock()
@@ -192,7 +196,7 @@ class RoundLog:
     if steady and self._last_end is not None:
       self._steady_times.append(now - self._last_end)
     self._last_end = now
-    speed = self.tokens_per_round / seconds
+    speed = (self.tokens_per_round if tokens is None else tokens) / seconds
     self.add(r, round_time=seconds, tokens_per_sec=speed, elapsed=self.elapsed)
     if self._steady_times:  # from the end of round r; `_write` takes off what passed since
       self._ended[r] = now
@@ -208,6 +212,11 @@ class RoundLog:
 
   def add(self, r: int, **figures) -> None:
     self._open[r].update(figures)
+
+  def add_if_open(self, r: int, **figures) -> None:
+    """Round r's figures, unless its record was written before a resume."""
+    if r in self._open:
+      self._open[r].update(figures)
 
   def add_times(self, r: int, times: Mapping[str, float]) -> None:
     record = self._open[r]
@@ -252,7 +261,8 @@ class RoundLog:
     syncs = [a for a in arrived if a.collective_time is not None]
     diagnostics = record.pop("_diagnostics", None)
     live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
-    record["train_loss"] = float(record.pop("loss_sum")) / (live * self.h)
+    terms = record.pop("_loss_terms", live * self.h)  # balance 'speed': Σ steps × R
+    record["train_loss"] = float(record.pop("loss_sum")) / terms
     if "eval_loss" in record:
       record["eval_loss"] = float(record["eval_loss"])
     for split in self.bytes_per_token or ():
@@ -288,7 +298,8 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
                    num_params: int, flops_per_token: float, tokens_per_step: int,
                    peak_flops: float | None = None, memory: Mapping[str, int] | None = None,
                    layout: Mapping[str, Any] | None = None,
-                   start: Mapping[str, Any] | None = None) -> str:
+                   start: Mapping[str, Any] | None = None,
+                   balance: Mapping[str, Any] | None = None) -> str:
   """workdir/run.json: what this run is (the resolved config, the world, the model size,
   the software), written at start so a workdir always says how it was made."""
   run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
@@ -301,6 +312,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
          "layout": layout,
          "start": start,  # how this start resumed: round, storage, healed hosts, world change
+         "balance": balance,  # balance 'speed': the steps per host decided so far (None: fixed)
          "huge_pages": hostmem.huge_pages(),  # for big host buffers (runtime/hostmem.py)
          "versions": {"diloco_jax": __version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,

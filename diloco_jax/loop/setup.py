@@ -25,6 +25,7 @@ from diloco_jax.loop import checkpoint as checkpoint_lib
 from diloco_jax.loop import local_checkpoint
 from diloco_jax.loop import membership as membership_lib
 from diloco_jax.loop import metrics
+from diloco_jax.loop import pacing
 from diloco_jax.loop import profiling
 from diloco_jax.loop import writers
 from diloco_jax.models import model as model_lib
@@ -59,7 +60,11 @@ class Setup:
     self.replicas_per_host, self.h = config.replicas_per_host, config.inner_steps
     self.num_rounds = config.num_rounds
     self.num_replicas = self.replicas_per_host * self.num_hosts  # K
-    self.tokens_per_step = self.num_replicas * config.batch_size * config.model.seq_len
+    self.tokens_per_replica_step = config.batch_size * config.model.seq_len
+    self.tokens_per_step = self.num_replicas * self.tokens_per_replica_step
+    # balance 'speed': each host's inner steps per round (loop/pacing.py)
+    self.pacer = pacing.Pacer(config, host=self.host, num_hosts=self.num_hosts,
+                              replicas_per_host=self.replicas_per_host)
 
     self.data = data_lib.make_host_data(
         config.data, seq_len=config.model.seq_len, batch_size=config.batch_size,
@@ -71,6 +76,8 @@ class Setup:
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
     self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
+    self._schedule_steps = self.num_rounds * self.h  # the inner lr schedule's length
+    self._compiles = True  # the next round is this process's first: not timed for balance
     checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
     self.membership = membership_lib.of(config)
     self.collective = self.membership.collective
@@ -109,11 +116,13 @@ class Setup:
     self.exchange = exchange_lib.Exchange(
         config.outer, collective=self.collective, dispatcher=dispatcher,
         replicas_per_host=self.replicas_per_host,
-        steps_finished=self.train_step.steps_finished, extra=self.membership.sum_extra)
+        steps_finished=self.train_step.steps_finished, extra=self.membership.sum_extra,
+        pace=self.pacer if self.pacer.speed else None)
     param_shapes = model_lib.param_shapes(self.model_cfg)
     self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange,
                                          params=param_shapes,
-                                         pseudo_gradient_hook=pseudo_gradient_hook)
+                                         pseudo_gradient_hook=pacing.weighted(
+                                             self.pacer, pseudo_gradient_hook))
     self._init_replicas = functools.partial(self.train_step.init_replicas, inner_optimizer,
                                             num_replicas=self.outer_step.param_sets)
     # Compiled from the state's shapes before the state exists: compiling is start-up's
@@ -173,7 +182,8 @@ class Setup:
                            flops_per_token=self.flops_per_token,
                            tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
                            memory=self.step_memory,
-                           layout=self.train_step.layout.describe(), start=self.start)
+                           layout=self.train_step.layout.describe(), start=self.start,
+                           balance=self.pacer.describe())
 
   def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
     """Everything needed to continue after round r (after its outer step); `finished`:
@@ -187,7 +197,8 @@ class Setup:
     meta = {"round": r, "finished": finished, "inflight": inflight, "mode": self.config.mode,
             "num_hosts": self.num_hosts, "replicas_per_host": self.replicas_per_host,
             "data_state": self.data.get_state(),  # host 0's (meta is written by host 0)
-            "run_id": self.run_id, "config": self.config.to_dict(), "diloco_jax": __version__,
+            "run_id": self.run_id, "balance": self.pacer.state(),
+            "config": self.config.to_dict(), "diloco_jax": __version__,
             "jax": jax.__version__, "saved_at": time.time()}
     return checkpoint_lib.Snapshot(r, shared, own, meta)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from diloco_jax.algo import optim
 from diloco_jax.algo import state as state_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
 from diloco_jax.loop import membership as membership_lib
@@ -61,18 +62,24 @@ class Trainer(setup.Setup):
   `setup.Setup`)."""
 
   def run_round(self, r: int) -> None:
-    """Round r: H inner steps of every local replica, then the outer step. Its record
-    opens in `self.log`; the figures of its sums join it when they arrive."""
-    self.log.open(r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step)
-    losses = []
-    for i in range(self.h):
-      step = (r - 1) * self.h + i + 1
+    """Round r: H inner steps of every local replica (balance 'speed': this host's share,
+    `self.pacer`), then the outer step. Its record opens in `self.log`; the figures of
+    its sums join it when they arrive."""
+    n = self.pacer.my_steps(r)
+    self._open_record(r)
+    losses, t = [], time.perf_counter()
+    for i in range(n):
+      step = (r - 1) * self.h + (i + 1) * self.h // n  # the progress in slowest-host steps
       with profiling.step_annotation("inner_step", step_num=step):
         self.replicas, loss_R = self.train_step(self.replicas, self.data.next_batch())
       losses.append(loss_R)
-      if i + 1 < self.h:  # streaming syncs fragments mid-round
+      if i + 1 < n:  # streaming syncs fragments mid-round
         self._take(r, self.outer_step.after_step(self.outer, self.replicas, step, r))
       self.bar.update(step, f"round {r}/{self.num_rounds}")
+    if self.pacer.speed:  # this host's speed: its inner phase, unless it compiled
+      jax.block_until_ready(self.replicas)
+      self.pacer.measured(r, 0.0 if self._compiles else time.perf_counter() - t)
+      self._compiles = False
     if self._await_steps_once:
       # The round's end compiles its programs (the outer step's, the loss sum's) on first
       # use, while the steps dispatched ahead still run. On CPU they run on the same cores
@@ -86,10 +93,40 @@ class Trainer(setup.Setup):
     self._round_checks(r)
     hostmem.trim()  # what the round's compiles and host copies freed
 
+  def _open_record(self, r: int, **figures) -> None:
+    """Round r's record; with unequal steps, the losses its train loss averages."""
+    steps = self.pacer.steps(r)
+    if steps != (self.h,) * self.num_hosts:
+      figures["_loss_terms"] = sum(steps) * self.replicas_per_host
+    self.log.open(r, inner_step=r * self.h,
+                  tokens=self.pacer.tokens_through(r, self.tokens_per_replica_step), **figures)
+
   def _take(self, r: int, update: modes_base.Update) -> None:
     self.outer, self.replicas = update.outer, update.replicas
     self.log.add_times(r, update.times)
     self.log.add_synced(update.synced)
+    for s in update.synced:
+      if s.arrived.pace is not None:
+        figures = self.pacer.arrived(s.arrived.round, s.arrived.pace, now=r)
+        self.log.add_if_open(s.arrived.round, **figures, hosts_tokens=[
+            n * self.replicas_per_host * self.tokens_per_replica_step
+            for n in figures["hosts_steps"]])
+    if self.pacer.take_changed():
+      self._reschedule(announce=True)
+
+  def _reschedule(self, announce: bool = False) -> None:
+    """balance 'speed': this host's learning-rate schedule spans the steps it now trains
+    in the run (recompiled when that changes; the round after is not measured)."""
+    total = self.pacer.total_steps()
+    if total != self._schedule_steps:
+      self.train_step.reschedule(optim.inner_optimizer(self.config.inner, total))
+      self._schedule_steps, self._compiles = total, True
+    decision = self.pacer.decisions[-1]
+    if announce and self.is_host0:
+      print(f"balance: from round {decision.first}, inner steps per host "
+            f"{list(decision.steps)} (measured speeds; H = {self.h} for the slowest)",
+            flush=True)
+      self.write_run_json()
 
   def _round_checks(self, r: int) -> None:
     """After round r's outer step: the outer state compared across hosts, and the eval,
@@ -116,6 +153,8 @@ class Trainer(setup.Setup):
     self.finished_before, r = snap.meta["finished"], snap.round
     world = resize.World.of(snap, self.num_hosts)
     resize.check_mode(world, self.config.mode, where=f"checkpoint {r}")
+    self.pacer.restore(snap.meta.get("balance"), same_world=not world.changed)
+    self._reschedule()
     own = resize.without_inflight(snap.own) if world.partial else snap.own
     if own is None:  # a new, wiped or returning host: no row of its own
       self.outer, self.replicas = membership_lib.rejoin(
@@ -139,8 +178,8 @@ class Trainer(setup.Setup):
                             inflight=bool(self.outer.inflight),
                             finished=self.finished_before, num_rounds=self.num_rounds)
     if self.outer.inflight:  # its record was not logged before the checkpoint
-      self.log.open(r, inner_step=r * self.h, tokens=r * self.h * self.tokens_per_step,
-                    resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0, eta=0.0)
+      self._open_record(r, resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0,
+                        eta=0.0)
       self._round_checks(r)
     return r
 
@@ -176,7 +215,9 @@ class Trainer(setup.Setup):
         self.run_round(r)
       self.profile.after_round(r, self.replicas)
       self.log.write_through(r - 1)  # read after round r's work was dispatched
-      self.log.timed(r, time.perf_counter() - t_round, steady=not self.profile.covers(r))
+      self.log.timed(r, time.perf_counter() - t_round, steady=not self.profile.covers(r),
+                     tokens=sum(self.pacer.steps(r)) * self.replicas_per_host
+                     * self.tokens_per_replica_step)
       if self.log.rejoin_requested(r) and r < self.num_rounds:
         self._restart_for_rejoin(r)
       preempted = self.preemption.reached(r)

@@ -32,7 +32,8 @@ GROUPS = {
               "skipped_rounds"),
     "comm": ("bytes_sent", "bytes_peak", "collective_time", "overlap", "overlap_steps",
              "fragments_synced"),
-    "hosts": ("replicas", "anchor_hash_time", "anchor_check_time"),
+    "hosts": ("replicas", "anchor_hash_time", "anchor_check_time", "hosts_steps",
+              "hosts_tokens", "hosts_busy", "hosts_idle"),
     "checkpoint": ("checkpoint_blocking",),
     "progress": ("elapsed", "eta"),
 }
@@ -52,7 +53,8 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     if isinstance(value, (int, float)):
       out[tag] = float(value)
     elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
-      out.update({f"{tag}/replica_{m}": float(v) for m, v in enumerate(value)})
+      per = "host" if key.startswith("hosts_") else "replica"  # hosts/steps/host_1
+      out.update({f"{tag}/{per}_{m}": float(v) for m, v in enumerate(value)})
   return out
 
 

@@ -51,6 +51,7 @@ class Pending(NamedTuple):
   finite_R: np.ndarray  # [R] bool: which of this host's Δ_m were finite
   residual: np.ndarray | None  # the error feedback that went into the send
   future: concurrent.futures.Future
+  pace: dict[str, np.ndarray] | None = None  # balance 'speed': this host's steps and seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Arrived:
     rejoin: elastic mode, whether a returned host asks to rejoin.
     diagnostics: a future of [hosts, R, 3] per replica ‖Δ_m‖, cos(Δ_m, Δ̄), ‖Δ_m − Δ̄‖²
       (gathered on the dispatch thread, read when the round is logged), or None.
+    pace: balance 'speed': every replica's inner steps ([K]) and every host's seconds of
+      inner phase ([hosts]) in that round, summed over hosts (loop/pacing.py); or None.
   """
   round: int
   key: int
@@ -85,6 +88,7 @@ class Arrived:
   live_replicas: int | None = None
   rejoin: bool = False
   diagnostics: concurrent.futures.Future | None = None
+  pace: dict[str, np.ndarray] | None = None
 
 
 def entries(tree: Params) -> int:
@@ -109,16 +113,19 @@ class Exchange:
   `steps_finished`: how many inner steps the devices have finished (read on the dispatch
   thread around each collective, for `overlap_steps`); `extra`: words each sum carries
   besides Δ, from the job's membership (elastic: this host's replicas, so that the mean
-  divides by the live ones, and host 0's rejoin requests; None: nothing).
+  divides by the live ones, and host 0's rejoin requests; None: nothing); `pace`: under
+  balance 'speed', the `pacing.Pacer` whose words for the round each sum carries (kept
+  with a sum in flight, so a resumed run sends the same ones).
   """
 
   def __init__(self, outer: ml_collections.ConfigDict, *, collective, dispatcher,
                replicas_per_host: int, steps_finished: Callable[[], int] = lambda: 0,
-               extra: Callable[[], dict[str, np.float32] | None] = lambda: None):
+               extra: Callable[[], dict[str, np.float32] | None] = lambda: None,
+               pace=None):
     self.collective, self.dispatcher = collective, dispatcher
     self.replicas_per_host = replicas_per_host
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
-    self.steps_finished, self.extra = steps_finished, extra
+    self.steps_finished, self.extra, self.pace = steps_finished, extra, pace
     self.compression, self.aggregation = outer.compression, outer.aggregation
     self.trim = outer.trim
     self.wire_options = dict(topk_fraction=outer.topk_fraction, topk_chunk=outer.topk_chunk,
@@ -143,8 +150,10 @@ class Exchange:
     return {key: np.zeros((rows, n), np.float32) for key, n in sizes.items()}
 
   def submit(self, deltas_R: Params, loss_sum, finite_R: np.ndarray, *, round_: int,
-             key: int = 0, residual: np.ndarray | None = None) -> Pending:
-    """Queues the sum over hosts of this host's Δ_m (with the loss and the bad flags)."""
+             key: int = 0, residual: np.ndarray | None = None,
+             pace: dict[str, np.ndarray] | None = None) -> Pending:
+    """Queues the sum over hosts of this host's Δ_m (with the loss and the bad flags, and
+    the pacer's words: `pace`, else the pacer's for `round_`)."""
     host, r = self.collective.host_index, self.replicas_per_host
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * r:(host + 1) * r] = ~np.asarray(finite_R, bool)
@@ -158,11 +167,15 @@ class Exchange:
       rows = jax.tree.map(lambda x: x[None], self._sum_R(deltas_R))
     if (extra := self.extra()) is not None:
       payload["extra"] = extra
+    if pace is None and self.pace is not None:
+      pace = self.pace.words(round_)
+    if pace is not None:
+      payload["pace"] = pace
     job = functools.partial(self._job, payload, rows, residual, round_, key)
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
     return Pending(round_, key, deltas_R, loss_sum, np.asarray(finite_R, bool), residual,
-                   future)
+                   future, pace)
 
   def _job(self, payload, rows, residual, round_: int, key: int) -> Arrived:
     """On the dispatch thread: the collective, then the mean."""
@@ -183,7 +196,8 @@ class Exchange:
                    float(np.asarray(total["loss"])), residual, collective_time,
                    self.collective.bytes_sent - sent, overlap_steps,
                    live_replicas=int(extra["replicas"]) if "replicas" in extra else None,
-                   rejoin=bool(extra.get("rejoin", 0)))
+                   rejoin=bool(extra.get("rejoin", 0)),
+                   pace=jax.tree.map(np.asarray, total["pace"]) if "pace" in total else None)
 
   def _reduce_rows(self, rows: Params, residual: np.ndarray | None):
     """Σ over all K replicas (mean) or Δ̄ (robust aggregation) of `rows`, sent encoded;
@@ -230,15 +244,21 @@ class Exchange:
 
   @staticmethod
   def inflight(pending: Pending) -> dict[str, Any]:
-    return {"deltas": pending.deltas_R, "loss": np.float32(pending.loss_sum),
-            "finite": pending.finite_R, "round": np.int32(pending.round),
-            "key": np.int32(pending.key)}
+    saved = {"deltas": pending.deltas_R, "loss": np.float32(pending.loss_sum),
+             "finite": pending.finite_R, "round": np.int32(pending.round),
+             "key": np.int32(pending.key)}
+    if pending.pace is not None:
+      saved["pace"] = pending.pace
+    return saved
 
   def inflight_like(self, deltas_R: Params) -> dict[str, Any]:
     """The structure of `inflight(...)` for a Δ shaped like `deltas_R`, for restoring it."""
-    return {"deltas": deltas_R, "loss": np.zeros((), np.float32),
+    like = {"deltas": deltas_R, "loss": np.zeros((), np.float32),
             "finite": np.ones(self.replicas_per_host, bool), "round": np.int32(0),
             "key": np.int32(0)}
+    if self.pace is not None:
+      like["pace"] = self.pace.words_like()
+    return like
 
   def resubmit(self, saved: dict[str, Any], residuals: dict[int, np.ndarray]) -> Pending:
     """Issues again the sum that was in flight when the checkpoint was written; the
@@ -247,4 +267,6 @@ class Exchange:
     key = int(saved["key"])
     return self.submit(jax.device_put(saved["deltas"], self.host_device), saved["loss"],
                        np.asarray(saved["finite"]), round_=int(saved["round"]), key=key,
-                       residual=residuals.get(key))
+                       residual=residuals.get(key),
+                       pace=({k: np.asarray(v, np.float32) for k, v in saved["pace"].items()}
+                             if "pace" in saved else None))

@@ -1,0 +1,179 @@
+"""Unequal hosts (`config.balance`): how many inner steps each host trains in each round.
+
+Under 'fixed' every host trains H steps. Under 'speed' a host twice as fast as the
+slowest trains about 2H (`algo/balance.py`), so no host idles while the slowest finishes,
+and the outer step weights each replica by the tokens it trained (docs/algorithms.md §9):
+this host's Δ is scaled by s = K·w_host / Σw before anything judges or sends it
+(`weighted`), exactly 1.0 when the steps are equal.
+
+The speeds travel with the round's sum of pseudo-gradients, so measuring them costs no
+collective and every host reads the same numbers: each host puts into the sum its
+replicas' steps ([K] words, one per replica: tokens = steps × batch × seq_len) and its
+seconds of inner phase ([hosts] words; 0: not measured, a round that compiled). When the
+sum of a round r with r % balance_every == 0 arrives, every host decides the same steps
+from the window's per-host median seconds per step; they hold from the next round on.
+
+The decisions and the window's timings are part of the checkpoint (`state`), so a resumed
+run replays what the uninterrupted one decided instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import ml_collections
+import numpy as np
+
+from diloco_jax.algo import balance
+
+
+class BalanceError(RuntimeError):
+  """The hosts disagree on the steps of a round: their configs or code differ."""
+
+
+class Decision(NamedTuple):
+  """From round `first` on, host h trains `steps[h]` inner steps per round."""
+  first: int
+  steps: tuple[int, ...]
+
+
+class Pacer:
+  """This host's side of `config.balance`; every host holds the same decisions."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, host: int, num_hosts: int,
+               replicas_per_host: int):
+    self.speed = config.balance == "speed"
+    self.h, self.num_rounds, self.every = config.inner_steps, config.num_rounds, config.balance_every
+    self.tolerance, self.max_factor = config.balance_tolerance, config.balance_max_factor
+    self.host, self.num_hosts, self.replicas_per_host = host, num_hosts, replicas_per_host
+    self.decisions = [Decision(1, (self.h,) * num_hosts)]
+    self.seconds: dict[int, list[float]] = {}  # round -> per host s/step (0: not measured)
+    self.busy: dict[int, float] = {}  # the latest round's inner-phase seconds (`measured`)
+    self.changed = False  # a decision was taken since `take_changed` was last asked
+
+  def steps(self, r: int) -> tuple[int, ...]:
+    """Every host's inner steps in round r."""
+    return next(d.steps for d in reversed(self.decisions) if d.first <= r)
+
+  def my_steps(self, r: int) -> int:
+    return self.steps(r)[self.host]
+
+  def scale(self, r: int) -> np.float32:
+    """s = K·w_host / Σ_k w_k for this host's replicas in round r: hosts·n_host / Σ n
+    (the replicas per host cancel); 1.0 exactly when every host trains the same steps."""
+    steps = self.steps(r)
+    return np.float32(self.num_hosts * steps[self.host] / sum(steps))
+
+  def total_steps(self, host: int | None = None) -> int:
+    """The inner steps a host trains in the whole run if the latest decision holds to the
+    end: the length of its learning-rate schedule."""
+    host = self.host if host is None else host
+    return sum(n * steps[host] for n, steps in self._segments(self.num_rounds))
+
+  def tokens_through(self, r: int, tokens_per_replica_step: int) -> int:
+    """Tokens every replica of every host has trained after round r."""
+    steps = sum(n * sum(steps) for n, steps in self._segments(r))
+    return steps * self.replicas_per_host * tokens_per_replica_step
+
+  def _segments(self, r: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(rounds, steps) of each decision within rounds 1..r."""
+    ends = [d.first for d in self.decisions[1:]] + [r + 1]
+    return [(max(min(end, r + 1) - d.first, 0), d.steps) for d, end in zip(self.decisions, ends)]
+
+  # The words each round's sum carries.
+
+  def measured(self, r: int, busy: float) -> None:
+    """This host's inner phase of round r took `busy` seconds (0: not measured)."""
+    self.busy = {r: busy}
+
+  def words(self, r: int) -> dict[str, np.ndarray]:
+    """This host's part of round r's sum: its replicas' steps and its inner-phase seconds."""
+    busy = self.busy.get(r, 0.0)
+    steps_K = np.zeros(self.num_hosts * self.replicas_per_host, np.float32)
+    mine = slice(self.host * self.replicas_per_host, (self.host + 1) * self.replicas_per_host)
+    steps_K[mine] = self.my_steps(r)
+    busy_hosts = np.zeros(self.num_hosts, np.float32)
+    busy_hosts[self.host] = busy
+    return {"steps": steps_K, "busy": busy_hosts}
+
+  def words_like(self) -> dict[str, np.ndarray]:
+    """The structure of `words`, for restoring a sum in flight."""
+    return {"steps": np.zeros(self.num_hosts * self.replicas_per_host, np.float32),
+            "busy": np.zeros(self.num_hosts, np.float32)}
+
+  def arrived(self, r: int, pace: dict[str, np.ndarray], now: int) -> dict[str, Any]:
+    """Round r's sum arrived during round `now` with `pace` (the words summed over hosts):
+    checks the hosts agree on r's steps, keeps their speeds, decides at the window's end
+    (taking effect at round now + 1). Returns round r's per-host figures for its record."""
+    steps = np.asarray(pace["steps"]).reshape(self.num_hosts, self.replicas_per_host)[:, 0]
+    if tuple(int(s) for s in steps) != self.steps(r):
+      raise BalanceError(f"round {r}: the hosts trained {steps.astype(int).tolist()} inner "
+                         f"steps, this host decided {list(self.steps(r))}: their configs or "
+                         f"versions differ")
+    busy = [float(b) for b in np.asarray(pace["busy"])]
+    self.seconds[r] = [b / s if b > 0 and s > 0 else 0.0 for b, s in zip(busy, self.steps(r))]
+    if r % self.every == 0 and now < self.num_rounds:
+      self._decide(r, now + 1)
+    slowest = max(busy)
+    return {"hosts_steps": list(self.steps(r)), "hosts_busy": busy,
+            "hosts_idle": [slowest - b for b in busy]}
+
+  def _decide(self, r: int, first: int) -> None:
+    window = [self.seconds[q] for q in range(r - self.every + 1, r + 1) if q in self.seconds]
+    per_host = [[w[h] for w in window if w[h] > 0] for h in range(self.num_hosts)]
+    for q in [q for q in self.seconds if q <= r]:
+      del self.seconds[q]
+    if not all(per_host):  # a host measured no round of the window: keep the steps
+      return
+    steps = tuple(balance.speed_steps([statistics.median(s) for s in per_host], self.h,
+                                      tolerance=self.tolerance, max_factor=self.max_factor))
+    if steps != self.steps(first):
+      self.decisions.append(Decision(first, steps))
+      self.changed = True
+
+  def take_changed(self) -> bool:
+    changed, self.changed = self.changed, False
+    return changed
+
+  # In the checkpoint (JSON, the same on every host) and run.json.
+
+  def state(self) -> dict[str, Any]:
+    return {"decisions": [[d.first, list(d.steps)] for d in self.decisions],
+            "seconds": {str(q): s for q, s in self.seconds.items()}}
+
+  def restore(self, state: dict[str, Any] | None, *, same_world: bool) -> None:
+    """The decisions of a checkpoint (none under 'fixed', or from before a host-count
+    change: the new world starts at H steps each and measures anew)."""
+    if not self.speed or not state or not same_world:
+      return
+    self.decisions = [Decision(int(f), tuple(int(s) for s in steps))
+                      for f, steps in state["decisions"]]
+    self.seconds = {int(q): [float(x) for x in s] for q, s in state["seconds"].items()}
+
+  def describe(self) -> dict[str, Any] | None:
+    """For run.json: the rule and its decisions."""
+    if not self.speed:
+      return None
+    return {"balance": "speed", "every": self.every,
+            "decisions": [{"from_round": d.first, "steps": list(d.steps)}
+                          for d in self.decisions]}
+
+
+def weighted(pacer: Pacer, hook=None):
+  """The pseudo-gradient hook (`modes.base.PseudoGradientHook`) that scales this host's
+  Δ by `pacer.scale(round)` before a tool's `hook` sees it; None when no scaling is due
+  (balance 'fixed', no hook)."""
+  if not pacer.speed:
+    return hook
+
+  def scaled(deltas_R, *, round_: int, fragment: int):
+    s = pacer.scale(round_)
+    if s != 1:  # x · 1.0 is x: equal steps keep the unweighted bits without a pass
+      deltas_R = jax.tree.map(lambda d: d * s.astype(d.dtype), deltas_R)
+    return deltas_R if hook is None else hook(deltas_R, round_=round_, fragment=fragment)
+
+  return scaled
+
