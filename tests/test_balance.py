@@ -1,9 +1,17 @@
 """The steps each host trains under balance = "speed" (diloco_jax/algo/balance.py)."""
 
+import json
+import os
+import random
+import signal
+import time
+
 import numpy as np
 import pytest
 
 from diloco_jax.algo import balance
+from diloco_jax.loop import checkpoint
+from tests import multihost
 
 
 def test_equal_hosts_decide_equal_steps_despite_jitter():
@@ -41,3 +49,49 @@ def test_steps_round_down_and_are_capped():
 def test_bad_timings_are_refused(times):
   with pytest.raises(ValueError, match="seconds per inner step must be positive numbers"):
     balance.speed_steps(times, 10)
+
+
+def metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_speed_decides_weights_and_resumes_bit_identically_after_sigkill(tmp_path):
+  """2 hosts, host 1 twice as slow (as measured: `multihost.paced`), mode delayed: the
+  sums of rounds 2, 4, 6 decide [8, 4] steps from the round after they arrive. A run
+  whose host 0 is SIGKILLed after checkpoint 4 and restarted ends where the uninterrupted
+  run ends, every round's anchor hash, loss and steps the same: the decisions and the
+  steps and timings of the sum in flight come back from the checkpoint."""
+  run = dict(mode="delayed", replicas_per_host=1, num_rounds=8, balance="speed",
+             balance_every=2, debug_checks=True, eval_every=2,
+             _pace={"seconds": [0.01, 0.02]})
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  whole = multihost.run_hosts(tmp_path / "a", 2, **run)
+  assert "balance: from round 4, inner steps per host [8, 4]" in whole[0]["output"]
+  want = metrics(tmp_path / "a" / "work")
+  assert [r["hosts_steps"] for r in want] == [[4, 4]] * 3 + [[8, 4]] * 5
+  # steps of both hosts so far x 64 tokens (batch 4 x seq_len 16): 8 + 8 + 8, then + 12
+  assert [r["tokens"] for r in want][2:5] == [64 * n for n in (24, 36, 48)]
+  with open(tmp_path / "a" / "work" / "run.json") as f:
+    assert json.load(f)["balance"]["decisions"] == [{"from_round": 1, "steps": [4, 4]},
+                                                    {"from_round": 4, "steps": [8, 4]}]
+  hosts = multihost.start_hosts(tmp_path / "b", 2, **run)
+  wait = time.monotonic() + 180
+  ckpts = tmp_path / "b" / "work" / checkpoint.CHECKPOINTS
+  while not (ckpts.is_dir() and any(d.isdigit() and int(d) >= 4 for d in os.listdir(ckpts))):
+    assert time.monotonic() < wait and hosts[0].poll() is None, "no checkpoint 4"
+    time.sleep(0.05)
+  time.sleep(random.uniform(0, 0.3))
+  hosts[0].send_signal(signal.SIGKILL)
+  multihost.finish(hosts, timeout=120)  # host 1 stops: its peer is gone
+  resumed = multihost.run_hosts(tmp_path / "b", 2, **run)
+  assert "resumed from checkpoint" in resumed[0]["output"], resumed[0]["output"][-3000:]
+  got = metrics(tmp_path / "b" / "work")
+  for key in ("round", "anchor_hash", "train_loss", "eval_loss", "hosts_steps", "tokens"):
+    assert [r.get(key) for r in got] == [r.get(key) for r in want], key
+  for a, b in zip(resumed, whole):
+    for x, y in zip(a["leaves"], b["leaves"]):
+      np.testing.assert_array_equal(x, y)
