@@ -235,3 +235,25 @@ def test_wire_settings_refused_where_they_would_do_nothing_or_be_wrong(changes, 
     set_field(config, key, value)
   with pytest.raises(config_lib.ConfigError, match=rf"config\.{field}"):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"balance": "window"}, "is not built"),
+    ({"balance": "speed", "mode": "ddp"}, "ddp's hosts all-reduce every step"),
+    ({"balance": "speed", "mode": "streaming"}, "streaming's fragments sync"),
+    ({"balance": "speed", "outer.aggregation": "median"}, "no token-weighted form"),
+    ({"balance": "speed", "elastic": True}, "every host's Δ arrives"),
+    ({"balance_every": 0}, ">= 1"),
+    ({"balance_tolerance": 1.0}, "[0, 1)"),
+    ({"balance_max_factor": 0}, ">= 1"),
+])
+def test_balance_rules(changes, message):
+  """Each bad use of config.balance is one line naming the field."""
+  config = config_lib.get_default_config()
+  for key, value in changes.items():
+    set_field(config, key, value)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(config, num_hosts=8)  # 32 replicas: enough for a median
+  lines = str(e.value).splitlines()
+  assert len(lines) == 1 and lines[0].startswith("config.balance"), lines
+  assert message in lines[0], lines
