@@ -131,9 +131,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_round = 0  # First round traced by jax.profiler into workdir/profile; 0: none.
   c.profile.num_rounds = 2  # Rounds the trace covers.
-  # Unequal hosts (docs/algorithms.md §9): 'fixed', every host H inner steps per round; or
-  # 'speed', each host's steps sized to its measured speed (the slowest H), tokens-weighted.
-  c.balance = "fixed"
+  # Unequal hosts (docs/algorithms.md §9, README "Hosts of unequal speed"):
+  c.balance = "fixed"  # 'fixed': every host H steps a round; 'speed': steps by host speed.
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
   c.balance_tolerance = 0.1  # 'speed': hosts within this fraction of the slowest train H.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.

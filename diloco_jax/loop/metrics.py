@@ -48,7 +48,7 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
     parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
   if "replicas" in r:  # elastic mode: the replicas in this round's mean
     parts.append(f"{int(r['replicas'])} replicas")
-  if "hosts_steps" in r:  # balance 'speed': the slowest and the fastest host's steps
+  if len(set(r.get("hosts_steps", ()))) > 1:  # balance 'speed': the slowest and fastest host's
     parts.append(f"steps/host {min(r['hosts_steps'])}-{max(r['hosts_steps'])}")
   parts.append(f"{format_count(r['tokens_per_sec'])} tok/s" + (
       f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else

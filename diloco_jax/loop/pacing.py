@@ -6,8 +6,9 @@ and the outer step weights each replica by the tokens it trained (docs/algorithm
 this host's Δ is scaled by s = K·w_host / Σw before anything judges or sends it
 (`weighted`), exactly 1.0 when the steps are equal.
 
-The speeds travel with the round's sum of pseudo-gradients, so measuring them costs no
-collective and every host reads the same numbers: each host puts into the sum its
+The speeds travel with the round's sum of pseudo-gradients (in modes sync, delayed and
+eager, under 'fixed' too, for the records), so measuring them costs no collective and
+every host reads the same numbers: each host puts into the sum its
 replicas' steps ([K] words, one per replica: tokens = steps × batch × seq_len) and its
 seconds of inner phase ([hosts] words; 0: not measured, a round that compiled). When the
 sum of a round r with r % balance_every == 0 arrives, every host decides the same steps
@@ -28,6 +29,9 @@ import ml_collections
 import numpy as np
 
 from diloco_jax.algo import balance
+
+
+MODES = ("sync", "delayed", "eager")  # whose round sums carry the hosts' steps and seconds
 
 
 class BalanceError(RuntimeError):
@@ -115,7 +119,7 @@ class Pacer:
                          f"versions differ")
     busy = [float(b) for b in np.asarray(pace["busy"])]
     self.seconds[r] = [b / s if b > 0 and s > 0 else 0.0 for b, s in zip(busy, self.steps(r))]
-    if r % self.every == 0 and now < self.num_rounds:
+    if self.speed and r % self.every == 0 and now < self.num_rounds:
       self._decide(r, now + 1)
     slowest = max(busy)
     return {"hosts_steps": list(self.steps(r)), "hosts_busy": busy,

@@ -117,7 +117,8 @@ class Setup:
         config.outer, collective=self.collective, dispatcher=dispatcher,
         replicas_per_host=self.replicas_per_host,
         steps_finished=self.train_step.steps_finished, extra=self.membership.sum_extra,
-        pace=self.pacer if self.pacer.speed else None)
+        # every host's steps and seconds ride on the round's sum (not streaming's fragments)
+        pace=self.pacer if config.mode in pacing.MODES else None)
     param_shapes = model_lib.param_shapes(self.model_cfg)
     self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange,
                                          params=param_shapes,

@@ -76,8 +76,8 @@ class Trainer(setup.Setup):
       if i + 1 < n:  # streaming syncs fragments mid-round
         self._take(r, self.outer_step.after_step(self.outer, self.replicas, step, r))
       self.bar.update(step, f"round {r}/{self.num_rounds}")
-    if self.pacer.speed:  # this host's speed: its inner phase, unless it compiled
-      jax.block_until_ready(self.replicas)
+    if self.exchange.pace is not None:  # this host's speed: its inner phase, if not compiled
+      jax.block_until_ready(self.replicas)  # (the outer step waits for it first thing)
       self.pacer.measured(r, 0.0 if self._compiles else time.perf_counter() - t)
       self._compiles = False
     if self._await_steps_once:

@@ -51,7 +51,7 @@ class Pending(NamedTuple):
   finite_R: np.ndarray  # [R] bool: which of this host's Δ_m were finite
   residual: np.ndarray | None  # the error feedback that went into the send
   future: concurrent.futures.Future
-  pace: dict[str, np.ndarray] | None = None  # balance 'speed': this host's steps and seconds
+  pace: dict[str, np.ndarray] | None = None  # balance 'speed': its steps and seconds, kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +113,10 @@ class Exchange:
   `steps_finished`: how many inner steps the devices have finished (read on the dispatch
   thread around each collective, for `overlap_steps`); `extra`: words each sum carries
   besides Δ, from the job's membership (elastic: this host's replicas, so that the mean
-  divides by the live ones, and host 0's rejoin requests; None: nothing); `pace`: under
-  balance 'speed', the `pacing.Pacer` whose words for the round each sum carries (kept
-  with a sum in flight, so a resumed run sends the same ones).
+  divides by the live ones, and host 0's rejoin requests; None: nothing); `pace`: the
+  `pacing.Pacer` whose words for the round (each host's steps and seconds) each sum
+  carries, or None. Under balance 'speed' they decide the steps, so a sum in flight keeps
+  them and a resumed run sends the same ones.
   """
 
   def __init__(self, outer: ml_collections.ConfigDict, *, collective, dispatcher,
@@ -174,8 +175,9 @@ class Exchange:
     job = functools.partial(self._job, payload, rows, residual, round_, key)
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
+    kept = pace if self.pace is not None and self.pace.speed else None
     return Pending(round_, key, deltas_R, loss_sum, np.asarray(finite_R, bool), residual,
-                   future, pace)
+                   future, kept)
 
   def _job(self, payload, rows, residual, round_: int, key: int) -> Arrived:
     """On the dispatch thread: the collective, then the mean."""
@@ -256,7 +258,7 @@ class Exchange:
     like = {"deltas": deltas_R, "loss": np.zeros((), np.float32),
             "finite": np.ones(self.replicas_per_host, bool), "round": np.int32(0),
             "key": np.int32(0)}
-    if self.pace is not None:
+    if self.pace is not None and self.pace.speed:
       like["pace"] = self.pace.words_like()
     return like
 
