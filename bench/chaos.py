@@ -2,8 +2,8 @@
 uninterrupted one.
 
   python bench/chaos.py [--hosts=4] [--rounds=60] [--events=6] [--seed=0]
-  python bench/chaos.py --smoke  # 4 hosts, 50 short rounds, three fixed events: on 3
-                                 # hosts, kill+wipe one, on 5 hosts
+  python bench/chaos.py --smoke  # 3 hosts, 50 short rounds, three fixed events: on 2
+                                 # hosts, kill+wipe one, on 4 hosts
 
 Hosts are processes of `launch/local.py --workdir_per_host` (each host its own workdir,
 nothing shared but the network) training configs/tiny.py with debug_checks on (the outer
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--inner_steps", type=int, default=5, help="inner steps per round")
   parser.add_argument("--events", type=int, default=6, help="random events (--smoke: 3 fixed)")
   parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
-  args = _smoke.parse_args(parser, "chaos", dict(hosts=4, rounds=50, inner_steps=2), argv)
+  args = _smoke.parse_args(parser, "chaos", dict(hosts=3, rounds=50, inner_steps=2), argv)
   if args.hosts < 2:
     parser.error(f"--hosts={args.hosts}: at least 2")
   rng = random.Random(args.seed)

@@ -9,8 +9,10 @@ import time
 import numpy as np
 import pytest
 
+from diloco_jax import config as config_lib
 from diloco_jax.algo import balance
 from diloco_jax.loop import checkpoint
+from diloco_jax.loop import pacing
 from tests import multihost
 
 
@@ -49,6 +51,51 @@ def test_steps_round_down_and_are_capped():
 def test_bad_timings_are_refused(times):
   with pytest.raises(ValueError, match="seconds per inner step must be positive numbers"):
     balance.speed_steps(times, 10)
+
+
+def pacer(host=0, **overrides):
+  config = config_lib.get_default_config()
+  config.update(dict(balance="speed", num_rounds=10, inner_steps=4, balance_every=2))
+  config.update(overrides)
+  return pacing.Pacer(config, host=host, num_hosts=2, replicas_per_host=3)
+
+
+def arrive(p, r, busy, now=None):
+  """Round r's sum as every host would see it: host h's replicas' steps, its busy seconds."""
+  steps = np.repeat(np.array(p.steps(r), np.float32), p.replicas_per_host)
+  return p.arrived(r, {"steps": steps, "busy": np.array(busy, np.float32)},
+                   now=r if now is None else now)
+
+
+def test_pacer_decides_at_the_window_end_and_replays_from_its_state():
+  """Host 1 twice as slow: the window of rounds 1-2 (round 1 untimed) decides [8, 4] from
+  round 3; the weights, the tokens and the lr schedule's length follow; a timing within
+  the tolerance moves nothing; a checkpoint's state gives the same decisions back."""
+  p = pacer()
+  figures = arrive(p, 1, [0.0, 0.0])
+  assert figures == {"hosts_steps": [4, 4], "hosts_busy": [0.0, 0.0], "hosts_idle": [0, 0]}
+  assert arrive(p, 2, [0.4, 0.8])["hosts_idle"] == pytest.approx([0.4, 0.0])
+  assert p.take_changed() and not p.take_changed()
+  assert p.decisions == [pacing.Decision(1, (4, 4)), pacing.Decision(3, (8, 4))]
+  assert p.scale(2) == 1.0 and p.scale(3) == np.float32(2 * 8 / 12)
+  assert p.tokens_through(4, 10) == (8 + 24) * 3 * 10  # 2 rounds of 8, 2 of 12; R = 3
+  assert p.schedule_steps() == 8 + 8 * 8 and p.schedule_steps(1) == 40
+  arrive(p, 3, [0.85, 0.8])  # host 0 a little slower than 2x: 7.5 steps, within 10% of 8
+  arrive(p, 4, [0.85, 0.8])
+  assert not p.take_changed() and p.steps(5) == (8, 4)
+  q = pacer(host=1)
+  q.restore(json.loads(json.dumps(p.state())), same_world=True)
+  assert q.decisions == p.decisions and q.scale(5) == np.float32(2 * 4 / 12)
+  fresh = pacer()
+  fresh.restore(p.state(), same_world=False)  # another host count: measured anew
+  assert fresh.decisions == [pacing.Decision(1, (4, 4))]
+
+
+def test_pacer_refuses_steps_the_hosts_disagree_on():
+  p = pacer()
+  with pytest.raises(pacing.BalanceError, match=r"round 1: the hosts trained \[4, 5\]"):
+    p.arrived(1, {"steps": np.array([4, 4, 4, 5, 5, 5], np.float32),
+                  "busy": np.zeros(2, np.float32)}, now=1)
 
 
 def metrics(workdir):

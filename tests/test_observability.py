@@ -27,16 +27,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_every_record_field_has_a_group():
   record = {field: 1.0 for field in writers.TAGS}
   record.update(round=3, tokens=100, inner_step=12, time=1.7e9, resumed=True,
-                delta_norm=[0.5, 0.25], anchor_hash="ab12")
+                delta_norm=[0.5, 0.25], hosts_steps=[4, 8], anchor_hash="ab12")
   tags = writers.scalars(record)
   assert not [t for t in tags if t.startswith("other/")]
   assert {"train/loss", "eval/loss", "eval/floor", "comm/bytes_sent", "outer/d2h",
           "outer/time", "throughput/tokens_per_sec", "progress/eta",
           "checkpoint/blocking"} <= set(tags)
   assert tags["outer/delta_norm/replica_1"] == 0.25 and "outer/delta_norm" not in tags
+  assert tags["hosts/steps/host_1"] == 8  # per-host lists: one tag per host
   # the x axis, the wall clock, flags and hashes are not plotted
-  assert set(tags) == {tag for field, tag in writers.TAGS.items() if field != "delta_norm"} | {
-      "outer/delta_norm/replica_0", "outer/delta_norm/replica_1"}
+  lists = ("delta_norm", "hosts_steps")
+  assert set(tags) == {tag for field, tag in writers.TAGS.items() if field not in lists} | {
+      "outer/delta_norm/replica_0", "outer/delta_norm/replica_1", "hosts/steps/host_0",
+      "hosts/steps/host_1"}
   assert writers.scalars({"new_field": 2}) == {"other/new_field": 2.0}
 
 
@@ -55,7 +58,8 @@ def test_tensorboard_tags_are_grouped_and_hold_the_records(observed_run):
   events.Reload()
   tags = set(events.Tags()["scalars"])
   assert {"train/loss", "eval/loss", "throughput/tokens_per_sec", "outer/time",
-          "progress/eta"} <= tags
+          "progress/eta", "hosts/steps/host_0", "hosts/busy/host_0", "hosts/idle/host_0",
+          "hosts/tokens/host_0"} <= tags
   assert all("/" in t and not t.startswith("other/") for t in tags), tags
   loss = events.Scalars("train/loss")
   assert [e.step for e in loss] == [r["tokens"] for r in result.records]
@@ -168,3 +172,10 @@ def test_local_launcher_help_shows_where_the_trainer_flags_go():
   for args in (["--hosts=2", "--config=configs/tiny.py"], ["--hosts=2"]):
     wrong = launch(*args)
     assert wrong.returncode == 2 and "after `--`" in wrong.stderr, wrong.stderr
+
+
+def test_round_line_shows_the_slowest_and_fastest_hosts_steps_when_they_differ():
+  record = dict(round=3, inner_step=75, train_loss=1.0, tokens_per_sec=1e3, outer_time=0.01)
+  assert "steps/host" not in metrics.round_line({**record, "hosts_steps": [25, 25]}, 10, 250)
+  line = metrics.round_line({**record, "hosts_steps": [50, 25, 47]}, 10, 250)
+  assert "| steps/host 25-50 |" in line

@@ -134,7 +134,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   # Unequal hosts (docs/algorithms.md §9, README "Hosts of unequal speed"):
   c.balance = "fixed"  # 'fixed': every host H steps a round; 'speed': steps by host speed.
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
-  c.balance_tolerance = 0.1  # 'speed': hosts within this fraction of the slowest train H.
+  c.balance_tolerance = 0.1  # 'speed': hosts within it of the slowest train H; steps move by more.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
   c.elastic = False  # Experimental: survivors train on when a host dies (README).
   c.elastic_timeout = 60  # Elastic: seconds a sum or checkpoint waits for a dead host.

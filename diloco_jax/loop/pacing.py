@@ -71,11 +71,18 @@ class Pacer:
     steps = self.steps(r)
     return np.float32(self.num_hosts * steps[self.host] / sum(steps))
 
-  def total_steps(self, host: int | None = None) -> int:
-    """The inner steps a host trains in the whole run if the latest decision holds to the
-    end: the length of its learning-rate schedule."""
+  def schedule_steps(self, host: int | None = None) -> int:
+    """The length of a host's learning-rate schedule, in its own steps: num_rounds × H
+    until a decision first gives it other steps; from then on what it trains in the run
+    if that decision held to the end. Set once, so that a host's inner step is compiled
+    again at most once in a run: later decisions move its steps by little (the schedule
+    then ends a little before or after the run's last round)."""
     host = self.host if host is None else host
-    return sum(n * steps[host] for n, steps in self._segments(self.num_rounds))
+    first = next((d for d in self.decisions if d.steps[host] != self.h), None)
+    if first is None:
+      return self.num_rounds * self.h
+    before = sum(n * steps[host] for n, steps in self._segments(first.first - 1))
+    return before + (self.num_rounds - first.first + 1) * first.steps[host]
 
   def tokens_through(self, r: int, tokens_per_replica_step: int) -> int:
     """Tokens every replica of every host has trained after round r."""
@@ -132,9 +139,14 @@ class Pacer:
       del self.seconds[q]
     if not all(per_host):  # a host measured no round of the window: keep the steps
       return
-    steps = tuple(balance.speed_steps([statistics.median(s) for s in per_host], self.h,
-                                      tolerance=self.tolerance, max_factor=self.max_factor))
-    if steps != self.steps(first):
+    steps = balance.speed_steps([statistics.median(s) for s in per_host], self.h,
+                                tolerance=self.tolerance, max_factor=self.max_factor)
+    # A host's steps change only by more than the tolerance: timings jitter, and a change
+    # recompiles that host's inner step (its learning-rate schedule's length).
+    current = self.steps(first)
+    steps = tuple(new if abs(new - old) > self.tolerance * old else old
+                  for new, old in zip(steps, current))
+    if steps != current:
       self.decisions.append(Decision(first, steps))
       self.changed = True
 

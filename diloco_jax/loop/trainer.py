@@ -115,9 +115,10 @@ class Trainer(setup.Setup):
       self._reschedule(announce=True)
 
   def _reschedule(self, announce: bool = False) -> None:
-    """balance 'speed': this host's learning-rate schedule spans the steps it now trains
-    in the run (recompiled when that changes; the round after is not measured)."""
-    total = self.pacer.total_steps()
+    """balance 'speed': this host's learning-rate schedule spans the steps it trains in
+    the run (`pacing.Pacer.schedule_steps`; recompiled when that changes, and the round
+    after is not timed)."""
+    total = self.pacer.schedule_steps()
     if total != self._schedule_steps:
       self.train_step.reschedule(optim.inner_optimizer(self.config.inner, total))
       self._schedule_steps, self._compiles = total, True
