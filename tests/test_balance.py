@@ -55,7 +55,7 @@ def test_bad_timings_are_refused(times):
 
 def pacer(host=0, **overrides):
   config = config_lib.get_default_config()
-  config.update(dict(balance="speed", num_rounds=10, inner_steps=4, balance_every=2))
+  config.update(dict(balance="speed", num_rounds=10, inner_steps=20, balance_every=2))
   config.update(overrides)
   return pacing.Pacer(config, host=host, num_hosts=2, replicas_per_host=3)
 
@@ -68,27 +68,31 @@ def arrive(p, r, busy, now=None):
 
 
 def test_pacer_decides_at_the_window_end_and_replays_from_its_state():
-  """Host 1 twice as slow: the window of rounds 1-2 (round 1 untimed) decides [8, 4] from
-  round 3; the weights, the tokens and the lr schedule's length follow; a timing within
-  the tolerance moves nothing; a checkpoint's state gives the same decisions back."""
+  """Host 1 twice as slow: the window of rounds 1-2 (round 1 untimed) decides [40, 20]
+  from round 3; the weights, the tokens and the lr schedule's length follow; timings that
+  would move a host's steps by less than the tolerance move nothing; a checkpoint's state
+  gives the same decisions back."""
   p = pacer()
   figures = arrive(p, 1, [0.0, 0.0])
-  assert figures == {"hosts_steps": [4, 4], "hosts_busy": [0.0, 0.0], "hosts_idle": [0, 0]}
+  assert figures == {"hosts_steps": [20, 20], "hosts_busy": [0, 0], "hosts_idle": [0, 0]}
   assert arrive(p, 2, [0.4, 0.8])["hosts_idle"] == pytest.approx([0.4, 0.0])
   assert p.take_changed() and not p.take_changed()
-  assert p.decisions == [pacing.Decision(1, (4, 4)), pacing.Decision(3, (8, 4))]
-  assert p.scale(2) == 1.0 and p.scale(3) == np.float32(2 * 8 / 12)
-  assert p.tokens_through(4, 10) == (8 + 24) * 3 * 10  # 2 rounds of 8, 2 of 12; R = 3
-  assert p.schedule_steps() == 8 + 8 * 8 and p.schedule_steps(1) == 40
-  arrive(p, 3, [0.85, 0.8])  # host 0 a little slower than 2x: 7.5 steps, within 10% of 8
+  assert p.decisions == [pacing.Decision(1, (20, 20)), pacing.Decision(3, (40, 20))]
+  assert p.scale(2) == 1.0 and p.scale(3) == np.float32(2 * 40 / 60)
+  assert p.tokens_through(4, 10) == (40 + 40 + 60 + 60) * 3 * 10  # R = 3, 10 tokens a step
+  assert p.schedule_steps() == 2 * 20 + 8 * 40 and p.schedule_steps(1) == 10 * 20
+  arrive(p, 3, [0.85, 0.8])  # host 0 1.88x as fast: 37 steps, within 10% of 40
   arrive(p, 4, [0.85, 0.8])
-  assert not p.take_changed() and p.steps(5) == (8, 4)
+  assert not p.take_changed() and p.steps(5) == (40, 20)
+  arrive(p, 5, [1.2, 0.8])  # 1.33x: 26 steps
+  arrive(p, 6, [1.2, 0.8], now=7)  # arrived a round late (delayed, eager): from round 8
+  assert p.take_changed() and p.decisions[-1] == pacing.Decision(8, (26, 20))
   q = pacer(host=1)
   q.restore(json.loads(json.dumps(p.state())), same_world=True)
-  assert q.decisions == p.decisions and q.scale(5) == np.float32(2 * 4 / 12)
+  assert q.decisions == p.decisions and q.scale(5) == np.float32(2 * 20 / 60)
   fresh = pacer()
   fresh.restore(p.state(), same_world=False)  # another host count: measured anew
-  assert fresh.decisions == [pacing.Decision(1, (4, 4))]
+  assert fresh.decisions == [pacing.Decision(1, (20, 20))]
 
 
 def test_pacer_refuses_steps_the_hosts_disagree_on():
