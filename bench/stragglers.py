@@ -22,7 +22,8 @@ time, rounds 2 on), the steps decided, the job's tokens/s over rounds 2 on, and 
 loss against wall-clock time and against tokens; then speed against fixed at equal wall
 time (the shorter run's end) and at equal tokens (the smaller count), each interpolated
 on the other run's eval curve. The waiting share is given as the mean over rounds and as
-the median round's (the mean includes the rounds before the first decision). Writes bench/results/stragglers.json.
+the median round's (the mean includes the rounds before the first decision). Writes
+bench/results/stragglers.json.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ import numpy as np
 
 from diloco_jax.algo import balance
 
-
 MODES = ("sync", "delayed", "eager")  # whose round sums carry the hosts' steps and seconds
 
 
@@ -50,8 +49,9 @@ class Pacer:
   def __init__(self, config: ml_collections.ConfigDict, *, host: int, num_hosts: int,
                replicas_per_host: int):
     self.speed = config.balance == "speed"
-    self.h, self.num_rounds, self.every = config.inner_steps, config.num_rounds, config.balance_every
-    self.tolerance, self.max_factor = config.balance_tolerance, config.balance_max_factor
+    self.h, self.num_rounds = config.inner_steps, config.num_rounds
+    self.every, self.tolerance = config.balance_every, config.balance_tolerance
+    self.max_factor = config.balance_max_factor
     self.host, self.num_hosts, self.replicas_per_host = host, num_hosts, replicas_per_host
     self.decisions = [Decision(1, (self.h,) * num_hosts)]
     self.seconds: dict[int, list[float]] = {}  # round -> per host s/step (0: not measured)
