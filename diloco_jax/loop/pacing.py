@@ -81,12 +81,17 @@ class Pacer:
     first = next((d for d in self.decisions if d.steps[host] != self.h), None)
     if first is None:
       return self.num_rounds * self.h
-    before = sum(n * steps[host] for n, steps in self._segments(first.first - 1))
-    return before + (self.num_rounds - first.first + 1) * first.steps[host]
+    return (self.steps_done(first.first - 1, host)
+            + (self.num_rounds - first.first + 1) * first.steps[host])
+
+  def steps_done(self, r: int, host: int | None = None) -> int:
+    """The inner steps each replica of a host has trained after round r."""
+    host = self.host if host is None else host
+    return sum(n * steps[host] for n, steps in self._segments(r))
 
   def tokens_through(self, r: int, tokens_per_replica_step: int) -> int:
     """Tokens every replica of every host has trained after round r."""
-    steps = sum(n * sum(steps) for n, steps in self._segments(r))
+    steps = sum(self.steps_done(r, host) for host in range(self.num_hosts))
     return steps * self.replicas_per_host * tokens_per_replica_step
 
   def _segments(self, r: int) -> list[tuple[int, tuple[int, ...]]]:

@@ -160,7 +160,7 @@ class Trainer(setup.Setup):
     if own is None:  # a new, wiped or returning host: no row of its own
       self.outer, self.replicas = membership_lib.rejoin(
           self.outer_step, snap, self._init_replicas, None if world.changed else self.data,
-          self.h)
+          self.pacer.steps_done(r))
     else:
       self.outer = self.outer_step.join(snap.shared, own)
       self.replicas = self.train_step.place(own["replicas"])
