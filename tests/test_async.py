@@ -88,6 +88,7 @@ def run(mode, params, batches, inner):
       outer_optimizer=optax.sgd(LR, momentum=MU, nesterov=True), mode=mode)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("mode, reference", [("delayed", np_delayed), ("eager", np_eager)])
 def test_matches_numpy_float64(mode, reference):
   params, batches = make_problem(5)

@@ -18,10 +18,12 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("chaos", "checkpoint", "data", "eta", "linkdrop", "memory", "models", "outer_step",
-           "overhead", "peer", "poison", "quality", "restart", "stragglers", "wan")
+BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "linkdrop", "memory", "models",
+           "outer_step", "overhead", "peer", "poison", "quality", "restart", "stragglers",
+           "wan")
 HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
-MULTIHOST = {"chaos", "linkdrop", "outer_step", "peer", "quality", "stragglers", "wan"}
+MULTIHOST = {"chaos", "gpu_check", "linkdrop", "outer_step", "peer", "quality", "stragglers",
+             "wan"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
 # The keys a full run writes: at the top of the JSON, in "config", in every row.
@@ -222,6 +224,20 @@ def check_restart(result: dict) -> None:
     assert 0 < run["start_to_first_step_s"] < run["wall_s"]
 
 
+def check_gpu_check(result: dict) -> None:
+  """--smoke: every part on CPU with tiny shapes, none failed; part e times 'xla' alone
+  (cuDNN is refused on a CPU, as config.model.attention='cudnn' is)."""
+  parts = result["parts"]
+  assert set(parts) == set("abcde") and not [p for p in parts.values() if "error" in p]
+  assert parts["a"]["backend"] == "cpu" and "1 passed" in parts["a"]["tests"]
+  assert parts["b"]["final_eval_loss"] > 0
+  assert parts["c"]["tokens_per_sec"] > 0 and parts["c"]["attention"] == "xla"
+  assert parts["d"]["sync"]["max_rel_loss_diff"] < 1e-5
+  assert parts["d"]["sync"]["anchor_checked_rounds"] == parts["d"]["sync"]["rounds"]
+  rows = parts["e"]["rows"]
+  assert [r["attention"] for r in rows] == ["xla", "cudnn"] and "GPUs only" in rows[1]["skipped"]
+
+
 def check_stragglers(result: dict) -> None:
   """--smoke: 2 hosts, the second slowed (a CPU quota, or a core shared with a spinning
   process), under 'fixed' and 'speed': per host figures from the trainer's records, and
@@ -246,7 +262,7 @@ def check_wan(result: dict, out: str) -> None:
 
 
 CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data,
-          "eta": check_eta,
+          "eta": check_eta, "gpu_check": check_gpu_check,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,

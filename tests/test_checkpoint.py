@@ -59,6 +59,7 @@ STREAMING = {"model.num_layers": 2, "outer.fragments": 2, "outer.overlap_steps":
     ("streaming", {**STREAMING, "model.module": "tests.custom_model:make"})],
     ids=["sync", "delayed", "eager", "sync-topk", "delayed-4bit-trimmed",
          "streaming-int8", "delayed-llama", "streaming-own-module"])
+@pytest.mark.device
 @pytest.mark.slow
 def test_preempted_run_resumes_bit_identically(tmp_path, monkeypatch, mode, overrides):
   """Stop after round 2 of 4 (checkpoint, clean return), run again: the same final params,
@@ -329,7 +330,8 @@ def test_repeated_nan_stops_the_job_naming_the_replica(tmp_path):
 
 
 def test_slurm_script_restarts_failed_steps(tmp_path):
-  """launch/slurm.sbatch with a fake srun that fails once: the hosts are started again."""
+  """launch/slurm.sbatch with a fake srun that fails once: the hosts are started again,
+  each a replica sharded over its node's GPUs (SLURM_GPUS_ON_NODE) unless told otherwise."""
   calls = tmp_path / "calls"
   fake = tmp_path / "bin" / "srun"
   fake.parent.mkdir()
@@ -338,7 +340,8 @@ def test_slurm_script_restarts_failed_steps(tmp_path):
   fake.chmod(0o755)
   env = {**multihost.ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}",
          "WORKDIR": str(tmp_path / "run"), "SLURM_SUBMIT_DIR": multihost.REPO,
-         "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+         "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+         "SLURM_GPUS_ON_NODE": "4"}
   proc = subprocess.run(["bash", "launch/slurm.sbatch", "--config.num_rounds=3"],
                         cwd=multihost.REPO, env=env, text=True, capture_output=True,
                         timeout=60)
@@ -347,6 +350,7 @@ def test_slurm_script_restarts_failed_steps(tmp_path):
   lines = calls.read_text().splitlines()
   assert len(lines) == 2 and "--kill-on-bad-exit=1" in lines[0]
   assert f"--workdir={tmp_path / 'run'}" in lines[0] and "--config.num_rounds=3" in lines[0]
+  assert "--config.mesh.fsdp=4 --config.num_rounds=3" in lines[0]
 
 
 @pytest.mark.slow

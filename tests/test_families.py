@@ -208,3 +208,32 @@ def test_more_fragments_than_the_modules_blocks(tmp_path):
   with pytest.raises(config_lib.ConfigError, match=r"config.outer.fragments = 2: 2 fragments "
                      r"but the model has 1 blocks \(top-level params named block_0"):
     trainer.train_and_evaluate(config, str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_attention_auto_is_todays_on_cpu_and_cudnn_is_refused_where_it_cannot_run(family):
+  """'auto' runs today's attention wherever cuDNN's fused kernel cannot (here: a CPU), bit
+  for bit; 'cudnn' where it cannot run is one line naming why; on a GPU 'auto' takes
+  cuDNN for bf16 and fp16 with head sizes up to 128 in steps of 8 (decided from shapes)."""
+  base = dict(vocab_size=16, seq_len=8, num_layers=1, d_model=32, num_heads=2, mlp_dim=32,
+              family=family)
+  tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 16)
+  logits = {}
+  for attention in ("auto", "xla"):
+    cfg = model_lib.ModelConfig(**base, attention=attention)
+    params = model_lib.init_params(cfg, jax.random.key(1))
+    logits[attention] = model_lib.build(cfg).apply({"params": params}, tokens)
+    assert model_lib.attention_kernel(cfg, "cpu") == "xla"
+  np.testing.assert_array_equal(logits["auto"], logits["xla"])
+  cudnn = model_lib.ModelConfig(**base, attention="cudnn")
+  with pytest.raises(layers.AttentionError, match=r"^config.model.attention = 'cudnn': it "
+                     r"runs on GPUs only \(this backend: cpu\); use 'auto'"):
+    model_lib.attention_kernel(cudnn, "cpu")
+  bf16 = dict(base, dtype=jnp.bfloat16)
+  assert model_lib.attention_kernel(model_lib.ModelConfig(**bf16), "gpu") == "cudnn"
+  assert model_lib.attention_kernel(model_lib.ModelConfig(**base), "gpu") == "xla"  # float32
+  with pytest.raises(layers.AttentionError, match="bf16 or fp16 compute"):
+    model_lib.attention_kernel(cudnn, "gpu")
+  wide = dict(bf16, d_model=2 * 136, attention="cudnn")  # head size 136
+  with pytest.raises(layers.AttentionError, match="multiple of 8 up to 128, not 136"):
+    model_lib.attention_kernel(model_lib.ModelConfig(**wide), "gpu")

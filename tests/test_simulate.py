@@ -107,6 +107,7 @@ def inner_config(**overrides):
   return inner
 
 
+@pytest.mark.device
 def test_sync_matches_numpy_float64():
   params, batches = make_problem()
   inner = inner_config()

@@ -35,6 +35,7 @@ def sync_run(tmp_path_factory):
   return config, workdir, trainer.train_and_evaluate(config, workdir)
 
 
+@pytest.mark.device
 def test_trainer_equals_simulate(sync_run):
   config, _, result = sync_run
   expected = simulate_trainer(config)

@@ -91,6 +91,7 @@ def run(mode, params, batches, inner, steps):
       outer_optimizer=optax.sgd(LR, momentum=MU, nesterov=True), mode=mode, steps=steps)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("mode", ["sync", "delayed", "eager"])
 def test_uneven_steps_match_numpy_float64(mode):
   params, batches = make_problem(7)

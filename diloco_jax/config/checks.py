@@ -10,6 +10,7 @@ import os
 
 import ml_collections
 
+from diloco_jax.config.schema import ATTENTIONS
 from diloco_jax.config.schema import BALANCES
 from diloco_jax.config.schema import COMPUTE_DTYPES
 from diloco_jax.config.schema import DATA_SOURCES
@@ -191,6 +192,7 @@ def _check_reporting(c: ml_collections.ConfigDict, check) -> None:
 def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) -> None:
   check("config.model.family", m.family in MODEL_FAMILIES, f"must be one of {MODEL_FAMILIES}")
   check("config.model.remat", m.remat in REMAT, f"must be one of {REMAT}")
+  check("config.model.attention", m.attention in ATTENTIONS, f"must be one of {ATTENTIONS}")
   check("config.model.rope_base", m.rope_base > 0, "must be > 0")
   check("config.model.norm_eps", m.norm_eps > 0, "must be > 0")
   check("config.model.num_kv_heads", m.num_kv_heads >= 0, "must be >= 0 (0: num_heads)")

@@ -20,7 +20,7 @@ import ml_collections
 from diloco_jax.errors import ConfigError
 
 __all__ = ["ConfigError", "MODES", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES",
-           "COMPUTE_DTYPES", "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "WANDB_MODES",
+           "COMPUTE_DTYPES", "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "ATTENTIONS", "WANDB_MODES",
            "RESUMABLE_CHANGES", "get_default_config", "flatten", "from_saved", "known_names", "unknown_field",
            "field_docs", "format_config"]
 
@@ -33,6 +33,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 INNER_OPTIMIZERS = ("adamw", "muon")
 MODEL_FAMILIES = ("gpt", "llama")
 REMAT = ("none", "block")
+ATTENTIONS = ("auto", "xla", "cudnn")
 WANDB_MODES = ("offline", "online")
 
 
@@ -66,6 +67,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.tie_embeddings = False  # The head is the token embedding table, transposed.
   c.model.use_bias = True  # 'gpt': biases in Dense layers, LayerNorms and the head (llama: none).
   c.model.remat = "none"  # One of REMAT: 'block' recomputes blocks in the backward pass.
+  c.model.attention = "auto"  # ATTENTIONS: 'xla'; 'cudnn' (fused, GPU); 'auto': cudnn where able.
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"  # One of DATA_SOURCES.
@@ -146,7 +148,7 @@ def get_default_config() -> ml_collections.ConfigDict:
 # The device layout (`mesh.*`) may change too: the state is saved whole, so it resumes with
 # the same numbers, though later steps then add up in another order (float32 rounding).
 RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
-                     "config.anchor_check_every",
+                     "config.anchor_check_every", "config.model.attention",
                      "config.checkpoint.every", "config.checkpoint.keep",
                      "config.checkpoint.timeout",
                      "config.outer.max_skipped_rounds", "config.elastic",

@@ -171,6 +171,13 @@ def device_memory_limit() -> int | None:
   return stats.get("bytes_limit") if stats else None
 
 
+def peak_bytes(devices) -> int | None:
+  """The most bytes any of `devices` has held at once so far (the allocator's peak, from
+  `memory_stats()`), None where the platform does not say (CPU)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+  return max(peaks) if peaks and None not in peaks else None
+
+
 class MemoryProfile(NamedTuple):
   """What a mode holds of the model's size, in copies of its params (its driver's
   `memory_profile`; this layer knows no modes).

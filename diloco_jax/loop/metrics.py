@@ -299,7 +299,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
                    peak_flops: float | None = None, memory: Mapping[str, int] | None = None,
                    layout: Mapping[str, Any] | None = None,
                    start: Mapping[str, Any] | None = None,
-                   balance: Mapping[str, Any] | None = None) -> str:
+                   balance: Mapping[str, Any] | None = None, attention: str = "xla") -> str:
   """workdir/run.json: what this run is (the resolved config, the world, the model size,
   the software), written at start so a workdir always says how it was made."""
   run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
@@ -311,6 +311,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          # XLA's plan for the compiled inner step on one device (None: the backend has none)
          "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
          "layout": layout,
+         "attention": attention,  # what causal attention runs: 'xla', 'cudnn' or 'own'
          "start": start,  # how this start resumed: round, storage, healed hosts, world change
          "balance": balance,  # balance 'speed': the steps per host decided so far (None: fixed)
          "huge_pages": hostmem.huge_pages(),  # for big host buffers (runtime/hostmem.py)
@@ -340,13 +341,14 @@ def print_memory(memory: Mapping[str, int] | None, mesh) -> None:
 def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,
                   mode: str, model: str, num_params: int, flops_per_token: float,
                   num_rounds: int, inner_steps: int, tokens: int, floor: float | None,
-                  unigram: float, storage: str | None = None) -> None:
+                  unigram: float, storage: str | None = None, attention: str = "xla") -> None:
   print(f"host {host}/{num_hosts}: {len(devices)} local device(s) {devices}, "
         f"{replicas_per_host} replica(s), mode {mode}"
         + (f", checkpoints in {storage}" if storage and host == 0 else ""), flush=True)
   if host == 0:
     floor_text = f"{floor:.4f}" if floor is not None else "unknown (not synthetic)"
-    print(f"model {model}: {num_params / 1e6:.2f}M params, {flops_per_token / 1e6:,.1f} "
+    print(f"model {model} ({attention} attention): {num_params / 1e6:.2f}M params, "
+          f"{flops_per_token / 1e6:,.1f} "
           f"MFLOPs per token; {num_hosts * replicas_per_host} replicas "
           f"({num_hosts} host(s) x {replicas_per_host}); {num_rounds} rounds x "
           f"{inner_steps} inner steps; {tokens:,} tokens; loss floor {floor_text}, best "

@@ -7,7 +7,8 @@ this host's Δ is scaled by s = K·w_host / Σw before anything judges or sends 
 (`weighted`), exactly 1.0 when the steps are equal.
 
 The speeds travel with the round's sum of pseudo-gradients (in modes sync, delayed and
-eager, under 'fixed' too, for the records), so measuring them costs no collective and
+eager, under 'fixed' too, for the records; not in elastic mode, whose sums leave out the
+hosts that are away), so measuring them costs no collective and
 every host reads the same numbers: each host puts into the sum its
 replicas' steps ([K] words, one per replica: tokens = steps × batch × seq_len) and its
 seconds of inner phase ([hosts] words; 0: not measured, a round that compiled). When the

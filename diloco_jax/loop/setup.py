@@ -75,6 +75,11 @@ class Setup:
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
+    try:
+      self.attention = model_lib.attention_kernel(self.model_cfg,
+                                                  self.mesh.devices.flat[0].platform)
+    except model_lib.layers.AttentionError as e:
+      raise config_lib.ConfigError(str(e)) from None
     self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
     self._schedule_steps = self.num_rounds * self.h  # the inner lr schedule's length
     self._compiles = True  # the next round is this process's first: not timed for balance
@@ -117,8 +122,9 @@ class Setup:
         config.outer, collective=self.collective, dispatcher=dispatcher,
         replicas_per_host=self.replicas_per_host,
         steps_finished=self.train_step.steps_finished, extra=self.membership.sum_extra,
-        # every host's steps and seconds ride on the round's sum (not streaming's fragments)
-        pace=self.pacer if config.mode in pacing.MODES else None)
+        # every host's steps and seconds ride on the round's sum: not on streaming's
+        # fragments, nor in elastic mode, whose sums leave out the hosts that are away
+        pace=self.pacer if config.mode in pacing.MODES and not config.elastic else None)
     param_shapes = model_lib.param_shapes(self.model_cfg)
     self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange,
                                          params=param_shapes,
@@ -168,7 +174,7 @@ class Setup:
         devices=[f"{d.platform}:{jax.local_devices().index(d)}"  # this host's own numbering
                  for d in self.mesh.devices.flat],
         replicas_per_host=self.replicas_per_host, num_params=self.num_params,
-        model=self.model_cfg.module or self.model_cfg.family,
+        model=self.model_cfg.module or self.model_cfg.family, attention=self.attention,
         flops_per_token=self.flops_per_token, num_rounds=self.num_rounds, inner_steps=self.h,
         tokens=self.tokens_per_step * self.num_rounds * self.h, floor=self.spec.floor,
         unigram=self.spec.unigram_loss,
@@ -184,7 +190,7 @@ class Setup:
                            tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
                            memory=self.step_memory,
                            layout=self.train_step.layout.describe(), start=self.start,
-                           balance=self.pacer.describe())
+                           balance=self.pacer.describe(), attention=self.attention)
 
   def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
     """Everything needed to continue after round r (after its outer step); `finished`:

@@ -97,6 +97,8 @@ def load(workdir: str, step: int | None = None) -> Trained:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     config = config_lib.from_saved(meta["config"])
     cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
+    # The same math with either kernel, and a GPU run's model may be read on a laptop.
+    cfg = dataclasses.replace(cfg, attention="auto")
     template = model_lib.param_shapes(cfg)
     params = model_params(config, meta, template, lambda items: _read(manager, step, items))
   except (LoadError, model_lib.ModuleError):

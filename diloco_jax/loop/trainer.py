@@ -22,6 +22,7 @@ import numpy as np
 
 from diloco_jax.algo import optim
 from diloco_jax.algo import state as state_lib
+from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.loop import checkpoint as checkpoint_lib
 from diloco_jax.loop import membership as membership_lib
 from diloco_jax.loop import metrics
@@ -91,6 +92,8 @@ class Trainer(setup.Setup):
     with profiling.annotate("outer_step"):
       self._take(r, self.outer_step.end_round(self.outer, self.replicas, loss_sum, r))
     self._round_checks(r)
+    if (peak := mesh_lib.peak_bytes(self.mesh.devices.flat)) is not None:
+      self.log.add(r, device_peak_bytes=peak)  # accelerators: the allocator's peak so far
     hostmem.trim()  # what the round's compiles and host copies freed
 
   def _open_record(self, r: int, **figures) -> None:

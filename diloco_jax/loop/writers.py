@@ -35,6 +35,7 @@ GROUPS = {
     "hosts": ("replicas", "anchor_hash_time", "anchor_check_time", "hosts_steps",
               "hosts_tokens", "hosts_busy", "hosts_idle"),
     "checkpoint": ("checkpoint_blocking",),
+    "memory": ("device_peak_bytes",),
     "progress": ("elapsed", "eta"),
 }
 TAGS = {field: f"{group}/{field.removeprefix(group + '_')}"

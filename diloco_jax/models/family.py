@@ -57,6 +57,7 @@ class ModelConfig:
   use_bias: bool = True  # gpt: biases in Dense layers, LayerNorms and the head
   remat: str = "none"
   module: str = ""  # "package.module:factory", instead of the family
+  attention: str = "auto"  # "xla", "cudnn" or "auto" (layers.causal_attention)
 
   @property
   def kv_heads(self) -> int:
@@ -69,7 +70,8 @@ class ModelConfig:
                dtype=jnp.dtype(model.dtype), family=model.family,
                num_kv_heads=model.num_kv_heads, rope_base=float(model.rope_base),
                norm_eps=float(model.norm_eps), tie_embeddings=model.tie_embeddings,
-               use_bias=model.use_bias, remat=model.remat, module=model.module)
+               use_bias=model.use_bias, remat=model.remat, module=model.module,
+               attention=model.get("attention", "auto"))
 
 
 @functools.cache

@@ -39,7 +39,8 @@ class Block(nn.Module):
     h = layer_norm(cfg, "ln_attn")(x_BxLxD)
     qkv = dense(cfg, 3 * d, name="qkv")(h).reshape(b, l, 3, cfg.num_heads, head_dim)
     attn = layers.causal_attention(self, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
-                                   positions_L, decode=self.decode, cache_len=cfg.seq_len)
+                                   positions_L, decode=self.decode, cache_len=cfg.seq_len,
+                                   implementation=cfg.attention)
     x_BxLxD = x_BxLxD + dense(cfg, d, out_std, name="attn_out")(attn.reshape(b, l, d))
 
     h = layer_norm(cfg, "ln_mlp")(x_BxLxD)

@@ -111,14 +111,48 @@ def rope(x_BxLxNxH: jax.Array, positions_L: jax.Array, base: float) -> jax.Array
   return (x * cos_LxH + rotated * sin_LxH).astype(x_BxLxNxH.dtype)
 
 
+class AttentionError(ValueError):
+  """config.model.attention asks for a kernel this backend or these shapes do not have."""
+
+
+def fused_attention(implementation: str, q_BxLxNxH: jax.Array,
+                    platform: str | None = None) -> bool:
+  """Whether causal attention over the whole sequence runs cuDNN's fused kernel
+  (`jax.nn.dot_product_attention(implementation="cudnn")`, which never holds the
+  [B, N, L, L] scores in memory) rather than `attend`: 'xla' never, 'cudnn' always (an
+  AttentionError where it cannot), 'auto' where it can: a GPU, bf16 or fp16, head size a
+  multiple of 8 up to 128. `platform`: the backend's (default: jax's default backend)."""
+  if implementation == "xla":
+    return False
+  platform = platform or jax.default_backend()
+  h = q_BxLxNxH.shape[-1]
+  if platform != "gpu":
+    why = f"it runs on GPUs only (this backend: {platform})"
+  elif q_BxLxNxH.dtype not in (jnp.bfloat16, jnp.float16):
+    why = f"it needs bf16 or fp16 compute (config.model.dtype), not {q_BxLxNxH.dtype}"
+  elif h % 8 or h > 128:
+    why = f"it needs a head size that is a multiple of 8 up to 128, not {h}"
+  else:
+    return True
+  if implementation == "cudnn":
+    raise AttentionError(f"config.model.attention = 'cudnn': {why}; use 'auto' (cuDNN "
+                         f"where it can run) or 'xla'")
+  return False
+
+
 def causal_attention(module: nn.Module, q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array,
                      v_BxLxKxH: jax.Array, positions_L: jax.Array, *, decode: bool,
-                     cache_len: int) -> jax.Array:
-  """Causal attention (`attend`). With `decode`, k and v are written into `module`'s
-  "cache" collection at `positions_L` (contiguous) and the queries attend to every cached
-  position up to their own: one call prefills a prompt, the next ones add a token each."""
+                     cache_len: int, implementation: str = "auto") -> jax.Array:
+  """Causal attention (`attend`, or cuDNN's fused kernel: `fused_attention`). With
+  `decode`, k and v are written into `module`'s "cache" collection at `positions_L`
+  (contiguous) and the queries attend to every cached position up to their own: one call
+  prefills a prompt, the next ones add a token each (always `attend`: the cache's mask is
+  no causal triangle)."""
   l = q_BxLxNxH.shape[1]
   if not decode:
+    if fused_attention(implementation, q_BxLxNxH):
+      return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
+                                          implementation="cudnn")
     return attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, jnp.tri(l, dtype=bool))
   b, _, kv_heads, h = k_BxLxKxH.shape
   ready = module.has_variable("cache", "key")

@@ -39,7 +39,8 @@ class Block(nn.Module):
                             cfg.rope_base)
     v_BxLxKxH = dense(k * h, "v")(x).reshape(b, l, k, h)
     attn = layers.causal_attention(self, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, positions_L,
-                                   decode=self.decode, cache_len=cfg.seq_len)
+                                   decode=self.decode, cache_len=cfg.seq_len,
+                                   implementation=cfg.attention)
     x_BxLxD = x_BxLxD + dense(d, "attn_out", out_std)(attn.reshape(b, l, n * h))
 
     x = layers.RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x_BxLxD)

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from diloco_jax.models import layers
 from diloco_jax.models.family import FAMILIES  # noqa: F401 -- the model's names, in one place
 from diloco_jax.models.family import REMAT  # noqa: F401 -- the model's names, in one place
 from diloco_jax.models.family import ModelConfig  # noqa: F401 -- the model's names, in one place
@@ -74,6 +75,17 @@ def flops_per_token(cfg: ModelConfig, num_params: int) -> float:
   """Training FLOPs per token: 6N over the matmul params plus causal attention (PaLM app. B:
   6 · layers · L · D). For your own module every param is counted as a matmul param."""
   return 6 * (num_params - lookup_params(cfg)) + 6 * cfg.num_layers * cfg.seq_len * cfg.d_model
+
+
+def attention_kernel(cfg: ModelConfig, platform: str) -> str:
+  """What causal attention over whole sequences runs on `platform` under
+  `cfg.attention`: 'cudnn' (the fused kernel) or 'xla' ('own' for a model of your own
+  module). Decoding with a KV cache always runs 'xla'. Raises `layers.AttentionError`
+  where 'cudnn' was asked for and cannot run."""
+  if cfg.module:
+    return "own"
+  q = jax.ShapeDtypeStruct((1, 1, cfg.num_heads, cfg.d_model // cfg.num_heads), cfg.dtype)
+  return "cudnn" if layers.fused_attention(cfg.attention, q, platform) else "xla"
 
 
 def _activation_floats(cfg: ModelConfig) -> int:
