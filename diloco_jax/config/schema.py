@@ -20,9 +20,9 @@ import ml_collections
 from diloco_jax.errors import ConfigError
 
 __all__ = ["ConfigError", "MODES", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES",
-           "COMPUTE_DTYPES", "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "ATTENTIONS", "WANDB_MODES",
-           "RESUMABLE_CHANGES", "get_default_config", "flatten", "from_saved", "known_names", "unknown_field",
-           "field_docs", "format_config"]
+           "COMPUTE_DTYPES", "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "ATTENTIONS",
+           "WANDB_MODES", "RESUMABLE_CHANGES", "get_default_config", "flatten", "from_saved",
+           "known_names", "unknown_field", "field_docs", "format_config"]
 
 MODES = ("sync", "delayed", "eager", "streaming", "ddp")
 BALANCES = ("fixed", "speed")
