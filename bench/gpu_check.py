@@ -149,8 +149,10 @@ def estimate(saved_config: dict) -> int:
 
 
 def part_d(args, tmp: str) -> dict:
-  base = ["--config=configs/tiny.py", "--config.num_rounds=4", "--config.eval_every=4",
-          "--config.debug_checks=True", "--config.checkpoint.every=0",
+  rounds = 2 if args.smoke else 4
+  base = ["--config=configs/tiny.py", f"--config.num_rounds={rounds}",
+          f"--config.eval_every={rounds}", "--config.debug_checks=True",
+          "--config.checkpoint.every=0",
           *(SMOKE_MODEL + ["--config.inner_steps=2"] if args.smoke else [])]
   env = {"JAX_PLATFORMS": "", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
   result = {}
