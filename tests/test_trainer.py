@@ -175,11 +175,13 @@ def test_cli_runs_and_prints_round_lines(tmp_path):
 @pytest.mark.parametrize("override, field", [
     ("--config.outer.lr=-1", "config.outer.lr"),
     ("--config.model.num_heads=3", "config.model.num_heads"),
+    ("--config.model.attention=cudnn", "config.model.attention"),  # no cuDNN on a CPU
 ])
 def test_cli_rejects_bad_value(tmp_path, override, field):
   proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}", override)
   assert proc.returncode != 0
   assert field in proc.stderr + proc.stdout
+  assert "Traceback" not in proc.stderr + proc.stdout and not os.listdir(tmp_path)
 
 
 def test_cli_rejects_misspelled_field(tmp_path):

@@ -52,6 +52,12 @@ class Setup:
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
     driver = registry.driver(config.mode)
+    try:  # before anything traces the model
+      self.attention = model_lib.attention_kernel(
+          model_lib.ModelConfig.from_config(config.model, config.data.vocab_size),
+          jax.local_devices()[0].platform)
+    except model_lib.layers.AttentionError as e:
+      raise config_lib.ConfigError(str(e)) from None
     mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count(),
                           driver.memory_profile(config))
     self.config, self.workdir, self.dispatcher = config, workdir, dispatcher
@@ -75,11 +81,6 @@ class Setup:
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
-    try:
-      self.attention = model_lib.attention_kernel(self.model_cfg,
-                                                  self.mesh.devices.flat[0].platform)
-    except model_lib.layers.AttentionError as e:
-      raise config_lib.ConfigError(str(e)) from None
     self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
     self._schedule_steps = self.num_rounds * self.h  # the inner lr schedule's length
     self._compiles = True  # the next round is this process's first: not timed for balance
