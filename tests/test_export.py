@@ -308,9 +308,11 @@ def test_cli_errors(llama_run, tmp_path):
   assert output in _one_line_error(_cli(f"--workdir={workdir}", f"--output={output}"))
   line = _one_line_error(_cli(f"--workdir={workdir}", f"--output={tmp_path / 'model.bin'}"))
   assert "must end in .safetensors" in line
-  missing = tmp_path / "nowhere" / "model.safetensors"
-  with pytest.raises(exported.ExportError, match="nowhere does not exist"):
-    export_lib.export(workdir, str(missing))
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(exported.ExportError, match="a_file is a file, not a directory"):
+    export_lib.export(workdir, str(tmp_path / "a_file" / "model.safetensors"))
+  new = tmp_path / "new" / "dir" / "model.safetensors"  # made, as `mkdir -p` would
+  assert export_lib.export(workdir, str(new))[0] == str(new) and new.is_file()
   (tmp_path / "config.json").write_text("{}")  # config.json is not replaced either
   with pytest.raises(exported.ExportError, match="config.json exists"):
     export_lib.export(workdir, str(tmp_path / "other.safetensors"))

@@ -169,13 +169,16 @@ def config_json(cfg: model_lib.ModelConfig, run: dict[str, Any] | None = None,
 
 
 def check_output(output: str) -> None:
-  """An ExportError unless `output` names a .safetensors file in a directory that exists."""
+  """An ExportError unless `output` names a .safetensors file whose directory exists or
+  can be made (`write` makes it)."""
   if not output.endswith(SUFFIX):
     raise ExportError(f"--output={output}: must end in {SUFFIX} (the file written; "
                       f"{CONFIG} goes beside it)")
-  directory = os.path.dirname(output) or "."
-  if not os.path.isdir(directory):
-    raise ExportError(f"--output={output}: directory {directory} does not exist")
+  existing = os.path.dirname(output) or "."
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing) or "."
+  if not os.path.isdir(existing):
+    raise ExportError(f"--output={output}: {existing} is a file, not a directory")
   if os.path.isdir(output):
     raise ExportError(f"--output={output} is a directory")
 
@@ -218,6 +221,7 @@ def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
   if tokenizer:
     paths.append(os.path.join(directory, os.path.basename(tokenizer)))
   check_free(paths, overwrite)
+  os.makedirs(directory, exist_ok=True)
   tensors = to_tensors(cfg, params)
   text = json.dumps(config_json(cfg, run, eos_id), indent=2) + "\n"
   # Hugging Face refuses a file whose metadata "format" is not one of its frameworks'
