@@ -134,17 +134,16 @@ def part_c(args, tmp: str) -> dict:
 
 
 def estimate(saved_config: dict) -> int:
-  """The trainer's memory estimate per device (`model.memory_estimate`, sync mode's
-  profile) for a run's config as run.json holds it."""
+  """The trainer's memory estimate per device (`mesh.memory_needs`, what `check_memory`
+  judges) for a run's config as run.json holds it, on this host's devices."""
+  import jax  # pylint: disable=import-outside-toplevel
+
   from diloco_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
+  from diloco_jax.device import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
   config = config_lib.from_saved(saved_config)
-  profile = registry.driver(config.mode).memory_profile(config)
-  cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
-  device, _ = model_lib.memory_estimate(
-      cfg, param_sets=profile.param_sets, grad_copies=profile.grad_copies,
-      host_copies=profile.host_copies, micro_batch=config.batch_size, fsdp=config.mesh.fsdp)
+  device, _ = mesh_lib.memory_needs(config, config.data.vocab_size, jax.local_device_count(),
+                                    registry.driver(config.mode).memory_profile(config))
   return sum(device.values())
 
 

@@ -194,24 +194,33 @@ class MemoryProfile(NamedTuple):
   host_copies: int
 
 
-def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
-                 num_local_devices: int, profile: MemoryProfile) -> None:
-  """Raises a ConfigError, with the figures, if the run cannot fit in memory: the estimate
-  of `model.memory_estimate` for the mode's `profile` against `device_memory_limit()` per
-  accelerator and `host_memory_available()`; with CPU devices, everything against the
-  host's. Call it after `validate` and `cluster.initialize`, before anything is
-  allocated."""
+def memory_needs(config: ml_collections.ConfigDict, vocab_size: int, num_local_devices: int,
+                 profile: MemoryProfile) -> tuple[dict[str, int], dict[str, int]]:
+  """({part: bytes} on every local device, {part: bytes} in host memory) of a run of
+  `config` on this many local devices: `model.memory_estimate` for the mode's `profile`
+  and this layout, and the synthetic source's tables."""
   accum, groups, fsdp = config.grad_accum_steps, config.mesh.replicas, config.mesh.fsdp
-  sets = profile.param_sets
   cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
   device, host = model_lib.memory_estimate(
-      cfg, param_sets=sets, fsdp=fsdp, grad_copies=profile.grad_copies + (accum > 1),
-      host_copies=profile.host_copies,
+      cfg, param_sets=profile.param_sets, fsdp=fsdp,
+      grad_copies=profile.grad_copies + (accum > 1), host_copies=profile.host_copies,
       micro_batch=max(config.batch_size * groups // (accum * num_local_devices), 1))
   d = config.data
   if d.source == "synthetic":  # the chain's tables (probs, cdf, sort scratch) and samples
     host["data"] = (4 * 8 * d.vocab_size ** d.markov_order * d.vocab_size
                     + 4 * (d.num_sequences + d.num_eval_sequences) * (cfg.seq_len + 1))
+  return device, host
+
+
+def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
+                 num_local_devices: int, profile: MemoryProfile) -> None:
+  """Raises a ConfigError, with the figures, if the run cannot fit in memory: the estimate
+  (`memory_needs`) against `device_memory_limit()` per accelerator and
+  `host_memory_available()`; with CPU devices, everything against the host's. Call it
+  after `validate` and `cluster.initialize`, before anything is allocated."""
+  groups, fsdp, sets = config.mesh.replicas, config.mesh.fsdp, profile.param_sets
+  device, host = memory_needs(config, vocab_size, num_local_devices, profile)
+  cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
   n = model_lib.num_params_of(cfg)
   embed = (1 if cfg.tie_embeddings else 2) * vocab_size * cfg.d_model
   model = ["config.model", *(["config.data.vocab_size"] if embed > n / 2 else [])]
