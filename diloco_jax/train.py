@@ -26,6 +26,7 @@ from ml_collections import config_flags
 # second or more to import, and `main` imports them once it knows it will train.
 from diloco_jax import config as config_lib
 from diloco_jax.runtime import hostmem
+from diloco_jax.runtime import quiet
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Required: the config file (configs/*.py); override its fields with "
@@ -221,6 +222,7 @@ def main(argv):
   if not _WORKDIR.value:
     sys.exit("Missing --workdir: the directory for checkpoints, metrics and plots, e.g. "
              "--workdir=/tmp/diloco_tiny")
+  quiet.quiet_preemption_logs()  # before jax is imported: C++ reads its log level once
   # pylint: disable=import-outside-toplevel
   import jax
 

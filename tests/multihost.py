@@ -22,7 +22,10 @@ from diloco_jax.data import pipeline as data_lib
 from diloco_jax.models import model as model_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
+# Importing jax here set TF_CPP_MIN_LOG_LEVEL=1 where unset: the hosts start without it,
+# as from a user's shell (the trainer's own default applies); another value is kept.
+ENV = {**{k: v for k, v in os.environ.items() if (k, v) != ("TF_CPP_MIN_LOG_LEVEL", "1")},
+       "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
 
 
 def small_config(**overrides):

@@ -286,6 +286,9 @@ def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):
   text = launcher.communicate(timeout=120)[0]
   assert launcher.returncode == 0, text[-4000:]
   assert "preempted: stopped after round" in text, text[-4000:]
+  # diloco_jax's line only: not JAX's C++ notifier's nor Orbax's (runtime/quiet.py).
+  assert "preemption_notifier" not in text, text[-4000:]
+  assert "Reached preemption sync point" not in text, text[-4000:]
   stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
   assert stopped < 10
   assert max(int(d) for d in os.listdir(tmp_path / checkpoint.CHECKPOINTS)) == stopped
