@@ -222,7 +222,10 @@ def main(argv):
   if not _WORKDIR.value:
     sys.exit("Missing --workdir: the directory for checkpoints, metrics and plots, e.g. "
              "--workdir=/tmp/diloco_tiny")
-  quiet.quiet_preemption_logs()  # before jax is imported: C++ reads its log level once
+  # Third-party lines are left out unless --verbosity asks for them; before jax is
+  # imported, since C++ reads its log level once.
+  if not flags.FLAGS["verbosity"].present:
+    quiet.quiet_preemption_logs()
   # pylint: disable=import-outside-toplevel
   import jax
 

@@ -41,7 +41,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   """Every config field with its default. Config files start from this."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds parameter init; data seeds live in `data`.
-  c.mode = "sync"  # One of MODES: 'sync', 'delayed', 'eager', 'streaming' DiLoCo, or 'ddp'.
+  c.mode = "sync"  # 'sync', 'delayed', 'eager', 'streaming' DiLoCo, or 'ddp'.
   c.num_rounds = 20  # Rounds T: each is H inner steps plus one outer step.
   c.inner_steps = 50  # H: inner steps per round (in 'ddp', steps between log lines).
   c.replicas_per_host = 4  # DiLoCo replicas on this host; K = hosts * replicas_per_host.
@@ -58,19 +58,19 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.num_heads = 4  # Attention heads; must divide d_model.
   c.model.mlp_dim = 512  # Hidden width of each block's MLP.
   c.model.seq_len = 64  # Tokens per training sequence (the context length).
-  c.model.dtype = "float32"  # Compute dtype (COMPUTE_DTYPES); params are always float32.
-  c.model.family = "gpt"  # One of MODEL_FAMILIES: 'gpt' (GPT-2 style) or 'llama'.
+  c.model.dtype = "float32"  # Compute: 'float32', 'bfloat16' or 'float16'; params stay float32.
+  c.model.family = "gpt"  # 'gpt' (GPT-2 style) or 'llama'.
   c.model.module = ""  # Your own model instead: 'package.module:factory' (see models/family.py).
   c.model.num_kv_heads = 0  # 'llama': key/value heads (GQA), dividing num_heads; 0: num_heads.
   c.model.rope_base = 10000.0  # 'llama': base (theta) of the rotary position embedding.
   c.model.norm_eps = 1e-5  # 'llama': RMSNorm epsilon.
   c.model.tie_embeddings = False  # The head is the token embedding table, transposed.
   c.model.use_bias = True  # 'gpt': biases in Dense layers, LayerNorms and the head (llama: none).
-  c.model.remat = "none"  # One of REMAT: 'block' recomputes blocks in the backward pass.
-  c.model.attention = "auto"  # ATTENTIONS: 'xla'; 'cudnn' (fused, GPU); 'auto': cudnn where able.
+  c.model.remat = "none"  # 'none', or 'block': recompute blocks in the backward pass.
+  c.model.attention = "auto"  # 'xla'; 'cudnn' (fused, GPU); 'auto': cudnn where it can run.
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "synthetic"  # One of DATA_SOURCES.
+  c.data.source = "synthetic"  # 'synthetic', 'text', 'tokens' or 'prepared' (docs: data).
   c.data.path = ""  # 'text': file or dir; 'tokens': flat token file; 'prepared': its directory.
   c.data.token_dtype = "uint16"  # 'tokens' only: dtype of the flat token file.
   c.data.vocab_size = 32  # Symbols: synthetic; 256 for 'text'; the tokenizer's (= the manifest's).
@@ -133,12 +133,12 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_round = 0  # First round traced by jax.profiler into workdir/profile; 0: none.
   c.profile.num_rounds = 2  # Rounds the trace covers.
-  # Unequal hosts (docs/algorithms.md §9, README "Hosts of unequal speed"):
+  # Hosts of unequal speed (docs: multi-host; the update rule: docs/algorithms.md §9):
   c.balance = "fixed"  # 'fixed': every host H steps a round; 'speed': steps by host speed.
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
   c.balance_tolerance = 0.1  # 'speed': hosts within it of the slowest train H; steps move by more.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
-  c.elastic = False  # Experimental: survivors train on when a host dies (README).
+  c.elastic = False  # Experimental: survivors train on when a host dies (docs: fault tolerance).
   c.elastic_timeout = 60  # Elastic: seconds a sum or checkpoint waits for a dead host.
   return c
 
