@@ -6,13 +6,22 @@ still wins). A smoke run writes its JSON to `--out`, by default into a new tempo
 directory, and never into bench/results/, and compiles each program once across its
 trainers and processes (a JAX compilation cache: see `compilation_cache`).
 tests/test_bench.py runs every bench this way.
+
+`provenance` is what every results file says about where it came from (the command, the
+date, the machine), which bench/report.py prints on docs/performance.md. The machine is
+described by its cores and CPU model unless DILOCO_BENCH_MACHINE names it in words (e.g.
+"2-core CPU development machine (shared)").
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import datetime
+import importlib.metadata
 import os
+import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -62,3 +71,37 @@ def compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+
+
+def provenance(script: str, argv: list[str] | None = None,
+               accelerator: str | None = None) -> dict:
+  """`command`, `date` and `machine` for a results file: bench/report.py refuses a file
+  without them, so the page never shows a figure it cannot say the origin of. `script` is
+  the bench's name (bench/NAME.py), `argv` its arguments (default: this process's)."""
+  argv = sys.argv[1:] if argv is None else argv
+  return {"command": shlex.join(["python", f"bench/{script}.py", *argv]),
+          "date": datetime.date.today().isoformat(), "machine": machine(accelerator)}
+
+
+def machine(accelerator: str | None = None) -> str:
+  """This machine in a line: DILOCO_BENCH_MACHINE or its cores and CPU model, then the
+  accelerator the bench ran on (if any) and jax's version. The version is read from the
+  package's metadata: a bench that runs its work in child processes never imports jax."""
+  where = (os.environ.get("DILOCO_BENCH_MACHINE")
+           or f"{os.cpu_count()}-core CPU ({cpu_model()})")
+  try:
+    jax = f"jax {importlib.metadata.version('jax')}"
+  except importlib.metadata.PackageNotFoundError:
+    jax = "jax not installed"
+  return ", ".join([where, *([accelerator] if accelerator else []), jax])
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:  # not Linux
+    pass
+  return platform.machine() or "unknown"

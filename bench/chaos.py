@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
       "wall_s": chaos["wall_s"], "final_eval_loss": chaos["final_eval_loss"],
       "uninterrupted": {"wall_s": reference["wall_s"], "round_s": round_s,
                         "final_eval_loss": reference["final_eval_loss"]},
-      "log": log_path}
+      "log": log_path, **_smoke.provenance("chaos", argv)}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

@@ -190,6 +190,7 @@ def main():
       "jax": jax.__version__, "orbax_checkpoint": ocp.__version__,
       "diloco_jax": diloco_jax.__version__,
       "total_seconds": time.perf_counter() - start, "smoke": args.smoke,
+      **_smoke.provenance("checkpoint"),
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

@@ -158,7 +158,7 @@ def main():
   result = {"prepare": rows, "loader": read, "demand": need,
             "ratio": read["tokens_per_sec"] / need["tokens_per_sec"],
             "input": {"path": args.input, "files": files, "max_mb": args.max_mb},
-            "cpu_count": os.cpu_count(), "smoke": args.smoke}
+            "cpu_count": os.cpu_count(), "smoke": args.smoke, **_smoke.provenance("data")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

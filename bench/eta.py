@@ -100,7 +100,7 @@ def main():
     runs.append(summary(f"resumed after round {max(before)}", errors(later, done["end"])))
 
   result = {"config": args.config, "smoke": args.smoke, "runs": runs,
-            "cpu_count": os.cpu_count()}
+            "cpu_count": os.cpu_count(), **_smoke.provenance("eta")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

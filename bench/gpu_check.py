@@ -239,10 +239,9 @@ def main(argv: list[str] | None = None) -> None:
   if set(args.parts) - set(PARTS):
     parser.error(f"--parts={args.parts}: letters from {''.join(PARTS)}")
   import jax  # pylint: disable=import-outside-toplevel
-  result = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d"),
-            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-            "command": "python bench/gpu_check.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), "parts": {}}
+  device = str(jax.devices()[0].device_kind)
+  result = {"smoke": args.smoke, "device": device, "jax": jax.__version__,
+            **_smoke.provenance("gpu_check", argv, accelerator=device), "parts": {}}
   tmp = tempfile.mkdtemp(prefix="gpu_check_")
   failed = []
   try:

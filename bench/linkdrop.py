@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
   result = {"drop_s": args.drop_s, "heartbeat_timeout": args.heartbeat_timeout,
             "rounds": args.rounds, "side": args.side, "smoke": args.smoke,
             "env": parse_env(args.env), "train_args": train_args, "trial": trial,
-            "reference_completed": None if ref is None else ref["completed"]}
+            "reference_completed": None if ref is None else ref["completed"],
+            **_smoke.provenance("linkdrop", [*argv, *(["--", *extra] if extra else [])])}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

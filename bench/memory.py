@@ -102,7 +102,7 @@ def main(argv=None):
             f"per device (estimate {format_bytes(row['estimate_bytes'])}; compiled in "
             f"{row['compile_seconds']:.0f} s)", flush=True)
   result = {"devices": args.devices, "rows": rows, "device": str(jax.devices()[0]),
-            "jax": jax.__version__, "smoke": args.smoke}
+            "jax": jax.__version__, "smoke": args.smoke, **_smoke.provenance("memory", argv)}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

@@ -117,7 +117,7 @@ def main(argv=None):
             "rounds_timed": args.rounds - 1, "rows": rows, "samples": samples,
             "ratio_llama_vs_gpt": by["llama"]["tokens_per_sec"] / by["gpt"]["tokens_per_sec"],
             "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-            "smoke": args.smoke}
+            "smoke": args.smoke, **_smoke.provenance("models", argv)}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

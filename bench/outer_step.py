@@ -92,8 +92,8 @@ def main():
       print(f"done: {model} on {hosts} hosts", flush=True)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
-    json.dump({"rows": rows, "rounds_timed": args.rounds - 1, "smoke": args.smoke}, f,
-              indent=2)
+    json.dump({"rows": rows, "rounds_timed": args.rounds - 1, "smoke": args.smoke,
+               **_smoke.provenance("outer_step")}, f, indent=2)
   print("\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
         f"| hash ms | check ms | check, % of a round (H={H}, every {CHECK_EVERY}) "
         "| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|---|---|---|")

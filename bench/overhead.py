@@ -198,6 +198,7 @@ def main():
       "ratio_local_vs_plain": median["local"] / median["plain"],
       "ratio_diloco_vs_local": median["diloco"] / median["local"],
       "device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
+      **_smoke.provenance("overhead"),
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

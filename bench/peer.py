@@ -509,7 +509,8 @@ def main(argv=None):
                  "tokens_per_round_per_replica": tokens_per_round},
       "params": params, "same_model": same_model, "summary": summary, "ratio_tokens_per_sec": ratio,
       "pair_ratios": pair_ratios, "runs": runs, "torchft_skipped": python is None,
-      "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "smoke": args.smoke}
+      "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "smoke": args.smoke,
+      **_smoke.provenance("peer", argv)}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

@@ -116,7 +116,8 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"rounds": args.rounds, "inner_steps": args.inner_steps, "replicas": 5,
-               "poisoned_replica": BAD, "rows": rows, "smoke": args.smoke}, f, indent=2)
+               "poisoned_replica": BAD, "rows": rows, "smoke": args.smoke,
+               **_smoke.provenance("poison")}, f, indent=2)
   print(f"\nK = 5, replica {BAD} poisoned, {args.rounds} rounds x H = {args.inner_steps} "
         f"(configs/tiny.py{', smoke sizes' if args.smoke else ''})\n"
         f"| attack | {' | '.join(AGGREGATIONS)} |\n|---|---|---|---|")

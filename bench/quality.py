@@ -206,7 +206,8 @@ def main():
     # Written after every method: a long study stopped part way keeps what it measured.
     result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
               "rounds": args.rounds, "inner_steps": args.inner_steps, "corpus": corpus,
-              "smoke": args.smoke, "complete": len(rows) == len(names)}
+              "smoke": args.smoke, "complete": len(rows) == len(names),
+              **_smoke.provenance("quality")}
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
     print(f"done: {name} (written to {args.out})", flush=True)

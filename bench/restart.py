@@ -132,7 +132,7 @@ def main():
   median = {kind: {key: statistics.median(r[key] for r in rs)
                    for key in ("start_to_first_step_s", "wall_s")} for kind, rs in runs.items()}
   result = {"config": args.config, "repeats": args.repeats, "smoke": args.smoke,
-            "fresh": fresh, "median": median, "runs": runs}
+            "fresh": fresh, "median": median, "runs": runs, **_smoke.provenance("restart")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

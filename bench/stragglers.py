@@ -237,8 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                         "speed": loss_at(speed, "elapsed_s", wall)},
       "at_equal_tokens": {"tokens": tokens, "fixed": loss_at(fixed, "tokens", tokens),
                           "speed": loss_at(speed, "tokens", tokens)},
-      "command": "python bench/stragglers.py " + " ".join(argv if argv is not None
-                                                          else sys.argv[1:])}
+      **_smoke.provenance("stragglers", argv)}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

@@ -241,7 +241,8 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"hosts": args.hosts, "rate_mbit": None if args.smoke else args.rate_mbit,
-               "rounds": args.rounds, "rows": rows, "smoke": args.smoke}, f, indent=2)
+               "rounds": args.rounds, "rows": rows, "smoke": args.smoke,
+               **_smoke.provenance("wan")}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)
   print(f"\n{title}\n| mode | outer lr, μ | wall s | compute util. | outer-step idle | tokens/s "
         f"| MB/host (wire) | peak MB/sync | comm s/round | final eval loss |\n"

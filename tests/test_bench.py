@@ -21,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "poison", "quality", "restart", "stragglers",
            "wan")
-HELPERS = {"netns"}  # bench/ modules the benches import, not benches (as are _*.py)
+HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
+# the benches' helpers, and report.py, which renders their results as docs/performance.md
 MULTIHOST = {"chaos", "gpu_check", "linkdrop", "outer_step", "peer", "quality", "stragglers",
              "wan"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
@@ -315,6 +316,9 @@ def test_smoke(name, tmp_path):
   with open(out) as f:
     result = json.load(f)
   assert result["smoke"] is True
+  # Where the figures came from, which bench/report.py prints beside them.
+  has(result, {"command", "date", "machine"})
+  assert result["command"].startswith(f"python bench/{name}.py --smoke --out=")
   if name == "wan":
     check_wan(result, out)
   else:
