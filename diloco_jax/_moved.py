@@ -61,7 +61,7 @@ SHADOWED: dict[str, tuple[str, ...]] = {
 
 def _warn(old: str, new: tuple[str, ...], stacklevel: int) -> None:
   warnings.warn(f"diloco_jax.{old} moved to {' and '.join('diloco_jax.' + n for n in new)} "
-                f"(the README's changelog lists the moves)", DeprecationWarning,
+                f"(CHANGELOG.md lists the moves)", DeprecationWarning,
                 stacklevel=stacklevel)
 
 

@@ -65,7 +65,7 @@ _JOIN_TOKEN_FILE = flags.DEFINE_string(
     "join_token_file", None, "File whose first line is the job's join token, the same on "
     "every host: a host with another token (or none) is refused by every host. Or set env "
     "DILOCO_JOIN_TOKEN_FILE, or DILOCO_JOIN_TOKEN to the token itself; never on the command "
-    "line, where `ps` shows it. Unset: the job is unauthenticated (README: Security).")
+    "line, where `ps` shows it. Unset: the job is unauthenticated (docs/security.md).")
 _ALLOW_PUBLIC = flags.DEFINE_bool(
     "allow_public_coordinator", False, "Run with a --coordinator_address that is a public "
     "(internet-routable) address; refused without this, since anyone who reaches its port "

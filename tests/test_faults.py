@@ -180,7 +180,7 @@ def test_a_host_cut_off_stops_the_job_within_the_link_timeout(tmp_path):
   """Host 1 stops answering (SIGSTOP: as if its link were down) while the job trains:
   host 0's link watchdog ends it with one "link lost" line within --link_timeout,
   instead of waiting for the heartbeat timeout (here 120 s). bench/linkdrop.py measures
-  real link drops between network namespaces (README: Preemption and resume)."""
+  real link drops between network namespaces (docs/fault-tolerance.md)."""
   port = multihost.free_port()
   hosts = [multihost.start(train_cmd(
       tmp_path, "--config.replicas_per_host=1", f"--coordinator_address=127.0.0.1:{port}",

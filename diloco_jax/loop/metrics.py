@@ -33,12 +33,12 @@ from diloco_jax.units import format_bytes  # noqa: F401
 from diloco_jax.units import format_count  # noqa: F401
 from diloco_jax.units import format_duration  # noqa: F401
 
-# The parts of the outer step on the main thread's path (seconds; see README).
+# The parts of the outer step on the main thread's path (seconds; docs/monitoring.md).
 OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")
 
 
 def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
-  """The one line printed per round (README: "Reading the progress line")."""
+  """The one line printed per round (docs/monitoring.md: "Reading the progress line")."""
   width = len(str(num_rounds))
   parts = [f"round {r['round']:>{width}}/{num_rounds}",
            f"step {r['inner_step']:>{len(str(total_steps))}}/{total_steps}",

@@ -61,7 +61,7 @@ class ProfileWindow:
       self.close()
       if self.announce:
         print(f"profile of rounds {self.start}-{self.stop} written to {self.directory} "
-              f"(README: Profiling)", flush=True)
+              f"(docs/monitoring.md)", flush=True)
 
   def close(self) -> None:
     if self.tracing:

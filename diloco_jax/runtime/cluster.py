@@ -124,7 +124,7 @@ def initialize(cluster: Cluster) -> bool:
     service = f"listening on {bind}" if bind else "listening on every interface"
     auth = (f"hosts authenticated by the join token from {token.source}" if token else
             "the job is unauthenticated: any process that reaches the coordinator port can "
-            f"join it (set ${security.TOKEN_ENV} on every host; README: Security)")
+            f"join it (set ${security.TOKEN_ENV} on every host; docs/security.md)")
     print(f"host 0: coordination service {service}; {auth}", flush=True)
   _keep_coordinator_connections(c.heartbeat_timeout)
   link_timeout = (c.link_timeout if c.link_timeout is not None

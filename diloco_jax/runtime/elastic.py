@@ -1,6 +1,6 @@
 """Experimental elasticity (config.elastic, sync mode): the job outlives a dead host.
 
-What JAX allows on CPU (checked with jax 0.10.2; see README, "Preemption and resume"):
+What JAX allows on CPU (checked with jax 0.10.2; see docs/fault-tolerance.md):
 - With `jax_enable_recoverability`, the survivors of a dead non-coordinator host keep
   running; the coordination service drops the dead host after the heartbeat timeout, and
   a new mesh over the survivors' devices carries their sums.

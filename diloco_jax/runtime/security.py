@@ -14,8 +14,8 @@ here, both run at start-up:
   earlier job cannot be replayed, and the token never leaves the process. A host with
   another token (or none) is refused by every host, by host id, without the token's text.
 
-Neither encrypts what crosses the network: for that, the hosts talk over a VPN (README,
-Security).
+Neither encrypts what crosses the network: for that, the hosts talk over a VPN
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def check_coordinator_address(address: str, allow_public: bool,
         f"--coordinator_address={address} is a public address ({', '.join(public)}): anyone "
         "who can reach its port could join this job, read its pseudo-gradients or stop it, "
         "and nothing that crosses the network is encrypted. Put the hosts on a private "
-        "network or a VPN and use that address (README: Security), or pass "
+        "network or a VPN and use that address (docs/security.md), or pass "
         "--allow_public_coordinator to run on it anyway (then use a join token and open the "
         "port only to the job's hosts).")
 
