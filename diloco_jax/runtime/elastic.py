@@ -32,6 +32,7 @@ EXIT_RESTART = 75  # every host exits with this to ask the launcher for a restar
 _RUNNING = "diloco/elastic/running"
 _REJOIN = "diloco/elastic/rejoin/"
 _RESTART = "diloco/elastic/restart"
+_LEFT = "diloco/elastic/left/"
 
 
 def _client():
@@ -97,9 +98,15 @@ def finish() -> None:
   live = sorted(client.get_live_nodes(list(range(jax.process_count()))))
   client.wait_at_barrier("diloco/elastic/end", 600_000, live)
   if host == 0:
+    # Every other host says it is leaving before it exits. Not get_live_nodes: once a
+    # host has exited, that call blocks until the heartbeat timeout declares it dead
+    # (100 s by default, after the run's last line).
     deadline = time.monotonic() + 10
-    while len(client.get_live_nodes(live)) > 1 and time.monotonic() < deadline:
+    while (len(client.key_value_dir_get(_LEFT)) < len(live) - 1
+           and time.monotonic() < deadline):
       time.sleep(0.05)
+  else:
+    client.key_value_set(f"{_LEFT}{host}", "1")
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0)
