@@ -7,6 +7,9 @@ A fenced block is one of:
   first, then docs/ by name), so a block may use what an earlier one made;
 - any of those preceded by `<!-- example: why -->`: not run, for hardware the suite lacks
   (GPUs, SLURM, several machines). Keep them few.
+- a block of benchmark commands only (`python bench/NAME.py ...`, the commands that wrote
+  the performance page's figures; minutes each, some as root): not run here, since
+  tests/test_bench.py runs each bench's `--smoke` mode; the script must exist.
 A block may be preceded by `<!-- smoke: OLD => NEW -->` lines: literal replacements that
 shrink its inputs (each must match, so a stale one fails). Before running, every block
 also gets the same rewrites, listed in `_rewrite`: /tmp/ is a fresh directory, installs
@@ -112,6 +115,18 @@ def _split_comment(line: str) -> tuple[str, str]:
   return line, ""
 
 
+def _benchmarks(block: Block) -> bool:
+  """Whether every command of a shell block runs a benchmark (which must exist)."""
+  commands = [line for line in block.text.replace("\\\n", " ").split("\n")
+              if line.strip() and not line.lstrip().startswith("#")]
+  found = [re.match(r"^(?:sudo )?python (bench/\w+\.py)\b", c) for c in commands]
+  if block.lang == "python" or not commands or not all(found):
+    return False
+  for match in found:
+    assert (ROOT / match.group(1)).exists(), f"{block.where()}: no {match.group(1)}"
+  return True
+
+
 def _installs_or_tests(command: str) -> bool:
   return (command.startswith(("pip install", "python3 -m venv", ". .venv/bin/activate"))
           or command.startswith("python -m pytest"))
@@ -184,6 +199,8 @@ def test_every_command_block_runs(tmp_path):
   ran = set()
   for block in all_blocks():
     if block.lang not in RUN_LANGS or block.example:
+      continue
+    if _benchmarks(block):
       continue
     script = _rewrite(block, work)
     if script in ran or not any(line.strip() and not line.lstrip().startswith("#")
