@@ -27,8 +27,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN_LANGS = ("bash", "sh", "python")
 # Appended to every `python -m diloco_jax.train` and `launch/local.py` command: a smoke-size
