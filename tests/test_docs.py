@@ -27,6 +27,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN_LANGS = ("bash", "sh", "python")
 # Appended to every `python -m diloco_jax.train` and `launch/local.py` command: a smoke-size
@@ -187,10 +189,14 @@ def test_a_broken_link_or_an_orphan_page_fails_the_build(tmp_path):
     assert name in done.stdout + done.stderr, name
 
 
+@pytest.mark.slow
+@pytest.mark.multihost  # the docs' launch/local.py commands
 def test_every_command_block_runs(tmp_path):
   """Each block that is not an example, rewritten (`_rewrite`), exits 0; identical
   blocks run once."""
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+  # The session's compilation cache (tests/conftest.py) is inherited: blocks that
+  # compile the same programs as other tests, or as each other, find them there.
+  env = {**os.environ,
          "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
   work = tmp_path / "tmp"
   work.mkdir()
