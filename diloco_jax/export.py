@@ -23,7 +23,7 @@ from absl import logging
 def define_flags() -> None:
   """The command's flags, defined when it runs as a command (not on import: sample and
   export share flag names, and a process may import both)."""
-  global _WORKDIR, _OUTPUT, _STEP, _OVERWRITE
+  global _WORKDIR, _OUTPUT, _STEP, _OVERWRITE, _DTYPE, _MAX_SHARD_SIZE
   _WORKDIR = flags.DEFINE_string("workdir", None, "Required: the training run's --workdir.")
   _OUTPUT = flags.DEFINE_string(
       "output", None, "Required: the file to write, ending in .safetensors (name it "
@@ -31,6 +31,30 @@ def define_flags() -> None:
   _STEP = flags.DEFINE_integer("step", None, "The checkpoint (round) to export; default: the "
                                "newest.")
   _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace files that exist already.")
+  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                             "The tensors' dtype in the file (training keeps float32).")
+  _MAX_SHARD_SIZE = flags.DEFINE_string(
+      "max_shard_size", "5GB", "Above this, the tensors are cut into files of at most this "
+      "size with an index (Hugging Face's layout): bytes, or a number with KB, MB, GB (powers "
+      "of 1000) or KiB, MiB, GiB.")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+  """Bytes of '5GB', '500MiB' or '1000000'; a ValueError naming the flag otherwise."""
+  number = text.strip().upper().rstrip("BIKMGT")
+  unit = text.strip().upper()[len(number):]
+  try:
+    size = float(number) * _UNITS[unit]
+  except (ValueError, KeyError):
+    raise ValueError(f"--max_shard_size={text}: a size such as 5GB, 500MB or 1000000 "
+                     "(bytes)") from None
+  if size < 1:
+    raise ValueError(f"--max_shard_size={text}: must be at least 1 byte")
+  return int(size)
 
 
 def corpus_files(config: ml_collections.ConfigDict) -> tuple[str | None, int | None]:
@@ -55,7 +79,8 @@ def corpus_files(config: ml_collections.ConfigDict) -> tuple[str | None, int | N
 
 
 def export(workdir: str, output: str, step: int | None = None,
-           overwrite: bool = False) -> list[str]:
+           overwrite: bool = False, dtype: str = "float32",
+           max_shard_bytes: int | None = None) -> list[str]:
   """The model of `workdir`'s newest checkpoint (or `step`'s) to `output`; returns the
   paths written. Raises exported.ExportError, trained.LoadError or model.ModuleError."""
   from diloco_jax.loop import trained as trained_lib  # pylint: disable=import-outside-toplevel
@@ -68,7 +93,8 @@ def export(workdir: str, output: str, step: int | None = None,
   run = {"mode": trained.config.mode, "round": trained.round, "finished": trained.finished,
          "workdir": os.path.abspath(workdir)}
   return exported.write(output, trained.model, trained.params, run=run, tokenizer=tokenizer,
-               eos_id=eos_id, overwrite=overwrite)
+                        eos_id=eos_id, overwrite=overwrite, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes)
 
 
 def _parse(argv: list[str]) -> list[str]:
@@ -96,7 +122,12 @@ def main(argv: list[str]) -> None:
   from diloco_jax.models import exported  # pylint: disable=import-outside-toplevel
   from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
   try:
-    paths = export(_WORKDIR.value, _OUTPUT.value, _STEP.value, _OVERWRITE.value)
+    max_shard_bytes = parse_size(_MAX_SHARD_SIZE.value)
+  except ValueError as e:
+    sys.exit(str(e))
+  try:
+    paths = export(_WORKDIR.value, _OUTPUT.value, _STEP.value, _OVERWRITE.value,
+                   _DTYPE.value, max_shard_bytes)
   except (exported.ExportError, trained_lib.LoadError, model_lib.ModuleError) as e:
     sys.exit(str(e))
   print("Wrote " + ", ".join(paths))

@@ -257,6 +257,47 @@ def test_gpt_numpy_forward_and_round_trip(tmp_path):
   assert type(assert_round_trip(output, cfg, params)).__name__ == "GPT"
 
 
+def test_bfloat16_and_shards_with_an_index(tmp_path):
+  """--dtype=bfloat16 writes every tensor in bf16 (config.json says so) and loads back as
+  the float32 of those bf16 values; above max_shard_bytes the tensors go to numbered files
+  with Hugging Face's index, read back bit for bit; an export in the other layout is not
+  left beside a new one (refused without overwrite, removed with it)."""
+  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+                              num_heads=4, mlp_dim=64, family="llama", num_kv_heads=2)
+  params = _perturbed_init(cfg)
+  output = str(tmp_path / "model.safetensors")
+  exported.write(output, cfg, params, dtype="bfloat16")
+  tensors, config = _read(output)
+  assert {str(x.dtype) for x in tensors.values()} == {"bfloat16"}
+  assert config["torch_dtype"] == config["diloco_jax"]["tensor_dtype"] == "bfloat16"
+  _, loaded = model_lib.load_exported(output)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+      a, np.asarray(b).astype(jax.numpy.bfloat16).astype(np.float32)), loaded, params)
+
+  one_layer = 4 * (32 * 32 + 32 * 64)  # float32 bytes of a block's q and gate kernels
+  os.remove(tmp_path / "config.json")  # so that the refusal is the stale single file's
+  with pytest.raises(exported.ExportError, match="model.safetensors exists"):
+    exported.write(output, cfg, params, max_shard_bytes=one_layer, overwrite=False)
+  paths = exported.write(output, cfg, params, max_shard_bytes=one_layer, overwrite=True)
+  shards = sorted(n for n in os.listdir(tmp_path) if n.startswith("model-"))
+  count = len(shards)
+  assert count > 2 and shards[0] == f"model-00001-of-{count:05d}.safetensors"
+  assert not os.path.exists(output)  # the single file of the bf16 export is gone
+  with open(output + ".index.json") as f:
+    index = json.load(f)
+  assert set(index["weight_map"].values()) == set(shards)
+  assert index["metadata"]["total_size"] == sum(
+      x.nbytes for x in exported.to_tensors(cfg, params).values())
+  for name in shards:  # each file holds what the index says, none over the limit
+    part = safetensors.numpy.load_file(tmp_path / name)
+    assert {n for n, f in index["weight_map"].items() if f == name} == set(part)
+    assert sum(x.nbytes for x in part.values()) <= one_layer or len(part) == 1
+  assert output + ".index.json" in paths
+  assert_round_trip(output, cfg, params)
+  exported.write(output, cfg, params, overwrite=True)  # one file again: no shards left
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
 def test_load_exported_names_what_is_wrong(tmp_path):
   cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=1, d_model=32,
                               num_heads=4, mlp_dim=64, family="llama")
@@ -308,6 +349,11 @@ def test_cli_errors(llama_run, tmp_path):
   assert output in _one_line_error(_cli(f"--workdir={workdir}", f"--output={output}"))
   line = _one_line_error(_cli(f"--workdir={workdir}", f"--output={tmp_path / 'model.bin'}"))
   assert "must end in .safetensors" in line
+  line = _one_line_error(_cli(f"--workdir={workdir}", f"--output={tmp_path / 'm.safetensors'}",
+                              "--max_shard_size=5PB"))
+  assert "--max_shard_size=5PB" in line and not os.path.exists(tmp_path / "m.safetensors")
+  assert "dtype" in _one_line_error(_cli(f"--workdir={workdir}", "--output=x.safetensors",
+                                         "--dtype=float16"))
   (tmp_path / "a_file").write_text("")
   with pytest.raises(exported.ExportError, match="a_file is a file, not a directory"):
     export_lib.export(workdir, str(tmp_path / "a_file" / "model.safetensors"))

@@ -2,7 +2,10 @@
 what `python -m diloco_jax.export` writes and `model.load_exported` reads back.
 
 Files, in the output's directory:
-  PATH.safetensors  the params, float32.
+  PATH.safetensors  the params, float32 or bfloat16 (`dtype`). Above `max_shard_bytes` they
+                    are cut into PATH-00001-of-0000N.safetensors ... with an index,
+                    PATH.safetensors.index.json ({"metadata": {"total_size": bytes},
+                    "weight_map": {tensor name: file}}), as Hugging Face writes them.
   config.json       the model's config (below).
   tokenizer.json    for a run on a prepared corpus: the corpus's tokenizer file, under its
   (or .model)       own name, when the corpus directory holds one.
@@ -48,6 +51,8 @@ CONFIG = "config.json"
 FLAX = "diloco_jax.flax/1"  # tensor names: flax paths joined with "."
 HF_LLAMA = "huggingface.llama/1"  # tensor names: Hugging Face's LlamaForCausalLM
 SUFFIX = ".safetensors"
+INDEX = ".index.json"  # PATH.safetensors.index.json: the shards of PATH.safetensors
+DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 
 
 class ExportError(ValueError):
@@ -146,10 +151,11 @@ def model_fields(cfg: model_lib.ModelConfig) -> dict[str, Any]:
 
 
 def config_json(cfg: model_lib.ModelConfig, run: dict[str, Any] | None = None,
-                eos_id: int | None = None) -> dict[str, Any]:
+                eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
   """config.json: Hugging Face's LlamaConfig fields for the llama family, and always the
-  "diloco_jax" object (`run`: mode, round, finished, workdir)."""
-  ours = {"format": _format(cfg), "model": model_fields(cfg), **(run or {})}
+  "diloco_jax" object (`run`: mode, round, finished, workdir; the tensors' dtype)."""
+  ours = {"format": _format(cfg), "model": model_fields(cfg), "tensor_dtype": dtype,
+          **(run or {})}
   if _format(cfg) != HF_LLAMA:
     return {"format": ours["format"], "diloco_jax": ours}
   return {
@@ -160,7 +166,7 @@ def config_json(cfg: model_lib.ModelConfig, run: dict[str, Any] | None = None,
       "head_dim": cfg.d_model // cfg.num_heads, "hidden_act": "silu",
       "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
       "rope_theta": cfg.rope_base, "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+      "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
       # Documents are packed, each followed by EOS, so EOS is also what precedes a
       # document's first token: it is the BOS too. Unknown (None) rather than
       # LlamaConfig's defaults 1 and 2, which mean nothing for our vocabularies.
@@ -210,27 +216,103 @@ def _write_text(path: str, text: str) -> None:
     f.write(text)
 
 
+def shards(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict]:
+  """The tensors in order, cut into files of at most `max_bytes` (a tensor bigger than
+  that alone in its file); one file when `max_bytes` is None."""
+  out: list[dict] = [{}]
+  size = 0
+  for name, x in tensors.items():
+    if max_bytes is not None and out[-1] and size + x.nbytes > max_bytes:
+      out.append({})
+      size = 0
+    out[-1][name] = x
+    size += x.nbytes
+  return out
+
+
+def shard_paths(output: str, count: int) -> list[str]:
+  """Where `count` shards of `output` go: `output` itself for one."""
+  stem = output[:-len(SUFFIX)]
+  return [output] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}{SUFFIX}"
+                                      for i in range(1, count + 1)]
+
+
+def _stale(output: str, keep: list[str]) -> list[str]:
+  """Files of an earlier export of `output` in the other layout (one file or shards), which
+  a reader could take for this one's."""
+  directory, stem = os.path.dirname(output) or ".", os.path.basename(output)[:-len(SUFFIX)]
+  names = [n for n in os.listdir(directory) if n == os.path.basename(output)
+           or n == os.path.basename(output) + INDEX
+           or (n.startswith(stem + "-") and "-of-" in n and n.endswith(SUFFIX))]
+  return sorted(os.path.join(directory, n) for n in names
+                if os.path.join(directory, n) not in keep)
+
+
 def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
           run: dict[str, Any] | None = None, tokenizer: str | None = None,
-          eos_id: int | None = None, overwrite: bool = False) -> list[str]:
-  """Writes `params` of `cfg` to `output`, config.json and `tokenizer`'s copy beside it;
-  returns the paths written."""
+          eos_id: int | None = None, overwrite: bool = False, dtype: str = "float32",
+          max_shard_bytes: int | None = None) -> list[str]:
+  """Writes `params` of `cfg` to `output` (in `dtype`; in shards with an index above
+  `max_shard_bytes`), config.json and `tokenizer`'s copy beside it; returns the paths
+  written."""
   check_output(output)
+  if dtype not in DTYPES:
+    raise ExportError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+  if max_shard_bytes is not None and max_shard_bytes < 1:
+    raise ExportError(f"max_shard_bytes={max_shard_bytes}: must be at least 1")
   directory = os.path.dirname(output) or "."
-  paths = [output, os.path.join(directory, CONFIG)]
-  if tokenizer:
-    paths.append(os.path.join(directory, os.path.basename(tokenizer)))
+  tensors = {name: x if dtype == "float32" else np.asarray(x.astype(DTYPES[dtype]))
+             for name, x in to_tensors(cfg, params).items()}
+  files = shards(tensors, max_shard_bytes)
+  names = shard_paths(output, len(files))
+  index = [output + INDEX] if len(files) > 1 else []
+  config_path = os.path.join(directory, CONFIG)
+  copy = [os.path.join(directory, os.path.basename(tokenizer))] if tokenizer else []
+  paths = [*names, *index, config_path, *copy]
   check_free(paths, overwrite)
   os.makedirs(directory, exist_ok=True)
-  tensors = to_tensors(cfg, params)
-  text = json.dumps(config_json(cfg, run, eos_id), indent=2) + "\n"
-  # Hugging Face refuses a file whose metadata "format" is not one of its frameworks'
-  # ("pt" for a PyTorch model); the bytes are the same whichever reads them.
-  _replace(paths[0], lambda p: safetensors.numpy.save_file(tensors, p, {"format": "pt"}))
-  _replace(paths[1], lambda p: _write_text(p, text))
+  stale = _stale(output, paths)
+  check_free(stale, overwrite)
+  text = json.dumps(config_json(cfg, run, eos_id, dtype), indent=2) + "\n"
+  for path, part in zip(names, files):
+    # Hugging Face refuses a file whose metadata "format" is not one of its frameworks'
+    # ("pt" for a PyTorch model); the bytes are the same whichever reads them.
+    _replace(path, lambda p, part=part: safetensors.numpy.save_file(part, p, {"format": "pt"}))
+  if index:
+    table = {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+             "weight_map": {name: os.path.basename(path)
+                            for path, part in zip(names, files) for name in part}}
+    _replace(index[0], lambda p: _write_text(p, json.dumps(table, indent=2) + "\n"))
+  _replace(config_path, lambda p: _write_text(p, text))
   if tokenizer:
-    _replace(paths[2], lambda p: shutil.copyfile(tokenizer, p))
+    _replace(copy[0], lambda p: shutil.copyfile(tokenizer, p))
+  for path in stale:  # only with overwrite: check_free refused them otherwise
+    os.remove(path)
   return paths
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+  """The tensors of `path`, or of the shards its index (`path` + INDEX) names."""
+  if os.path.exists(path) or not os.path.exists(path + INDEX):
+    try:
+      return safetensors.numpy.load_file(path)
+    except Exception as e:  # noqa: BLE001 -- safetensors' errors, one line
+      raise ExportError(f"{path}: cannot be read: {type(e).__name__}: {e}") from None
+  try:
+    with open(path + INDEX) as f:
+      weight_map = json.load(f)["weight_map"]
+    files = sorted(set(weight_map.values()))
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ExportError(f"{path + INDEX}: not a safetensors index ({type(e).__name__}: "
+                      f"{e})") from None
+  tensors = {}
+  for name in files:
+    tensors.update(read_tensors(os.path.join(os.path.dirname(path) or ".", name)))
+  missing = set(weight_map) - set(tensors)
+  if missing:
+    raise ExportError(f"{path + INDEX}: tensors {sorted(missing)[:3]} are in none of its "
+                      "files")
+  return tensors
 
 
 def load(path: str) -> tuple[Any, Params]:
@@ -248,10 +330,7 @@ def load(path: str) -> tuple[Any, Params]:
   if ours.get("format") != _format(cfg):
     raise ExportError(f"{config_path}: format {ours.get('format')!r}, expected "
                       f"{_format(cfg)!r} for this model")
-  try:
-    tensors = safetensors.numpy.load_file(path)
-  except Exception as e:  # noqa: BLE001 -- safetensors' errors, one line
-    raise ExportError(f"{path}: cannot be read: {type(e).__name__}: {e}") from None
+  tensors = read_tensors(path)
   try:
     params = from_tensors(cfg, tensors)
   except ExportError as e:
