@@ -133,7 +133,7 @@ def _installs_or_tests(command: str) -> bool:
 
 
 def _trains(command: str) -> bool:
-  return ("-m diloco_jax.train" in command or "launch/local.py" in command) and command.strip()
+  return "-m diloco_jax.train" in command or "launch/local.py" in command
 
 
 def test_every_block_declares_its_language_and_examples_are_few():
