@@ -41,9 +41,13 @@ def markdown() -> str:
   resumable = set(schema.RESUMABLE_CHANGES)
   out = [_HEAD]
   group = None
-  for name, (doc, notes) in schema.field_docs().items():
-    parts = name.split(".")
-    here = parts[1] if len(parts) > 2 else ""
+  docs = schema.field_docs()
+  # The top-level fields first, wherever the schema declares them (some close it), then
+  # each group in the schema's order.
+  order = list(dict.fromkeys(["", *map(_group, docs)]))
+  for name in sorted(docs, key=lambda n: order.index(_group(n))):
+    doc, notes = docs[name]
+    here = _group(name)
     if here != group or notes:
       if here != group:
         out.append(f"\n## `config.{here}`" if here else "\n## Top-level fields")
@@ -53,6 +57,12 @@ def markdown() -> str:
     resume = "yes" if name in resumable else ""
     out.append(f"| `{name}` | `{defaults[name]!r}` | {_cell(doc)} | {resume} |")
   return "\n".join(out) + "\n"
+
+
+def _group(name: str) -> str:
+  """"model" for config.model.x; "" for a top-level field."""
+  parts = name.split(".")
+  return parts[1] if len(parts) > 2 else ""
 
 
 def _cell(text: str) -> str:
