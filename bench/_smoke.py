@@ -72,7 +72,6 @@ def compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-
 def provenance(script: str, argv: list[str] | None = None,
                accelerator: str | None = None) -> dict:
   """`command`, `date` and `machine` for a results file: bench/report.py refuses a file

@@ -93,7 +93,7 @@ def _rewrite(block: Block, tmp: pathlib.Path) -> str:
   if block.lang == "python":
     return text
   out = []
-  for line in text.replace("\\\n", " ").split("\n"):
+  for line in _joined(text):
     code, comment = _split_comment(line)
     kept = [c for c in code.split(" && ") if not _installs_or_tests(c.strip())]
     kept = [f"{c.rstrip()} {SMOKE_FLAGS}" if _trains(c) else c for c in kept]
@@ -115,10 +115,19 @@ def _split_comment(line: str) -> tuple[str, str]:
   return line, ""
 
 
+def _joined(text: str) -> list[str]:
+  """A shell block's lines, continued lines (ending in a backslash) joined."""
+  return text.replace("\\\n", " ").split("\n")
+
+
+def _commands(text: str) -> list[str]:
+  """A shell block's commands: its joined lines but blank and comment-only ones."""
+  return [line for line in _joined(text) if line.strip() and not line.lstrip().startswith("#")]
+
+
 def _benchmarks(block: Block) -> bool:
   """Whether every command of a shell block runs a benchmark (which must exist)."""
-  commands = [line for line in block.text.replace("\\\n", " ").split("\n")
-              if line.strip() and not line.lstrip().startswith("#")]
+  commands = _commands(block.text)
   found = [re.match(r"^(?:sudo )?python (bench/\w+\.py)\b", c) for c in commands]
   if block.lang == "python" or not commands or not all(found):
     return False
@@ -207,8 +216,7 @@ def test_every_command_block_runs(tmp_path):
     if _benchmarks(block):
       continue
     script = _rewrite(block, work)
-    if script in ran or not any(line.strip() and not line.lstrip().startswith("#")
-                                for line in script.split("\n")):
+    if script in ran or not _commands(script):
       continue  # run already, or nothing left to run (installs, the suite itself)
     ran.add(script)
     if block.lang == "python":
