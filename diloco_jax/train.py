@@ -222,6 +222,7 @@ def main(argv):
   if not _WORKDIR.value:
     sys.exit("Missing --workdir: the directory for checkpoints, metrics and plots, e.g. "
              "--workdir=/tmp/diloco_tiny")
+  _check_init_from(config, frozenset(_overrides(sys.argv)))
   # Third-party lines are left out unless --verbosity asks for them; before jax is
   # imported, since C++ reads its log level once.
   if not flags.FLAGS["verbosity"].present:
@@ -286,6 +287,21 @@ def main(argv):
     _exit(1)
   except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
+
+
+def _check_init_from(config: ml_collections.ConfigDict, given: frozenset[str]) -> None:
+  """A model flag on the command line that contradicts `config.model.init_from`'s
+  config.json stops the run here, in one line (every host reads the same directory)."""
+  if not config.model.init_from:
+    return
+  # pylint: disable=import-outside-toplevel
+  from diloco_jax.data import prepared
+  from diloco_jax.models import pretrained
+  # pylint: enable=import-outside-toplevel
+  try:
+    pretrained.resolved(prepared.resolved(config, announce=False), given, announce=False)
+  except config_lib.ConfigError as e:
+    sys.exit(f"Invalid config: {e}")
 
 
 def _use_compilation_cache(path: str | None, workdir: str) -> None:

@@ -90,6 +90,12 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
           f"must be divisible by config.model.num_heads = {m.num_heads}")
   check("config.model.dtype", m.dtype in COMPUTE_DTYPES, f"must be one of {COMPUTE_DTYPES}")
   _check_model_family(m, check, errors)
+  check("config.model.vocab_size", m.vocab_size == 0 or m.vocab_size >= d.vocab_size,
+        f"smaller than the data's vocabulary, config.data.vocab_size = {d.vocab_size}: "
+        f"its tokens >= {m.vocab_size} have no embedding (0: the data's)")
+  check("config.model.max_positions", m.max_positions == 0 or m.max_positions >= m.seq_len,
+        f"smaller than config.model.seq_len = {m.seq_len}: the model takes no longer "
+        "sequences (0: seq_len)")
 
   check("config.data.source", d.source in DATA_SOURCES, f"must be one of {DATA_SOURCES}")
   check("config.data.sharding", d.sharding in SHARDINGS, f"must be one of {SHARDINGS}")

@@ -63,9 +63,13 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.module = ""  # Your own model instead: 'package.module:factory' (see models/family.py).
   c.model.num_kv_heads = 0  # 'llama': key/value heads (GQA), dividing num_heads; 0: num_heads.
   c.model.rope_base = 10000.0  # 'llama': base (theta) of the rotary position embedding.
-  c.model.norm_eps = 1e-5  # 'llama': RMSNorm epsilon.
+  c.model.norm_eps = 1e-5  # Epsilon of the norms (llama: RMSNorm; gpt: LayerNorm).
   c.model.tie_embeddings = False  # The head is the token embedding table, transposed.
-  c.model.use_bias = True  # 'gpt': biases in Dense layers, LayerNorms and the head (llama: none).
+  c.model.use_bias = True  # 'gpt': biases in Dense layers and LayerNorms (llama: none).
+  c.model.head_bias = False  # 'gpt': a bias in the head too (GPT-2 has none; see docs: models).
+  c.model.vocab_size = 0  # Rows of the embedding table; 0: the data's vocabulary.
+  c.model.max_positions = 0  # 'gpt': rows of the position table (>= seq_len); 0: seq_len.
+  c.model.init_from = ""  # A Hugging Face model directory to start from (docs: models).
   c.model.remat = "none"  # 'none', or 'block': recompute blocks in the backward pass.
   c.model.attention = "auto"  # 'xla'; 'cudnn' (fused, GPU); 'auto': cudnn where it can run.
 
@@ -149,6 +153,7 @@ def get_default_config() -> ml_collections.ConfigDict:
 # the same numbers, though later steps then add up in another order (float32 rounding).
 RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_checks",
                      "config.anchor_check_every", "config.model.attention",
+                     "config.model.init_from",
                      "config.checkpoint.every", "config.checkpoint.keep",
                      "config.checkpoint.timeout",
                      "config.outer.max_skipped_rounds", "config.elastic",
@@ -172,7 +177,8 @@ def flatten(c: ml_collections.ConfigDict, prefix: str = "config") -> dict[str, A
 def from_saved(saved: dict) -> ml_collections.ConfigDict:
   """The config a checkpoint recorded, with the fields added to the schema since it was
   written at their defaults: the behaviour of the version that wrote it (a run started
-  before `model.family` existed trained the gpt family)."""
+  before `model.family` existed trained the gpt family, and its head had a bias where
+  `use_bias` was set)."""
   def merge(into: ml_collections.ConfigDict, values: dict) -> None:
     for key, value in values.items():
       if isinstance(value, dict) and isinstance(into.get(key), ml_collections.ConfigDict):
@@ -181,6 +187,11 @@ def from_saved(saved: dict) -> ml_collections.ConfigDict:
         into[key] = value
   config = get_default_config()
   merge(config, saved)
+  model = saved.get("model", {})
+  if "head_bias" not in model and model.get("family", "gpt") == "gpt":
+    # before head_bias: the gpt head had a bias with use_bias, LayerNorms flax's epsilon
+    config.model.head_bias = model.get("use_bias", True)
+    config.model.norm_eps = 1e-6
   return config
 
 

@@ -299,7 +299,8 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
                    peak_flops: float | None = None, memory: Mapping[str, int] | None = None,
                    layout: Mapping[str, Any] | None = None,
                    start: Mapping[str, Any] | None = None,
-                   balance: Mapping[str, Any] | None = None, attention: str = "xla") -> str:
+                   balance: Mapping[str, Any] | None = None, attention: str = "xla",
+                   init_from: Mapping[str, Any] | None = None) -> str:
   """workdir/run.json: what this run is (the resolved config, the world, the model size,
   the software), written at start so a workdir always says how it was made."""
   run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
@@ -314,6 +315,7 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          "attention": attention,  # what causal attention runs: 'xla', 'cudnn' or 'own'
          "start": start,  # how this start resumed: round, storage, healed hosts, world change
          "balance": balance,  # balance 'speed': the steps per host decided so far (None: fixed)
+         "init_from": init_from,  # the pretrained weights of round 1: directory, files' sha256
          "huge_pages": hostmem.huge_pages(),  # for big host buffers (runtime/hostmem.py)
          "versions": {"diloco_jax": __version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,

@@ -29,6 +29,7 @@ from diloco_jax.loop import pacing
 from diloco_jax.loop import profiling
 from diloco_jax.loop import writers
 from diloco_jax.models import model as model_lib
+from diloco_jax.models import pretrained
 from diloco_jax.modes import base as modes_base
 from diloco_jax.modes import registry
 from diloco_jax.runtime import preemption
@@ -49,6 +50,7 @@ class Setup:
                dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False,
                pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None):
     config = corpus_reader.resolved(config, announce=jax.process_index() == 0)
+    config = pretrained.resolved(config, announce=jax.process_index() == 0)
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
     driver = registry.driver(config.mode)
@@ -139,8 +141,13 @@ class Setup:
     self.step_memory = self.train_step.compile(
         jax.eval_shape(self._init_replicas, param_shapes),
         (self.replicas_per_host, config.batch_size, config.model.seq_len + 1))
-    with jax.default_device(self.exchange.host_device):
-      anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
+    if config.model.init_from:  # the same files on every host: the same anchor
+      anchor = jax.device_put(pretrained.params(config.model.init_from, self.model_cfg),
+                              self.exchange.host_device)
+    else:
+      with jax.default_device(self.exchange.host_device):
+        anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
+    self._init_source = None  # run.json's "init_from", read once (it hashes the files)
     self.num_params = model_lib.count_params(anchor)
     self.flops_per_token = model_lib.flops_per_token(self.model_cfg, self.num_params)
     peak = mesh_lib.peak_flops(self.mesh.devices.flat[0])  # every host has the same devices
@@ -191,7 +198,14 @@ class Setup:
                            tokens_per_step=self.tokens_per_step, peak_flops=self.peak_flops,
                            memory=self.step_memory,
                            layout=self.train_step.layout.describe(), start=self.start,
-                           balance=self.pacer.describe(), attention=self.attention)
+                           balance=self.pacer.describe(), attention=self.attention,
+                           init_from=self.init_source())
+
+  def init_source(self) -> dict | None:
+    """`config.model.init_from`'s directory and the sha256 of its files (None: none)."""
+    if self.config.model.init_from and self._init_source is None:
+      self._init_source = pretrained.source(self.config.model.init_from)
+    return self._init_source
 
   def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
     """Everything needed to continue after round r (after its outer step); `finished`:

@@ -181,6 +181,9 @@ class Trainer(setup.Setup):
       metrics.print_resumed(r, self.checkpointer.directory, replicas=self.num_replicas,
                             inflight=bool(self.outer.inflight),
                             finished=self.finished_before, num_rounds=self.num_rounds)
+      if self.config.model.init_from:
+        print(f"config.model.init_from = {self.config.model.init_from}: its weights are not "
+              f"used (the checkpoint's params win)", flush=True)
     if self.outer.inflight:  # its record was not logged before the checkpoint
       self._open_record(r, resumed=True, round_time=0.0, tokens_per_sec=0.0, elapsed=0.0,
                         eta=0.0)

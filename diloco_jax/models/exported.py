@@ -12,23 +12,19 @@ Files, in the output's directory:
 Nothing is overwritten without --overwrite.
 
 Tensor names and layouts:
-  llama family  Hugging Face's `LlamaForCausalLM`: model.embed_tokens.weight [V, D],
-                model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
-                model.layers.{i}.mlp.{gate,up,down}_proj.weight (Linear weights [out, in]:
-                the flax kernels transposed; q [N·H, D], k and v [K·H, D], o [D, N·H]),
-                model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight,
-                lm_head.weight [V, D] (absent when the embeddings are tied). config.json
-                holds Hugging Face's LlamaConfig fields, so a directory whose file is named
-                model.safetensors loads with `LlamaForCausalLM.from_pretrained(dir)`. Our
-                rotary embedding is Hugging Face's half-split one: q and k need no
-                permutation.
-  gpt family,   the flax param path joined with "." (block_0.qkv.kernel, embed.embedding,
-  your module   pos_embed, ln_final.scale, ...) in flax's layouts (Dense kernels [in, out];
-                gpt's fused qkv output is [3, N, H] in that order, see gpt.py).
+  llama family  Hugging Face's `LlamaForCausalLM`, and
+  gpt family    `GPT2LMHeadModel` (models/hf.py lists the names): config.json holds the Hugging
+                Face config's fields, so a directory whose file is named model.safetensors
+                loads with `AutoModelForCausalLM.from_pretrained(dir)`.
+  your module,  the flax param path joined with "." (block_0.qkv.kernel, embed.embedding,
+  a gpt with    pos_embed, ln_final.scale, ...) in flax's layouts (Dense kernels [in, out];
+  a head bias   gpt's fused qkv output is [3, N, H] in that order, see gpt.py).
+  tokenizer_config.json, special_tokens_map.json, generation_config.json: beside a
+                tokenizer.json, what `AutoTokenizer` and `generate` read (EOS, BOS).
 
 config.json's "diloco_jax" object holds what `load` needs to rebuild the model: "format"
-(FLAX or HF_LLAMA, the naming above), "model" (every ModelConfig field, dtype by name), and
-the run's mode, round, finished and workdir.
+(FLAX, HF_LLAMA or HF_GPT2: the naming above), "model" (every ModelConfig field, dtype by
+name), and the run's mode, round, finished and workdir.
 """
 
 from __future__ import annotations
@@ -45,14 +41,19 @@ import numpy as np
 import safetensors.numpy
 
 from diloco_jax.models import family as model_lib
+from diloco_jax.models import hf
 
 Params = Any
 CONFIG = "config.json"
 FLAX = "diloco_jax.flax/1"  # tensor names: flax paths joined with "."
 HF_LLAMA = "huggingface.llama/1"  # tensor names: Hugging Face's LlamaForCausalLM
+HF_GPT2 = "huggingface.gpt2/1"  # tensor names: Hugging Face's GPT2LMHeadModel
 SUFFIX = ".safetensors"
 INDEX = ".index.json"  # PATH.safetensors.index.json: the shards of PATH.safetensors
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+# What the gpt family computed before `head_bias` existed (its head had a bias with
+# use_bias, its LayerNorms flax's epsilon): exports and checkpoints of then load as trained.
+EARLIER_GPT = {"norm_eps": 1e-6}
 
 
 class ExportError(ValueError):
@@ -60,26 +61,9 @@ class ExportError(ValueError):
 
 
 def _format(cfg: model_lib.ModelConfig) -> str:
-  return HF_LLAMA if cfg.family == "llama" and not cfg.module else FLAX
-
-
-def _llama_names(cfg: model_lib.ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]:
-  """(flax path, Hugging Face name, transposed) of every llama param."""
-  names = [(("embed", "embedding"), "model.embed_tokens.weight", False)]
-  linear = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-            "attn_out": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-            "down": "mlp.down_proj"}
-  norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-  for i in range(cfg.num_layers):
-    block, layer = f"block_{i}", f"model.layers.{i}"
-    names += [((block, ours, "kernel"), f"{layer}.{hf}.weight", True)
-              for ours, hf in linear.items()]
-    names += [((block, ours, "scale"), f"{layer}.{hf}.weight", False)
-              for ours, hf in norms.items()]
-  names.append((("final_norm", "scale"), "model.norm.weight", False))
-  if not cfg.tie_embeddings:
-    names.append((("head", "kernel"), "lm_head.weight", True))
-  return names
+  if hf.expressible(cfg) is not None:
+    return FLAX
+  return HF_LLAMA if cfg.family == "llama" else HF_GPT2
 
 
 def _path(keys) -> tuple[str, ...]:
@@ -92,52 +76,61 @@ def _paths(params: Params) -> dict[tuple[str, ...], Any]:
   return {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def _mapping(cfg: model_lib.ModelConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
-  """{flax path: (tensor name, transposed)} for every param of build(cfg), checked against
-  its param tree so that a family whose params change cannot export half a model."""
+def _mapping(cfg: model_lib.ModelConfig) -> list[hf.Tensor]:
+  """Every tensor of build(cfg)'s file, checked against its param tree so that a family
+  whose params change cannot export half a model."""
   paths = _paths(model_lib.param_shapes(cfg))
   if _format(cfg) == FLAX:
-    mapping = {path: (".".join(path), False) for path in paths}
-    if len({name for name, _ in mapping.values()}) < len(mapping):  # names holding a "."
+    mapping = [hf.Tensor(path, ".".join(path)) for path in paths]
+    if len({t.name for t in mapping}) < len(mapping):  # names holding a "."
       raise ExportError("the param paths of this module do not stay apart when joined "
                         "with '.'")
     return mapping
-  mapping = {path: (name, t) for path, name, t in _llama_names(cfg)}
-  if set(mapping) != set(paths):
-    raise ExportError(f"the llama param tree and export.py's Hugging Face names differ at "
-                      f"{sorted(set(paths) ^ set(mapping))}")
+  mapping = hf.names(cfg)
+  ours = {t.path for t in mapping if t.path is not None}
+  if ours != set(paths):
+    raise ExportError(f"the {cfg.family} param tree and models/hf.py's names differ at "
+                      f"{sorted(set(paths) ^ ours)}")
   return mapping
 
 
 def to_tensors(cfg: model_lib.ModelConfig, params: Params) -> dict[str, np.ndarray]:
   """{tensor name: float32 array} of `params` (the module docstring's names, layouts)."""
   leaves, mapping = _paths(params), _mapping(cfg)
-  if set(leaves) != set(mapping):
+  if set(leaves) != {t.path for t in mapping if t.path is not None}:
     raise ExportError(f"the params are not those of this model: they differ at "
-                      f"{sorted(set(leaves) ^ set(mapping))}")
+                      f"{sorted(set(leaves) ^ {t.path for t in mapping})}")
   out = {}
-  for path, (name, transposed) in mapping.items():
-    x = np.asarray(leaves[path], np.float32)
-    out[name] = np.ascontiguousarray(x.T if transposed else x)
+  for t in mapping:
+    if t.path is None:
+      out[t.name] = np.zeros(t.zeros, np.float32)
+      continue
+    x = np.asarray(leaves[t.path], np.float32)
+    out[t.name] = np.ascontiguousarray(x.T if t.transposed else x)
   return out
 
 
 def from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarray]) -> Params:
   """The params tree of build(cfg) from `to_tensors`' output (an ExportError naming the
-  first missing, extra or misshapen tensor)."""
+  first missing, extra or misshapen tensor, or a nonzero one the model has no param for)."""
   mapping = _mapping(cfg)
-  extra = set(tensors) - {name for name, _ in mapping.values()}
+  extra = set(tensors) - {t.name for t in mapping}
   if extra:
-    raise ExportError(f"tensors {sorted(extra)} are not params of this model")
+    raise ExportError(f"tensors {sorted(extra)[:4]} are not params of this model")
+  for t in mapping:
+    if t.path is None and t.name in tensors and np.any(tensors[t.name]):
+      raise ExportError(f"tensor {t.name!r} is not zero: config.model.use_bias = False "
+                        "has no such bias")
+  by_path = {t.path: t for t in mapping if t.path is not None}
 
   def leaf(path, shape):
-    name, transposed = mapping[_path(path)]
-    if name not in tensors:
-      raise ExportError(f"tensor {name!r} is missing")
-    x = tensors[name].T if transposed else tensors[name]
+    t = by_path[_path(path)]
+    if t.name not in tensors:
+      raise ExportError(f"tensor {t.name!r} is missing")
+    x = tensors[t.name].T if t.transposed else tensors[t.name]
     if x.shape != shape.shape:
-      raise ExportError(f"tensor {name!r} has shape {tensors[name].shape}, expected "
-                        f"{shape.shape[::-1] if transposed else shape.shape}")
+      raise ExportError(f"tensor {t.name!r} has shape {tensors[t.name].shape}, expected "
+                        f"{shape.shape[::-1] if t.transposed else shape.shape}")
     return np.ascontiguousarray(x, np.float32)
 
   return jax.tree_util.tree_map_with_path(leaf, model_lib.param_shapes(cfg))
@@ -152,26 +145,13 @@ def model_fields(cfg: model_lib.ModelConfig) -> dict[str, Any]:
 
 def config_json(cfg: model_lib.ModelConfig, run: dict[str, Any] | None = None,
                 eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
-  """config.json: Hugging Face's LlamaConfig fields for the llama family, and always the
-  "diloco_jax" object (`run`: mode, round, finished, workdir; the tensors' dtype)."""
+  """config.json: Hugging Face's config fields where the model has its layout, and always
+  the "diloco_jax" object (`run`: mode, round, finished, workdir; the tensors' dtype)."""
   ours = {"format": _format(cfg), "model": model_fields(cfg), "tensor_dtype": dtype,
           **(run or {})}
-  if _format(cfg) != HF_LLAMA:
+  if _format(cfg) == FLAX:
     return {"format": ours["format"], "diloco_jax": ours}
-  return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
-      "head_dim": cfg.d_model // cfg.num_heads, "hidden_act": "silu",
-      "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-      "rope_theta": cfg.rope_base, "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
-      # Documents are packed, each followed by EOS, so EOS is also what precedes a
-      # document's first token: it is the BOS too. Unknown (None) rather than
-      # LlamaConfig's defaults 1 and 2, which mean nothing for our vocabularies.
-      "bos_token_id": eos_id, "eos_token_id": eos_id,
-      "diloco_jax": ours}
+  return {**hf.config_json(cfg, eos_id, dtype), "diloco_jax": ours}
 
 
 def check_output(output: str) -> None:
@@ -248,13 +228,50 @@ def _stale(output: str, keep: list[str]) -> list[str]:
                 if os.path.join(directory, n) not in keep)
 
 
+def token_text(tokenizer_json: str, token_id: int) -> str | None:
+  """The text of token `token_id` in a Hugging Face tokenizer.json (its added tokens, else
+  its model's vocabulary); None where the file does not say."""
+  try:
+    with open(tokenizer_json) as f:
+      spec = json.load(f)
+    for token in spec.get("added_tokens") or []:
+      if token.get("id") == token_id:
+        return token["content"]
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: {text: id}
+      return next((text for text, i in vocab.items() if i == token_id), None)
+    if isinstance(vocab, list) and 0 <= token_id < len(vocab):  # Unigram: [[text, score]]
+      return vocab[token_id][0]
+  except (OSError, ValueError, TypeError, KeyError, IndexError):
+    pass
+  return None
+
+
+def tokenizer_files(cfg: model_lib.ModelConfig, tokenizer: str | None,
+                    eos_id: int | None) -> dict[str, dict[str, Any]]:
+  """{file name: its JSON} of what Hugging Face reads beside a tokenizer.json:
+  tokenizer_config.json and special_tokens_map.json (`AutoTokenizer`: the fast tokenizer
+  of that file, EOS also as BOS, as config.json says) and generation_config.json
+  (`generate`'s defaults). Nothing for other tokenizers or a model of flax names."""
+  if not tokenizer or os.path.basename(tokenizer) != "tokenizer.json" or _format(cfg) == FLAX:
+    return {}
+  eos = None if eos_id is None else token_text(tokenizer, eos_id)
+  special = {"bos_token": eos, "eos_token": eos} if eos is not None else {}
+  return {
+      "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                "model_max_length": cfg.positions,
+                                "clean_up_tokenization_spaces": False, **special},
+      "special_tokens_map.json": special,
+      "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id}}
+
+
 def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
           run: dict[str, Any] | None = None, tokenizer: str | None = None,
           eos_id: int | None = None, overwrite: bool = False, dtype: str = "float32",
           max_shard_bytes: int | None = None) -> list[str]:
   """Writes `params` of `cfg` to `output` (in `dtype`; in shards with an index above
-  `max_shard_bytes`), config.json and `tokenizer`'s copy beside it; returns the paths
-  written."""
+  `max_shard_bytes`), config.json, `tokenizer`'s copy and `tokenizer_files` beside it;
+  returns the paths written."""
   check_output(output)
   if dtype not in DTYPES:
     raise ExportError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
@@ -268,7 +285,9 @@ def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
   index = [output + INDEX] if len(files) > 1 else []
   config_path = os.path.join(directory, CONFIG)
   copy = [os.path.join(directory, os.path.basename(tokenizer))] if tokenizer else []
-  paths = [*names, *index, config_path, *copy]
+  side = {os.path.join(directory, name): content
+          for name, content in tokenizer_files(cfg, tokenizer, eos_id).items()}
+  paths = [*names, *index, config_path, *copy, *side]
   check_free(paths, overwrite)
   os.makedirs(directory, exist_ok=True)
   stale = _stale(output, paths)
@@ -286,6 +305,8 @@ def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
   _replace(config_path, lambda p: _write_text(p, text))
   if tokenizer:
     _replace(copy[0], lambda p: shutil.copyfile(tokenizer, p))
+  for path, content in side.items():
+    _replace(path, lambda p, c=content: _write_text(p, json.dumps(c, indent=2) + "\n"))
   for path in stale:  # only with overwrite: check_free refused them otherwise
     os.remove(path)
   return paths
@@ -323,6 +344,8 @@ def load(path: str) -> tuple[Any, Params]:
       ours = json.load(f)["diloco_jax"]
     fields = dict(ours["model"])
     fields["dtype"] = jnp.dtype(fields["dtype"])
+    if "head_bias" not in fields and fields.get("family") == "gpt" and not fields["module"]:
+      fields.update(EARLIER_GPT, head_bias=fields["use_bias"])
     cfg = model_lib.ModelConfig(**fields)
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ExportError(f"{config_path}: not the config.json of an export ({type(e).__name__}: "

@@ -54,7 +54,9 @@ class ModelConfig:
   rope_base: float = 10000.0
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
-  use_bias: bool = True  # gpt: biases in Dense layers, LayerNorms and the head
+  use_bias: bool = True  # gpt: biases in Dense layers and LayerNorms
+  head_bias: bool = False  # gpt: a bias in the head too (GPT-2 has none)
+  max_positions: int = 0  # gpt: rows of the position table; 0 = seq_len
   remat: str = "none"
   module: str = ""  # "package.module:factory", instead of the family
   attention: str = "auto"  # "xla", "cudnn" or "auto" (layers.causal_attention)
@@ -63,14 +65,22 @@ class ModelConfig:
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
 
+  @property
+  def positions(self) -> int:
+    """The longest sequence the model takes: gpt's position table rows (llama's rotary
+    positions have no table: the longest its source was trained on, else seq_len)."""
+    return max(self.max_positions, self.seq_len)
+
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    return cls(vocab_size=vocab_size, seq_len=model.seq_len, num_layers=model.num_layers,
+    return cls(vocab_size=model.get("vocab_size") or vocab_size, seq_len=model.seq_len, num_layers=model.num_layers,
                d_model=model.d_model, num_heads=model.num_heads, mlp_dim=model.mlp_dim,
                dtype=jnp.dtype(model.dtype), family=model.family,
                num_kv_heads=model.num_kv_heads, rope_base=float(model.rope_base),
                norm_eps=float(model.norm_eps), tie_embeddings=model.tie_embeddings,
-               use_bias=model.use_bias, remat=model.remat, module=model.module,
+               use_bias=model.use_bias, head_bias=model.get("head_bias", False),
+               max_positions=model.get("max_positions", 0), remat=model.remat,
+               module=model.module,
                attention=model.get("attention", "auto"))
 
 

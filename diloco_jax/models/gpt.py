@@ -1,6 +1,8 @@
 """The `gpt` family: a GPT-2-style decoder (pre-norm LayerNorm, learned positions, fused
-QKV, GELU MLP, untied head unless `tie_embeddings`), with biases in its Dense layers,
-LayerNorms and head unless `use_bias` is False."""
+QKV, GELU MLP with the tanh approximation, untied head unless `tie_embeddings`), with
+biases in its Dense layers and LayerNorms unless `use_bias` is False. It maps one to one
+onto Hugging Face's `GPT2LMHeadModel` (models/hf.py); `head_bias` adds a bias to the head,
+which GPT-2 has not (in earlier versions of diloco_jax, the gpt head had one with `use_bias`)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from diloco_jax.models import layers
 
 
 def layer_norm(cfg: Any, name: str) -> nn.LayerNorm:
-  return nn.LayerNorm(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=jnp.float32,
-                      name=name)
+  return nn.LayerNorm(epsilon=cfg.norm_eps, use_bias=cfg.use_bias, dtype=cfg.dtype,
+                      param_dtype=jnp.float32, name=name)
 
 
 def dense(cfg: Any, features: int, std: float = 0.02, *, name: str) -> nn.Dense:
@@ -44,7 +46,7 @@ class Block(nn.Module):
     x_BxLxD = x_BxLxD + dense(cfg, d, out_std, name="attn_out")(attn.reshape(b, l, d))
 
     h = layer_norm(cfg, "ln_mlp")(x_BxLxD)
-    h = nn.gelu(dense(cfg, cfg.mlp_dim, name="mlp_in")(h))
+    h = nn.gelu(dense(cfg, cfg.mlp_dim, name="mlp_in")(h), approximate=True)  # GPT-2's gelu_new
     return x_BxLxD + dense(cfg, d, out_std, name="mlp_out")(h)
 
 
@@ -57,10 +59,10 @@ class GPT(nn.Module):
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     cfg = self.cfg
     embed = layers.token_embedding(cfg)
-    pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
+    pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.positions, cfg.d_model))
     positions_L = layers.positions(self, tokens_BxL.shape[1], self.decode)
     pos_LxD = jnp.take(pos, positions_L, axis=0) if self.decode else pos[: tokens_BxL.shape[1]]
     x_BxLxD = (embed(tokens_BxL) + pos_LxD).astype(cfg.dtype)
     x_BxLxD = layers.blocks(Block, cfg, self.decode, x_BxLxD, positions_L)
     x_BxLxD = layer_norm(cfg, "ln_final")(x_BxLxD)
-    return layers.head(cfg, embed, x_BxLxD, use_bias=cfg.use_bias)
+    return layers.head(cfg, embed, x_BxLxD, use_bias=cfg.head_bias)

@@ -68,7 +68,7 @@ def lookup_params(cfg: ModelConfig) -> int:
   if cfg.module:
     return 0
   table = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-  return table + (cfg.seq_len * cfg.d_model if cfg.family == "gpt" else 0)
+  return table + (cfg.positions * cfg.d_model if cfg.family == "gpt" else 0)
 
 
 def flops_per_token(cfg: ModelConfig, num_params: int) -> float:
