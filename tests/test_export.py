@@ -1,7 +1,7 @@
 """Export: the safetensors file and config.json hold the model. A numpy forward pass written
 here from those two files alone (Hugging Face's Llama conventions for the llama family)
 gives the trainer's logits, for a trained llama run and for perturbed initial params of a
-tied llama and a gpt; load_exported gives the params back bit for bit; bad inputs stop
+tied llama and of gpts (Hugging Face's GPT-2 conventions); load_exported gives the params back bit for bit; bad inputs stop
 the CLI with one line."""
 
 import json
@@ -121,31 +121,34 @@ def _hf_llama_forward(t: dict[str, np.ndarray], c: dict, tokens: np.ndarray) -> 
   return x @ head.T
 
 
-def _gpt_forward(t: dict[str, np.ndarray], c: dict, tokens: np.ndarray) -> np.ndarray:
-  """gpt.py's forward from the flax-named tensors: LayerNorm (flax's eps 1e-6), learned
-  positions, fused qkv as [3, N, H], tanh-approximated GELU, head with bias."""
+def _gpt2_forward(t: dict[str, np.ndarray], c: dict, tokens: np.ndarray) -> np.ndarray:
+  """GPT2LMHeadModel's forward as modeling_gpt2 computes it: LayerNorm with
+  layer_norm_epsilon, learned positions, Conv1D (x @ weight + bias, weight [in, out]),
+  c_attn split into q, k, v then heads, tanh-approximated GELU ("gelu_new"), a head
+  without bias (the embeddings when tied)."""
   w = {k: v.astype(np.float64) for k, v in t.items()}
-  m = c["diloco_jax"]["model"]
-  n, d = m["num_heads"], m["d_model"]
+  n, d = c["n_head"], c["n_embd"]
   b, l = tokens.shape
 
   def ln(x, name):
     mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + 1e-6) * w[name + ".scale"] + w[name + ".bias"]
+    return ((x - mean) / np.sqrt(var + c["layer_norm_epsilon"]) * w[name + ".weight"]
+            + w[name + ".bias"])
 
-  def dense(x, name):
-    return x @ w[name + ".kernel"] + w[name + ".bias"]
+  def conv1d(x, name):
+    return x @ w[name + ".weight"] + w[name + ".bias"]
 
-  x = w["embed.embedding"][tokens] + w["pos_embed"][:l]
-  for i in range(m["num_layers"]):
-    p = f"block_{i}."
-    qkv = dense(ln(x, p + "ln_attn"), p + "qkv").reshape(b, l, 3, n, d // n)
-    x = x + dense(_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, l, d),
-                  p + "attn_out")
-    y = dense(ln(x, p + "ln_mlp"), p + "mlp_in")
+  x = w["transformer.wte.weight"][tokens] + w["transformer.wpe.weight"][:l]
+  for i in range(c["n_layer"]):
+    p = f"transformer.h.{i}."
+    q, k, v = np.split(conv1d(ln(x, p + "ln_1"), p + "attn.c_attn"), 3, axis=-1)
+    heads = [y.reshape(b, l, n, d // n) for y in (q, k, v)]
+    x = x + conv1d(_attention(*heads).reshape(b, l, d), p + "attn.c_proj")
+    y = conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")
     y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
-    x = x + dense(y, p + "mlp_out")
-  return dense(ln(x, "ln_final"), "head")
+    x = x + conv1d(y, p + "mlp.c_proj")
+  head = w["transformer.wte.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
+  return ln(x, "transformer.ln_f") @ head.T
 
 
 def _max_diff(a, b) -> float:
@@ -232,29 +235,55 @@ def assert_round_trip(output: str, cfg, params):
   return module
 
 
-def test_gpt_numpy_forward_and_round_trip(tmp_path):
+@pytest.mark.parametrize("model", [{}, {"use_bias": False, "tie_embeddings": True,
+                                             "norm_eps": 1e-6, "max_positions": 24}])
+def test_gpt2_numpy_forward_and_round_trip(tmp_path, model):
+  """As GPT2LMHeadModel: untied with biases; tied without (zero biases in the file), a
+  position table longer than seq_len."""
   cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
-                              num_heads=4, mlp_dim=64, family="gpt")
+                              num_heads=4, mlp_dim=64, family="gpt", **model)
   params = _perturbed_init(cfg)
   output = str(tmp_path / "gpt.safetensors")
   exported.write(output, cfg, params)
   tensors, config = _read(output)
-  assert config["format"] == config["diloco_jax"]["format"] == exported.FLAX
-  assert "architectures" not in config
+  assert config["diloco_jax"]["format"] == exported.HF_GPT2
+  assert (config["architectures"], config["n_positions"], config["n_inner"]) == (
+      ["GPT2LMHeadModel"], cfg.positions, 64)
   umask = os.umask(0)
   os.umask(umask)
   for name in ("gpt.safetensors", "config.json"):  # as any file written here would be
     assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask
   assert sorted(os.listdir(tmp_path)) == ["config.json", "gpt.safetensors"]
-  assert {"block_0.qkv.kernel", "block_0.qkv.bias", "embed.embedding", "pos_embed",
-          "ln_final.scale", "head.bias"} <= set(tensors)
-  assert tensors["block_1.qkv.kernel"].shape == (32, 96)  # flax's [in, out]
+  assert tensors["transformer.h.1.attn.c_attn.weight"].shape == (32, 96)  # Conv1D [in, out]
+  assert ("lm_head.weight" in tensors) == (not cfg.tie_embeddings)
+  assert bool(np.any(tensors["transformer.h.0.mlp.c_fc.bias"])) == cfg.use_bias
   tokens = _tokens(32)
-  diff = _max_diff(_gpt_forward(tensors, config, tokens),
+  diff = _max_diff(_gpt2_forward(tensors, config, tokens),
                    _trainer_logits(cfg, params, tokens))
-  print(f"gpt (perturbed init): max |numpy - trainer| = {diff:.2e}")
+  print(f"gpt {model} (perturbed init): max |numpy - trainer| = {diff:.2e}")
   assert diff <= TOL
   assert type(assert_round_trip(output, cfg, params)).__name__ == "GPT"
+
+
+def test_flax_names_where_hugging_face_has_no_layout(tmp_path):
+  """A gpt with a head bias (the gpt of earlier versions) keeps flax's names; an export
+  written before head_bias existed loads as the model it was (head bias, eps 1e-6)."""
+  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+                              num_heads=4, mlp_dim=64, family="gpt", head_bias=True)
+  params = _perturbed_init(cfg)
+  output = str(tmp_path / "gpt.safetensors")
+  exported.write(output, cfg, params)
+  tensors, config = _read(output)
+  assert config["format"] == config["diloco_jax"]["format"] == exported.FLAX
+  assert "architectures" not in config and "head.bias" in tensors
+  assert tensors["block_1.qkv.kernel"].shape == (32, 96)  # flax's [in, out]
+  assert_round_trip(output, cfg, params)
+  for field in ("head_bias", "max_positions"):  # as an earlier version wrote it
+    del config["diloco_jax"]["model"][field]
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  module, loaded = model_lib.load_exported(output)
+  assert (module.cfg.head_bias, module.cfg.norm_eps) == (True, 1e-6)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
 def test_bfloat16_and_shards_with_an_index(tmp_path):

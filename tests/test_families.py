@@ -56,8 +56,9 @@ def test_llama_shapes_and_counts():
 
 
 def test_gpt_without_biases():
-  """`use_bias=False` drops every bias of the gpt family (Dense layers, LayerNorms, head)
-  and nothing else; the default keeps them (the params of earlier versions)."""
+  """`use_bias=False` drops every bias of the gpt family (Dense layers, LayerNorms) and
+  nothing else; the default keeps them; the head has one only with `head_bias` (the
+  params of earlier versions)."""
   base = dict(vocab_size=50, seq_len=8, num_layers=2, d_model=32, num_heads=4, mlp_dim=48)
   with_bias = model_lib.ModelConfig(**base)
   params = model_lib.init_params(model_lib.ModelConfig(**base, use_bias=False),
@@ -65,10 +66,13 @@ def test_gpt_without_biases():
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   assert not [path for path, _ in leaves if "bias" in jax.tree_util.keystr(path)]
   assert set(params["block_0"]["ln_attn"]) == {"scale"} and set(params["head"]) == {"kernel"}
-  # per block: 2 LayerNorm biases, qkv, attn_out, mlp_in, mlp_out; ln_final; head
-  biases = 2 * (2 * 32 + 3 * 32 + 32 + 48 + 32) + 32 + 50
+  # per block: 2 LayerNorm biases, qkv, attn_out, mlp_in, mlp_out; ln_final
+  biases = 2 * (2 * 32 + 3 * 32 + 32 + 48 + 32) + 32
   assert model_lib.count_params(params) == model_lib.num_params_of(with_bias) - biases
   assert "bias" in model_lib.param_shapes(with_bias)["block_0"]["qkv"]
+  assert "bias" not in model_lib.param_shapes(with_bias)["head"]
+  earlier = model_lib.ModelConfig(**base, head_bias=True)
+  assert model_lib.num_params_of(earlier) == model_lib.num_params_of(with_bias) + 50
 
 
 def test_gqa_equals_attention_with_repeated_heads():

@@ -45,7 +45,7 @@ def test_param_count_and_flops():
   params = model_lib.init_params(CFG, jax.random.key(0))
   d, f, v, l = CFG.d_model, CFG.mlp_dim, CFG.vocab_size, CFG.seq_len
   block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-  expected = v * d + l * d + CFG.num_layers * block + 2 * d + (d * v + v)
+  expected = v * d + l * d + CFG.num_layers * block + 2 * d + d * v  # the head: no bias (GPT-2)
   assert model_lib.count_params(params) == expected
   assert model_lib.flops_per_token(CFG, expected) == (
       6 * (expected - (v + l) * d) + 6 * CFG.num_layers * l * d)
