@@ -1,8 +1,8 @@
 """Export: the safetensors file and config.json hold the model. A numpy forward pass written
-here from those two files alone (Hugging Face's Llama conventions for the llama family)
-gives the trainer's logits, for a trained llama run and for perturbed initial params of a
-tied llama and of gpts (Hugging Face's GPT-2 conventions); load_exported gives the params back bit for bit; bad inputs stop
-the CLI with one line."""
+here from those two files alone (Hugging Face's Llama and GPT-2 conventions) gives the
+trainer's logits, for a trained llama run and for perturbed initial params of a tied llama
+and of gpts; load_exported gives the params back bit for bit; bad inputs stop the CLI with
+one line. (tests/test_hf.py loads the exports in transformers itself.)"""
 
 import json
 import os

@@ -28,6 +28,8 @@ from diloco_jax.data import pipeline as data_lib
 from diloco_jax.data import prepared as corpus_reader
 from diloco_jax.loop import checkpoint
 from diloco_jax.loop import trainer
+from diloco_jax.models import exported
+from diloco_jax.models import model as model_lib
 from diloco_jax.runtime import preemption
 from tests import multihost
 
@@ -250,7 +252,19 @@ def test_preempted_run_resumes_bit_identically(prepared, tmp_path, monkeypatch):
           == [[r[k] for k in keys] for r in reference.records])
 
 
-def launch(workdir, path, max_restarts=0):
+# A pretrained model of its own shape, and a vocabulary of 3 more tokens than the corpus's.
+GPT2 = model_lib.ModelConfig(vocab_size=VOCAB + 3, seq_len=16, num_layers=2, d_model=32,
+                             num_heads=2, mlp_dim=64, family="gpt", tie_embeddings=True)
+
+
+def pretrained_gpt(directory) -> str:
+  """A GPT2LMHeadModel directory of GPT2's shape (Hugging Face's layout, by our export)."""
+  params = model_lib.init_params(GPT2, jax.random.key(7))
+  exported.write(os.path.join(directory, "model.safetensors"), GPT2, params)
+  return str(directory)
+
+
+def launch(workdir, path, max_restarts=0, init_from=None):
   return multihost.start([
       sys.executable, "launch/local.py", "--hosts=2", f"--max_restarts={max_restarts}", "--",
       f"--workdir={workdir}", "--config=configs/tiny.py", "--config.replicas_per_host=1",
@@ -258,6 +272,7 @@ def launch(workdir, path, max_restarts=0):
       "--config.batch_size=4", "--config.model.seq_len=16", "--config.eval_batches=2",
       "--config.data.source=prepared", f"--config.data.path={path}",
       f"--config.data.vocab_size={VOCAB}", "--config.debug_checks=True",
+      *([f"--config.model.init_from={init_from}"] if init_from else []),
       "--heartbeat_timeout=20"])
 
 
@@ -277,11 +292,19 @@ def records(workdir):
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_sigkill_restart_resumes_bit_identically(prepared, tmp_path):
-  """Host 1 killed (SIGKILL) after checkpoint 3 of a 2-host run; the launcher restarts
-  both, which resume and end where an uninterrupted run ends, anchor hashes included."""
-  text = launch(tmp_path / "ref", prepared).communicate(timeout=300)[0]
+  """Host 1 killed (SIGKILL) after checkpoint 3 of a 2-host run started from a pretrained
+  model (config.model.init_from, its own shape); the launcher restarts both, which resume
+  and end where an uninterrupted run ends, anchor hashes included (compared across hosts
+  after every round, the first too: debug_checks)."""
+  model = pretrained_gpt(tmp_path / "gpt")
+  text = launch(tmp_path / "ref", prepared, init_from=model).communicate(timeout=300)[0]
   assert "final eval loss" in text, text[-4000:]
-  launcher = launch(tmp_path / "run", prepared, max_restarts=1)
+  assert f"config.model.init_from = {model}: from its config.json, vocab_size 0 -> 260" in text
+  with open(tmp_path / "ref" / "run.json") as f:
+    run = json.load(f)
+  assert run["init_from"]["path"] == model
+  assert run["num_params"] == model_lib.num_params_of(GPT2)
+  launcher = launch(tmp_path / "run", prepared, max_restarts=1, init_from=model)
   ckpts = tmp_path / "run" / checkpoint.CHECKPOINTS
   deadline = time.monotonic() + 180
   while not (ckpts.is_dir() and any(d.isdigit() and int(d) >= 3 for d in os.listdir(ckpts))):
@@ -293,6 +316,7 @@ def test_sigkill_restart_resumes_bit_identically(prepared, tmp_path):
   text = launcher.communicate(timeout=300)[0]
   assert launcher.returncode == 0, text[-4000:]
   assert "restart 1/1" in text and "resumed from checkpoint" in text, text[-4000:]
+  assert f"config.model.init_from = {model}: its weights are not used" in text
   got, want = records(tmp_path / "run"), records(tmp_path / "ref")
   assert [r["round"] for r in got] == list(range(1, 9))
   for key in ("anchor_hash", "train_loss", "eval_loss", "train_bpb", "eval_bpb"):

@@ -59,7 +59,8 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
 
   c, m, d, i, o = config, config.model, config.data, config.inner, config.outer
   check("config.mode", c.mode in MODES, f"must be one of {MODES}")
-  for key in ("num_rounds", "inner_steps", "replicas_per_host", "batch_size",
+  check("config.num_rounds", c.num_rounds >= 0, "must be >= 0 (0: the initial model only)")
+  for key in ("inner_steps", "replicas_per_host", "batch_size",
               "grad_accum_steps", "eval_every", "eval_batches"):
     check(f"config.{key}", c[key] >= 1, "must be >= 1")
   check("config.anchor_check_every", c.anchor_check_every >= 0, "must be >= 0 (0: off)")
@@ -134,7 +135,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
 
   total = c.num_rounds * c.inner_steps
   check("config.inner.lr", i.lr > 0, "must be > 0")
-  check("config.inner.warmup_steps", 0 <= i.warmup_steps < max(total, 1),
+  check("config.inner.warmup_steps", 0 <= i.warmup_steps < total or total == 0,
         f"must be in [0, num_rounds x inner_steps = {total})")
   check("config.inner.final_lr_fraction", 0 <= i.final_lr_fraction <= 1, "must be in [0, 1]")
   check("config.inner.weight_decay", i.weight_decay >= 0, "must be >= 0")

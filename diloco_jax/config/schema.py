@@ -42,7 +42,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds parameter init; data seeds live in `data`.
   c.mode = "sync"  # 'sync', 'delayed', 'eager', 'streaming' DiLoCo, or 'ddp'.
-  c.num_rounds = 20  # Rounds T: each is H inner steps plus one outer step.
+  c.num_rounds = 20  # Rounds T: each is H inner steps plus one outer step (0: checkpoint 0).
   c.inner_steps = 50  # H: inner steps per round (in 'ddp', steps between log lines).
   c.replicas_per_host = 4  # DiLoCo replicas on this host; K = hosts * replicas_per_host.
   c.batch_size = 16  # Sequences per replica per inner step.

@@ -260,6 +260,8 @@ class Trainer(setup.Setup):
     """After the last round: apply what is still in flight, evaluate the final model,
     write the last record and the final checkpoint (unless the run had finished)."""
     if not self.finished_before:
+      if self.num_rounds == 0:  # the initial model only: its eval and checkpoint 0
+        self.log.open(0, inner_step=0, tokens=0)
       self._take(self.num_rounds, self.outer_step.drain(self.outer, self.replicas))
     self.final_params = self.outer_step.final(self.outer, self.replicas)
     self.final_eval = None

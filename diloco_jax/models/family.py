@@ -73,7 +73,8 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    return cls(vocab_size=model.get("vocab_size") or vocab_size, seq_len=model.seq_len, num_layers=model.num_layers,
+    return cls(vocab_size=model.get("vocab_size") or vocab_size, seq_len=model.seq_len,
+               num_layers=model.num_layers,
                d_model=model.d_model, num_heads=model.num_heads, mlp_dim=model.mlp_dim,
                dtype=jnp.dtype(model.dtype), family=model.family,
                num_kv_heads=model.num_kv_heads, rope_base=float(model.rope_base),

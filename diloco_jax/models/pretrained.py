@@ -45,6 +45,8 @@ def read_config(directory: str) -> dict[str, Any]:
     with open(path) as f:
       config = json.load(f)
     return hf.model_fields(config)
+  except hf.UnsupportedError as e:
+    raise PretrainedError(f"{path}: {e}") from None
   except FileNotFoundError:
     raise PretrainedError(f"{path}: missing (a Hugging Face model directory holds "
                           "config.json and its weights)") from None
