@@ -257,3 +257,16 @@ def test_balance_rules(changes, message):
   lines = str(e.value).splitlines()
   assert len(lines) == 1 and lines[0].startswith("config.balance"), lines
   assert message in lines[0], lines
+
+
+def test_a_checkpoint_of_an_earlier_gpt_reads_as_it_was_trained():
+  """A saved config without model.head_bias (earlier versions) had a gpt head bias with
+  use_bias and flax's LayerNorm epsilon; one with the field is taken as saved."""
+  earlier = config_lib.from_saved({"model": {"family": "gpt", "use_bias": True}})
+  assert (earlier.model.head_bias, earlier.model.norm_eps) == (True, 1e-6)
+  unbiased = config_lib.from_saved({"model": {"family": "gpt", "use_bias": False}})
+  assert (unbiased.model.head_bias, unbiased.model.norm_eps) == (False, 1e-6)
+  llama = config_lib.from_saved({"model": {"family": "llama", "norm_eps": 1e-5}})
+  assert (llama.model.head_bias, llama.model.norm_eps) == (False, 1e-5)
+  now = config_lib.get_default_config().to_dict()
+  assert config_lib.from_saved(now).to_dict() == now
