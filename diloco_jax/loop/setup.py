@@ -141,12 +141,12 @@ class Setup:
     self.step_memory = self.train_step.compile(
         jax.eval_shape(self._init_replicas, param_shapes),
         (self.replicas_per_host, config.batch_size, config.model.seq_len + 1))
-    if config.model.init_from:  # the same files on every host: the same anchor
-      anchor = jax.device_put(pretrained.params(config.model.init_from, self.model_cfg),
-                              self.exchange.host_device)
-    else:
-      with jax.default_device(self.exchange.host_device):
-        anchor = model_lib.init_params(self.model_cfg, jax.random.key(config.seed))
+    with jax.default_device(self.exchange.host_device):
+      # init_from: zeros until `resume` knows that no checkpoint holds the state, and reads
+      # the weights then (a resumed run needs only the directory's config.json).
+      anchor = (jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), param_shapes)
+                if config.model.init_from else
+                model_lib.init_params(self.model_cfg, jax.random.key(config.seed)))
     self._init_source = None  # run.json's "init_from", read once (it hashes the files)
     self.num_params = model_lib.count_params(anchor)
     self.flops_per_token = model_lib.flops_per_token(self.model_cfg, self.num_params)
@@ -201,10 +201,22 @@ class Setup:
                            balance=self.pacer.describe(), attention=self.attention,
                            init_from=self.init_source())
 
+  def start_from_pretrained(self) -> None:
+    """The anchor and every replica from `config.model.init_from`'s weights: the same
+    files on every host, the same anchor."""
+    params = pretrained.params(self.config.model.init_from, self.model_cfg)
+    self.outer = self.replicas = None  # the placeholders go first: one copy at a time
+    anchor = jax.device_put(params, self.exchange.host_device)
+    self.outer = self.outer_step.init(anchor)
+    self.replicas = self._init_replicas(anchor)
+
   def init_source(self) -> dict | None:
     """`config.model.init_from`'s directory and the sha256 of its files (None: none)."""
     if self.config.model.init_from and self._init_source is None:
-      self._init_source = pretrained.source(self.config.model.init_from)
+      try:
+        self._init_source = pretrained.source(self.config.model.init_from)
+      except (OSError, pretrained.PretrainedError):  # resumed: its weights may be gone
+        self._init_source = {"path": self.config.model.init_from, "sha256": None}
     return self._init_source
 
   def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:

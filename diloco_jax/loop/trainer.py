@@ -153,6 +153,8 @@ class Trainer(setup.Setup):
     storage = "shared" if self.shared_storage else "per_host"
     if snap is None:
       self.start = {"round": 0, "storage": storage}
+      if self.config.model.init_from:
+        self.start_from_pretrained()
       return 0
     self.finished_before, r = snap.meta["finished"], snap.round
     world = resize.World.of(snap, self.num_hosts)
