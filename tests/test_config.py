@@ -57,7 +57,7 @@ def test_small_text_family_valid_on_two_hosts(name, tmp_path):
 # (field, bad value, fragment of the message); one case per rule.
 CASES = [
     ("mode", "async", "one of"),
-    ("num_rounds", 0, ">= 1"),
+    ("num_rounds", -1, ">= 0 (0: the initial model only)"),
     ("inner_steps", -1, ">= 1"),
     ("replicas_per_host", 0, ">= 1"),
     ("batch_size", 0, ">= 1"),

@@ -45,7 +45,8 @@ def llama_run(tmp_path_factory):
   """Grouped-query (4 heads, 2 kv heads), untied, exported through the CLI."""
   workdir = _train(tmp_path_factory, "llama", family="llama", num_kv_heads=2)
   output = str(tmp_path_factory.mktemp("llama_out") / "model.safetensors")
-  result = _cli(f"--workdir={workdir}", f"--output={output}")
+  # a relative --workdir, as a user types it (orbax reads only absolute paths)
+  result = _cli(f"--workdir={os.path.relpath(workdir, REPO)}", f"--output={output}")
   assert result.returncode == 0, result.stderr
   return workdir, output
 

@@ -80,7 +80,8 @@ def model_params(config: ml_collections.ConfigDict, meta: dict, template: Params
 
 def load(workdir: str, step: int | None = None) -> Trained:
   """The model of the newest checkpoint in `workdir` (or of checkpoint `step`)."""
-  directory = os.path.join(workdir, checkpoint_lib.CHECKPOINTS)
+  # orbax reads only absolute paths: a relative --workdir is the user's working directory's
+  directory = os.path.join(os.path.abspath(workdir), checkpoint_lib.CHECKPOINTS)
   if not os.path.isdir(directory):
     raise LoadError(f"{workdir}: no {checkpoint_lib.CHECKPOINTS}/ directory; is it the "
                     "--workdir of a training run?")
