@@ -214,7 +214,7 @@ def test_huge_vocab_refused_before_allocation(tmp_path):
   assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
   assert len(proc.stderr.splitlines()) == 1, output[-3000:]
   assert proc.stderr.startswith("Invalid config: config.model / config.data.vocab_size"), output
-  assert "of memory" in proc.stderr and "129,000,104,192 params" in proc.stderr, output
+  assert "of memory" in proc.stderr and "128,000,104,192 params" in proc.stderr, output
   assert seconds < 30  # before: killed by the kernel after about a minute, no message
 
 
