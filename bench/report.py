@@ -1198,8 +1198,98 @@ lighthouse's own. Outer-step and round times are each replica process's view: di
 from host 0's metrics.jsonl, torchft's the mean of its two replicas."""
 
 
+def plan(results: Results) -> str:
+  d = results("plan_fit")
+  for name in d["measured_files"]:  # the runs it was fitted to and checked on
+    results(name[:-len(".json")])
+  c, scale = d["constants"], d["at_scale"]
+  held = [r for r in d["rows"] if r["held_out"]]
+  worst = max(held, key=lambda r: max(abs(r["round_error"]), abs(r["utilization_error"])))
+
+  def err(x: float) -> str:
+    return bold(f"{100 * x:+.1f}%", abs(x) > d["tolerance"])
+
+  rows = [[r["run"], r["hosts"], f"{r['rate_mbit']:g}", r["inner_steps"],
+           f"{r['measured_round_s']:.2f}", f"{r['predicted_round_s']:.2f}",
+           err(r["round_error"]), f"{r['measured_utilization']:.2f}",
+           f"{r['predicted_utilization']:.2f}", err(r["utilization_error"]),
+           "held out" if r["held_out"] else "fit"] for r in d["rows"]]
+  a = scale["assumptions"]
+  grid = {(r["model"], r["hosts"], r["mbit"]): r for r in scale["rows"]}
+  keys = list(scale["rows"][0]["utilization"])
+
+  def choice(r: dict) -> str:
+    x = r["recommended"]
+    return (f"{x['mode']}, {x['compression']}, H={x['inner_steps']} "
+            f"({pct(x['utilization'])})" if x else "none reaches it")
+
+  scale_rows = [[r["model"], r["hosts"], f"{r['mbit'] / 1e3:g}", f"{r['step_s']:.2f}",
+                 *(pct(r["utilization"][k]) for k in keys), choice(r)]
+                for r in scale["rows"]]
+  big = grid[("10B", 64, 100.0)]
+  table6 = [[pct(t["target"], 0), f"{t['paper_gbit']:g}", f"{t['ours_gbit_float32']:.2f}",
+             f"{t['ours_gbit_bf16']:.2f}"] for t in scale["table6"]]
+  return f"""## Predicting a run: the planner
+
+`python -m diloco_jax.plan` predicts a run's round time, compute utilization and bytes per
+host (docs/plan.md); `bench/plan.py` fits its constants to {len(d['rows']) - len(held)}
+runs of `bench/wan.py` in network namespaces (the first {len(d['measured_files']) - 3}
+settings of hosts and bandwidth) and checks it on {len(held)} runs it was not fitted to
+(the other 3): round time and utilization, predicted from the constants and each setting's
+own compute-only reference. {d['held_out_within']} of {len(held)} held-out runs are within
+{pct(d['tolerance'], 0)} on both; the worst is {worst['run']} at {worst['hosts']} hosts,
+{worst['rate_mbit']:g} Mbit/s ({100 * worst['round_error']:+.1f}% round time,
+{100 * worst['utilization_error']:+.1f}% utilization). Fitted: {c['round_overhead_s']:.3g}
+s of per-round work besides the sync (evaluation every 4 rounds, logging), an overhead of
+{c['overhead_s']:.3g} s per sync, a link efficiency of {c['link_efficiency']:.3g} (payload
+bytes over shaped bandwidth × time), {c['codec_s_per_entry']:.3g} s per entry to encode
+and decode a compressed format, and an async slowdown of {pct(c['async_slowdown'])} of the
+inner phase while a sum is in flight; the outer step's {c['outer_s_per_param']:.3g} s per
+param is bench/outer_step.py's. Measured utilization here is the reference's time for a
+round's steps over the run's round time.
+
+{provenance(results, "plan_fit")}
+
+{table(["run", "hosts", "Mbit/s", "H", "round s measured", "predicted", "error",
+        "utilization measured", "predicted", "error", ""], rows)}
+
+**At scale, on paper.** The same model for {', '.join(scale_models(scale))} models on hosts
+of {a['devices_per_host']} H100s ({a['device_tflops']:g} TFLOP/s bf16 each, {pct(a['mfu'], 0)}
+MFU, {a['tokens_per_step'] / 1e6:g}M tokens per inner step per host), {a['rtt_ms']:g} ms
+round trips and no per-round work besides the sync; the last column is the setting the
+planner recommends (the least compression, then sync before streaming before eager, then
+the smallest H among H = {', '.join(map(str, a['sweep']['inner_steps']))} that reaches
+{pct(a['target'], 0)} utilization).
+
+{table(["model", "hosts", "Gbit/s", "step s", *keys, "recommended"], scale_rows)}
+
+For a 10B model on 64 hosts at 100 Mbit/s the planner recommends {choice(big)}: plain
+float32 DiLoCo at H = 100 would spend most of each round waiting
+({pct(big['utilization'][keys[0]])} utilization). Beside the scaling-law paper's Table 6
+(arXiv 2503.09799: the bandwidth a 10B model at H = 100 needs), the planner's answer for
+sync on 8 hosts under the assumptions above:
+
+{table(["utilization", "paper Gbit/s", "planner, float32", "planner, bf16"], table6)}
+
+The planner asks for less bandwidth than the paper: its inner phase is
+{grid[('10B', 8, 1000.0)]['step_s'] * 100:.0f} s long under these assumptions (100 steps of
+{grid[('10B', 8, 1000.0)]['step_s']:.2f} s), and a longer inner phase hides a slower link;
+the paper's own step time and its all-reduce model are not on this page, so the ratio says
+more about the assumptions than about either model. INTELLECT-1 measured 83-96% compute
+utilization for a 10B model at H = 100 with an int8 all-reduce on up to 14 nodes across
+continents: the planner's `sync/int8/H100` column gives the utilization such a run would
+have at each bandwidth; its measured range corresponds to a few hundred Mbit/s to 1
+Gbit/s per node here. These figures extrapolate constants fitted on a 0.1M-param model on
+2 CPU cores; the encode and decode time per entry in particular is this machine's numpy
+code, which a GPU host's CPU would run faster."""
+
+
+def scale_models(scale: dict) -> list[str]:
+  return list(dict.fromkeys(r["model"] for r in scale["rows"]))
+
+
 SECTIONS = (intro, overhead, outer_step, checkpoint, wan, quality, eta, restart, chaos, stragglers,
-            models, memory, data, linkdrop, poison, peer)
+            models, memory, data, linkdrop, poison, peer, plan)
 
 
 def render(results_dir: str = RESULTS) -> str:

@@ -100,6 +100,9 @@ RUNS.update({
     "sync-small_text": ("sync", SMALL_TEXT, 25),
     "sparseloco-small_text": ("sync", [*SMALL_TEXT, *SPARSELOCO], 25),
     "sync-h20": ("sync", [], 20),
+    # Other H, for bench/plan.py's calibration of diloco_jax.plan.
+    "sync-h50": ("sync", [], 50),
+    "eager-h50": ("eager", [], 50),
     "streaming-p2": ("streaming", ["--config.outer.fragments=2"], 20),
     "streaming-p2-4bit-overlap": ("streaming", [
         "--config.outer.fragments=2", "--config.outer.overlap_steps=5",

@@ -19,8 +19,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "linkdrop", "memory", "models",
-           "outer_step", "overhead", "peer", "poison", "quality", "restart", "stragglers",
-           "wan")
+           "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
+           "stragglers", "wan")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
 MULTIHOST = {"chaos", "gpu_check", "linkdrop", "outer_step", "peer", "quality", "stragglers",
@@ -262,11 +262,27 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
+def check_plan(result: dict) -> None:
+  """--smoke: the fit from the committed measured runs, which gives back the constants
+  diloco_jax.plan ships (the fit is deterministic), every run predicted, the at-scale
+  table whole."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from diloco_jax.planning import calibration  # pylint: disable=import-outside-toplevel
+  assert result["constants"] == dataclasses.asdict(calibration.CONSTANTS)
+  held = [r for r in result["rows"] if r["held_out"]]
+  assert len(held) >= 6 and len(result["rows"]) > len(held) and result["held_out"] == len(held)
+  for r in result["rows"]:
+    assert r["predicted_round_s"] > 0 and r["measured_round_s"] > 0 and r["bytes_per_host"] > 0
+  assert len(result["at_scale"]["rows"]) == 2 * 4 * 3 and len(result["at_scale"]["table6"]) == 4
+
+
 CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data,
           "eta": check_eta, "gpu_check": check_gpu_check,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
+          "plan": check_plan,
           "poison": check_poison, "quality": check_quality, "restart": check_restart,
           "stragglers": check_stragglers, "wan": check_wan}
 

@@ -1,0 +1,289 @@
+"""python -m diloco_jax.plan --config=configs/X.py --hosts=16 --bandwidth_mbit=1000: a run's
+round time, waiting, compute utilization and bytes per host, predicted before renting the
+machines.
+
+The run's mode, H, compression, fragments, balance, replicas and rounds are the config's
+(override them as for training: --config.mode=eager --config.inner_steps=100); the model
+size is the config's, or --params. The hosts' step time is given (--step_time, seconds per
+inner step of a host's replicas, one value or one per host), derived from FLOPs
+(--device_tflops with --devices_per_host and --mfu), or measured here by a short run of the
+config (--measure). --sweep tries H, formats, modes (and each --hosts value) and
+recommends, per fleet size, the setting closest to plain DiLoCo that reaches --target
+utilization. The model and its calibration: docs/plan.md (diloco_jax/planning/model.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+
+def define_flags() -> None:
+  """The command's flags, defined when it runs as a command (not on import: `train` also
+  defines --config, and a process may import both)."""
+  global _CONFIG, _HOSTS, _PARAMS, _STEP_TIME, _MEASURE, _TFLOPS, _DEVICES, _MFU, _TOKENS
+  global _BANDWIDTH, _UP, _DOWN, _RTT, _SWEEP, _SWEEP_H, _SWEEP_FORMATS, _SWEEP_MODES, _TARGET
+  global _JSON, _PNG, _SMOKE
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
+  _HOSTS = flags.DEFINE_string("hosts", "2", "Hosts; with --sweep, a comma list (8,16,64).")
+  _PARAMS = flags.DEFINE_float("params", None, "The model's params (1e9), instead of the "
+                               "config's model.")
+  _STEP_TIME = flags.DEFINE_string("step_time", None, "Seconds per inner step of a host's "
+                                   "replicas: one value, or one per host (unequal speeds).")
+  _MEASURE = flags.DEFINE_bool("measure", False, "Measure the step time with a short run of "
+                               "the config on this machine (one host).")
+  _TFLOPS = flags.DEFINE_float("device_tflops", None, "Step time from FLOPs: each device's "
+                               "peak TFLOP/s (H100 bf16 dense: 989).")
+  _DEVICES = flags.DEFINE_integer("devices_per_host", 8, "With --device_tflops.")
+  _MFU = flags.DEFINE_float("mfu", 0.4, "With --device_tflops: the share of peak reached.")
+  _TOKENS = flags.DEFINE_float("tokens_per_step", None, "With --device_tflops: tokens per "
+                               "inner step of a host (default: the config's replicas x "
+                               "batch x seq_len).")
+  _BANDWIDTH = flags.DEFINE_float("bandwidth_mbit", None, "Each host's link, both ways, Mbit/s.")
+  _UP = flags.DEFINE_float("up_mbit", None, "Upload, Mbit/s (default: --bandwidth_mbit).")
+  _DOWN = flags.DEFINE_float("down_mbit", None, "Download, Mbit/s (default: --bandwidth_mbit).")
+  _RTT = flags.DEFINE_float("rtt_ms", 0.0, "Round-trip time between hosts, ms.")
+  _SWEEP = flags.DEFINE_bool("sweep", False, "Try H, formats, modes and --hosts values.")
+  _SWEEP_H = flags.DEFINE_string("sweep_inner_steps", "25,50,100,250,500", "H values to try.")
+  _SWEEP_FORMATS = flags.DEFINE_string("sweep_formats", "none,bf16,int8,4bit,2bit,chunk_topk",
+                                       "Compression formats to try.")
+  _SWEEP_MODES = flags.DEFINE_string("sweep_modes", "sync,streaming,eager", "Modes to try.")
+  _TARGET = flags.DEFINE_float("target", 0.9, "--sweep: the compute utilization to reach.")
+  _JSON = flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
+  _PNG = flags.DEFINE_string("png", None, "Also plot utilization here (--sweep: against H).")
+  _SMOKE = flags.DEFINE_bool("smoke", False, "A quick sweep of configs/tiny.py into a "
+                             "temporary directory (for the test suite).")
+
+
+# Plain DiLoCo first: what a sweep prefers when several settings reach the target.
+FORMAT_RANK = ("none", "bf16", "int8", "4bit", "2bit", "topk", "chunk_topk")
+MODE_RANK = ("sync", "streaming", "eager", "delayed", "ddp")
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+  try:
+    return tuple(float(v) for v in text.split(","))
+  except ValueError:
+    raise ValueError(f"--{name}={text}: comma-separated numbers") from None
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+  values = _floats(text, name)
+  if any(v != int(v) for v in values):
+    raise ValueError(f"--{name}={text}: whole numbers")
+  return tuple(int(v) for v in values)
+
+
+def num_params(config) -> int:
+  # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import model as model_lib
+  from diloco_jax.models import pretrained
+  config = pretrained.resolved(config, announce=False)
+  return model_lib.num_params_of(model_lib.ModelConfig.from_config(config.model,
+                                                                  config.data.vocab_size))
+
+
+def measure_step_time(config_path: str, overrides: list[str]) -> float:
+  """Seconds per inner step of one host's replicas: a 3-round run of the config here,
+  its rounds 2 and 3 (round 1 compiles)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco_jax.train", f"--config={config_path}", *overrides,
+         "--config.num_rounds=3", "--config.inner.warmup_steps=0", f"--workdir={workdir}"],
+        capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+      raise ValueError(f"--measure: the run failed: {result.stderr.strip()[-300:]}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+  steps = records[-1]["inner_step"] - records[0]["inner_step"]
+  return sum(r["round_time"] for r in records[1:]) / steps
+
+
+def step_time(config, n: int) -> tuple[float, ...]:
+  if _STEP_TIME.value:
+    return _floats(_STEP_TIME.value, "step_time")
+  tokens = _TOKENS.value or config.replicas_per_host * config.batch_size * config.model.seq_len
+  if _TFLOPS.value:
+    if not (_TFLOPS.value > 0 and _DEVICES.value >= 1 and 0 < _MFU.value <= 1):
+      raise ValueError("--device_tflops > 0, --devices_per_host >= 1, 0 < --mfu <= 1")
+    return (6 * n * tokens / (_DEVICES.value * _TFLOPS.value * 1e12 * _MFU.value),)
+  raise ValueError("the step time: give --step_time, --device_tflops or --measure")
+
+
+def setting_of(config, n: int, hosts: int, times: tuple[float, ...]):
+  from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
+  up = _UP.value or _BANDWIDTH.value
+  down = _DOWN.value or _BANDWIDTH.value
+  if up is None or down is None:
+    raise ValueError("the link: give --bandwidth_mbit (or --up_mbit and --down_mbit)")
+  o = config.outer
+  return plan_model.Setting(
+      num_params=n, hosts=hosts, step_time=times, up_mbit=up, down_mbit=down,
+      rtt_ms=_RTT.value, mode=config.mode, inner_steps=config.inner_steps,
+      compression=o.compression, fragments=o.fragments if config.mode == "streaming" else 1,
+      overlap_steps=o.get("overlap_steps", 0), replicas_per_host=config.replicas_per_host,
+      balance=config.balance, balance_max_factor=config.balance_max_factor,
+      num_rounds=config.num_rounds, topk_fraction=o.topk_fraction, topk_chunk=o.topk_chunk,
+      topk_value_bits=o.topk_value_bits)
+
+
+def sweep(base, constants) -> list[tuple]:
+  """(setting, prediction) for every valid combination of the sweep flags."""
+  from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
+  rows = []
+  hs = sorted(set(_ints(_SWEEP_H.value, "sweep_inner_steps")) | {base.inner_steps})
+  for name, values, known in (("sweep_modes", _SWEEP_MODES.value, plan_model.MODES),
+                              ("sweep_formats", _SWEEP_FORMATS.value, FORMAT_RANK)):
+    unknown = [v for v in values.split(",") if v not in known]
+    if unknown:
+      raise ValueError(f"--{name}: unknown {unknown}; one of {', '.join(known)}")
+  for hosts in _ints(_HOSTS.value, "hosts"):
+    for mode in _SWEEP_MODES.value.split(","):
+      for fmt in _SWEEP_FORMATS.value.split(","):
+        for h in hs:
+          s = dataclasses.replace(base, hosts=hosts, mode=mode, compression=fmt,
+                                  inner_steps=h, fragments=2 if mode == "streaming" else 1,
+                                  overlap_steps=0, step_time=base.step_time[:1]
+                                  if len(base.step_time) != hosts else base.step_time)
+          try:
+            rows.append((s, plan_model.predict(s, constants)))
+          except plan_model.PlanError:  # a combination the trainer refuses too: left out
+            continue
+  return rows
+
+
+def recommend(rows: list[tuple], target: float) -> dict[int, tuple | None]:
+  """Per fleet size, the setting that reaches `target` closest to plain DiLoCo: the least
+  compression, then sync before streaming before async, then the smallest H."""
+  best = {}
+  for s, p in rows:
+    key = (FORMAT_RANK.index(s.compression), MODE_RANK.index(s.mode), s.inner_steps)
+    if p.utilization >= target and (s.hosts not in best or key < best[s.hosts][0]):
+      best[s.hosts] = (key, s, p)
+    best.setdefault(s.hosts, None)
+  return {hosts: v and v[1:] for hosts, v in best.items()}
+
+
+def describe(s) -> str:
+  fragments = f", P={s.fragments}" if s.mode == "streaming" else ""
+  return f"{s.hosts} hosts, {s.mode}{fragments}, H={s.inner_steps}, {s.compression}"
+
+
+def table(rows: list[tuple]) -> str:
+  lines = ["| setting | round | waiting | compute util. | MB/host/round | run |",
+           "|---|---|---|---|---|---|"]
+  for s, p in rows:
+    lines.append(f"| {describe(s)} | {p.round_s:.3g} s | {100 * p.wait_share:.0f}% | "
+                 f"{100 * p.utilization:.1f}% | {p.bytes_per_host / 1e6:,.4g} | "
+                 f"{p.wall_s / 3600:.3g} h |")
+  return "\n".join(lines)
+
+
+def row_json(s, p) -> dict:
+  return {"setting": dataclasses.asdict(s), "prediction": dataclasses.asdict(p)}
+
+
+def plot(rows: list[tuple], path: str, title: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  from diloco_jax.loop import metrics  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+  hosts = rows[0][0].hosts
+  lines: dict[tuple, list] = {}
+  for s, p in rows:
+    if s.hosts == hosts:
+      lines.setdefault((s.mode, s.compression), []).append((s.inner_steps, p.utilization))
+  for (mode, fmt), points in lines.items():
+    xs, ys = zip(*sorted(points))
+    ax.plot(xs, [100 * y for y in ys], "o-", markersize=3, label=f"{mode}, {fmt}")
+  ax.set_xscale("log")
+  metrics.save_figure(fig, ax, path, xlabel="H (inner steps per round)",
+                      ylabel="compute utilization (%)", title=title)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    sys.exit(f"Unexpected arguments: {argv[1:]} (flags are --name=value; see --help)")
+  if not flags.FLAGS["verbosity"].present:  # jax's backend search logs at INFO
+    logging.set_verbosity(logging.ERROR)
+  from diloco_jax.planning import calibration  # pylint: disable=import-outside-toplevel
+  from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
+  config = _CONFIG.value
+  if config is None:
+    sys.exit("Missing --config: the run's config file, e.g. --config=configs/tiny.py")
+  try:
+    n = int(_PARAMS.value) if _PARAMS.value else num_params(config)
+    if _MEASURE.value:
+      path = config_flags.get_config_filename(flags.FLAGS["config"])
+      overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+      times = (measure_step_time(path, overrides),)
+      print(f"measured: {times[0]:.4g} s per inner step of {config.replicas_per_host} "
+            f"replica(s) on this machine")
+    else:
+      times = step_time(config, n)
+    hosts = _ints(_HOSTS.value, "hosts")
+    base = setting_of(config, n, hosts[0], times)
+    if _SWEEP.value:
+      rows = sweep(base, calibration.CONSTANTS)
+    else:
+      if len(hosts) > 1:
+        raise ValueError(f"--hosts={_HOSTS.value}: one number (a list needs --sweep)")
+      rows = [(base, plan_model.predict(base, calibration.CONSTANTS))]
+    if not 0 < _TARGET.value <= 1:
+      raise ValueError(f"--target={_TARGET.value:g}: a utilization in (0, 1]")
+  except (ValueError, plan_model.PlanError) as e:
+    sys.exit(str(e))
+  link = f"{base.up_mbit:g}/{base.down_mbit:g} Mbit/s up/down, rtt {base.rtt_ms:g} ms"
+  print(f"{n / 1e6:,.2f}M params; step {', '.join(f'{t:.4g}' for t in times)} s; {link}; "
+        f"{base.num_rounds} rounds")
+  print(table(rows))
+  result = {"params": n, "link": link, "constants": dataclasses.asdict(calibration.CONSTANTS),
+            "rows": [row_json(s, p) for s, p in rows]}
+  if _SWEEP.value:
+    result["recommendation"] = {}
+    for hosts, choice in recommend(rows, _TARGET.value).items():
+      text = (f"{describe(choice[0])}: {100 * choice[1].utilization:.1f}% utilization, "
+              f"{choice[1].bytes_per_host / 1e6:,.4g} MB/host/round" if choice else
+              "no setting tried reaches it")
+      print(f"recommended for {hosts} hosts at {100 * _TARGET.value:g}% utilization: {text}")
+      result["recommendation"][hosts] = choice and row_json(*choice)
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(result, f, indent=2)
+  if _PNG.value:
+    plot(rows, _PNG.value, f"{n / 1e6:,.1f}M params, {link}")
+
+
+def _parse(argv: list[str]) -> list[str]:
+  """absl's parsing; --help exits 0, a bad flag or --smoke's defaults in one place."""
+  if "--smoke" in argv[1:]:
+    out = tempfile.mkdtemp(prefix="plan_smoke_")
+    argv = [argv[0], "--config=configs/tiny.py", "--step_time=0.02", "--bandwidth_mbit=8",
+            "--hosts=2,4", "--sweep", "--sweep_inner_steps=25,100",
+            "--sweep_formats=none,4bit", f"--json={out}/plan.json", f"--png={out}/plan.png",
+            *[a for a in argv[1:] if a != "--smoke"]]
+  try:
+    return flags.FLAGS(argv)
+  except SystemExit as e:
+    if e.code == 1 and any(a.lstrip("-").split("=")[0] in ("help", "helpfull", "helpshort")
+                           for a in argv[1:]):
+      sys.exit(0)
+    raise
+  except Exception as e:  # noqa: BLE001 -- any bad flag or config file: one line
+    sys.exit(f"Invalid flags: {' '.join(str(e).split())[:300]} (see --help)")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main, flags_parser=_parse)
