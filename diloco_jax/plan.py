@@ -64,11 +64,6 @@ def define_flags() -> None:
                              "temporary directory (for the test suite).")
 
 
-# Plain DiLoCo first: what a sweep prefers when several settings reach the target.
-FORMAT_RANK = ("none", "bf16", "int8", "4bit", "2bit", "topk", "chunk_topk")
-MODE_RANK = ("sync", "streaming", "eager", "delayed", "ddp")
-
-
 def _floats(text: str, name: str) -> tuple[float, ...]:
   try:
     return tuple(float(v) for v in text.split(","))
@@ -93,19 +88,21 @@ def num_params(config) -> int:
 
 
 def measure_step_time(config_path: str, overrides: list[str]) -> float:
-  """Seconds per inner step of one host's replicas: a 3-round run of the config here,
-  its rounds 2 and 3 (round 1 compiles)."""
+  """Seconds per inner step of one host's replicas: a 4-round run of the config here
+  without evaluations or checkpoints, its rounds 2 and 3 (round 1 compiles; the last
+  evaluates the final model)."""
   with tempfile.TemporaryDirectory() as workdir:
     result = subprocess.run(
         [sys.executable, "-m", "diloco_jax.train", f"--config={config_path}", *overrides,
-         "--config.num_rounds=3", "--config.inner.warmup_steps=0", f"--workdir={workdir}"],
+         "--config.num_rounds=4", "--config.inner.warmup_steps=0",
+         "--config.eval_every=1000", "--config.checkpoint.every=0", f"--workdir={workdir}"],
         capture_output=True, text=True, check=False)
     if result.returncode != 0:
       raise ValueError(f"--measure: the run failed: {result.stderr.strip()[-300:]}")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      records = [json.loads(line) for line in f]
-  steps = records[-1]["inner_step"] - records[0]["inner_step"]
-  return sum(r["round_time"] for r in records[1:]) / steps
+      records = [json.loads(line) for line in f][1:3]
+  h = records[1]["inner_step"] - records[0]["inner_step"]  # a round's steps
+  return sum(r["round_time"] for r in records) / (2 * h)
 
 
 def step_time(config, n: int) -> tuple[float, ...]:
@@ -142,7 +139,7 @@ def sweep(base, constants) -> list[tuple]:
   rows = []
   hs = sorted(set(_ints(_SWEEP_H.value, "sweep_inner_steps")) | {base.inner_steps})
   for name, values, known in (("sweep_modes", _SWEEP_MODES.value, plan_model.MODES),
-                              ("sweep_formats", _SWEEP_FORMATS.value, FORMAT_RANK)):
+                              ("sweep_formats", _SWEEP_FORMATS.value, plan_model.FORMAT_RANK)):
     unknown = [v for v in values.split(",") if v not in known]
     if unknown:
       raise ValueError(f"--{name}: unknown {unknown}; one of {', '.join(known)}")
@@ -161,16 +158,11 @@ def sweep(base, constants) -> list[tuple]:
   return rows
 
 
-def recommend(rows: list[tuple], target: float) -> dict[int, tuple | None]:
-  """Per fleet size, the setting that reaches `target` closest to plain DiLoCo: the least
-  compression, then sync before streaming before async, then the smallest H."""
-  best = {}
-  for s, p in rows:
-    key = (FORMAT_RANK.index(s.compression), MODE_RANK.index(s.mode), s.inner_steps)
-    if p.utilization >= target and (s.hosts not in best or key < best[s.hosts][0]):
-      best[s.hosts] = (key, s, p)
-    best.setdefault(s.hosts, None)
-  return {hosts: v and v[1:] for hosts, v in best.items()}
+def recommend(rows: list[tuple], target: float) -> dict[int, tuple]:
+  """Per fleet size, planning.model.recommend's choice: (setting, prediction, reaches)."""
+  from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
+  hosts = sorted({s.hosts for s, _ in rows})
+  return {n: plan_model.recommend([r for r in rows if r[0].hosts == n], target) for n in hosts}
 
 
 def describe(s) -> str:
@@ -252,12 +244,12 @@ def main(argv: list[str]) -> None:
             "rows": [row_json(s, p) for s, p in rows]}
   if _SWEEP.value:
     result["recommendation"] = {}
-    for hosts, choice in recommend(rows, _TARGET.value).items():
-      text = (f"{describe(choice[0])}: {100 * choice[1].utilization:.1f}% utilization, "
-              f"{choice[1].bytes_per_host / 1e6:,.4g} MB/host/round" if choice else
-              "no setting tried reaches it")
-      print(f"recommended for {hosts} hosts at {100 * _TARGET.value:g}% utilization: {text}")
-      result["recommendation"][hosts] = choice and row_json(*choice)
+    for hosts, (s, p, reaches) in recommend(rows, _TARGET.value).items():
+      text = (f"{describe(s)}: {100 * p.utilization:.1f}% utilization, "
+              f"{p.bytes_per_host / 1e6:,.4g} MB/host/round")
+      print(f"recommended for {hosts} hosts at {100 * _TARGET.value:g}% utilization: {text}"
+            + ("" if reaches else " (no setting tried reaches it: the closest)"))
+      result["recommendation"][hosts] = {**row_json(s, p), "reaches": reaches}
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=2)

@@ -38,8 +38,8 @@ def test_bytes_per_host_are_the_wires_count(n, r):
   for fmt in compress.FORMATS[1:]:
     s = model.Setting(num_params=size, hosts=n, step_time=(0.1,), up_mbit=10, down_mbit=10,
                       compression=fmt, replicas_per_host=r, **options)
-    extra = options if fmt == "chunk_topk" else (
-        {"topk_fraction": 0.02} if fmt == "topk" else {})
+    extra = ({"topk_fraction": 0.02, "topk_chunk": 4096, "value_bits": 2}
+             if fmt == "chunk_topk" else {"topk_fraction": 0.02} if fmt == "topk" else {})
     assert model.bytes_per_host(s) == pytest.approx(_sent(fmt, n, r, size, **extra),
                                                     rel=1e-9), fmt
   none = model.Setting(num_params=size, hosts=n, step_time=(0.1,), up_mbit=10, down_mbit=10)
@@ -87,6 +87,8 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 def test_command_table_sweep_and_bad_input(tmp_path):
   assert _plan("--help").returncode == 0
+  smoke = _plan("--smoke")  # what the docs' smoke of a sweep runs: a table, a plot, JSON
+  assert smoke.returncode == 0 and "recommended for 4 hosts" in smoke.stdout, smoke.stderr
   result = _plan("--config=configs/tiny.py", "--step_time=0.06", "--bandwidth_mbit=8")
   assert result.returncode == 0, result.stderr
   assert "| 2 hosts, sync, H=25, none |" in result.stdout and "| 0.425 |" in result.stdout
@@ -100,8 +102,12 @@ def test_command_table_sweep_and_bad_input(tmp_path):
   assert len(plan["rows"]) == 2 * 2 * 2 * 2 and (tmp_path / "plan.png").stat().st_size
   for hosts, choice in plan["recommendation"].items():
     assert f"recommended for {hosts} hosts at 90% utilization" in result.stdout
-    if choice:  # reaches the target; no row ranked before it does
+    utilizations = [r["prediction"]["utilization"] for r in plan["rows"]
+                    if r["setting"]["hosts"] == int(hosts)]
+    if choice["reaches"]:
       assert choice["prediction"]["utilization"] >= 0.9
+    else:  # the closest
+      assert choice["prediction"]["utilization"] == max(utilizations) < 0.9
   for args, message in [
       (["--bandwidth_mbit=-5"], "bandwidth -5/-5 Mbit/s: must be > 0"),
       (["--bandwidth_mbit=8", "--config.inner_steps=0"], "inner_steps (H) = 0: must be >= 1"),

@@ -22,8 +22,10 @@ with N the params, `codec` the encode + decode seconds per entry of the format a
 
 Compute utilization is what the round would take without DiLoCo's communication over
 what it takes, C_h + f over the round, averaged over hosts (bench/wan.py's measure: the
-same hosts as independent jobs, against the run). W follows the wire code exactly (`bytes_per_host`); the constants
-(`Constants`) are fitted to measured runs (bench/plan.py, bench/results/plan_fit.json).
+same hosts as independent jobs, against the run). W is the pseudo-gradient's bytes as the
+wire code counts them (`bytes_per_host`; the round's few small sums besides, tens of bytes,
+are left out); the constants (`Constants`) are fitted to measured runs (bench/plan.py,
+bench/results/plan_fit.json).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ from diloco_jax.algo import compress
 
 MODES = ("sync", "streaming", "eager", "delayed", "ddp")
 BALANCES = ("fixed", "speed")
+# How far a setting departs from plain DiLoCo (float32, sync, the smallest H), which a
+# recommendation keeps small: a step per format coarser than bf16 (bf16 loses nothing the
+# outer step feels), one for async modes, one per doubling of H.
+FORMAT_RANK = ("none", "bf16", "int8", "4bit", "2bit", "topk", "chunk_topk")
+FORMAT_COST = {"none": 0, "bf16": 0, "int8": 1, "4bit": 2, "2bit": 3, "topk": 3,
+               "chunk_topk": 4}
+MODE_RANK = ("sync", "streaming", "eager", "delayed", "ddp")
+MODE_COST = {"sync": 0, "streaming": 0, "ddp": 0, "eager": 1, "delayed": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +140,7 @@ def bytes_per_entry(fmt: str, topk_fraction: float = 0.01, topk_chunk: int = 409
   size = 16 * max(compress.BLOCK, topk_chunk)
   sample = np.random.default_rng(0).standard_normal(size).astype(np.float32)
   options = dict(topk_fraction=topk_fraction, topk_chunk=topk_chunk,
-                 topk_value_bits=topk_value_bits) if fmt == "chunk_topk" else (
+                 value_bits=topk_value_bits) if fmt == "chunk_topk" else (
                      dict(topk_fraction=topk_fraction) if fmt == "topk" else {})
   return compress.encode(sample, fmt, **options).nbytes / size
 
@@ -204,3 +214,23 @@ def predict(s: Setting, c: Constants) -> Prediction:
                     utilization=utilization, bytes_per_host=w if s.mode != "ddp" else
                     s.inner_steps * 2 * (s.hosts - 1) / s.hosts * 4 * n,
                     wall_s=s.num_rounds * round_s, host_steps=steps)
+
+
+def recommend(rows: list[tuple[Setting, Prediction]], target: float
+              ) -> tuple[Setting, Prediction, bool]:
+  """Of `rows`, the setting that reaches `target` utilization with the least departure
+  from plain DiLoCo (FORMAT_COST + MODE_COST + log2 of H over the smallest H tried; ties:
+  the less compressed, then sync first, then the smaller H), and True; if none does, the
+  one that comes closest, and False."""
+  reaching = [(s, p) for s, p in rows if p.utilization >= target]
+  if not reaching:
+    return (*max(rows, key=lambda row: row[1].utilization), False)
+  smallest = min(s.inner_steps for s, _ in rows)
+
+  def departure(row):
+    s = row[0]
+    return (FORMAT_COST[s.compression] + MODE_COST[s.mode] + math.log2(s.inner_steps / smallest),
+            FORMAT_RANK.index(s.compression), MODE_RANK.index(s.mode), s.inner_steps)
+
+  s, p = min(reaching, key=departure)
+  return s, p, True
