@@ -32,7 +32,7 @@ def define_flags() -> None:
   defines --config, and a process may import both)."""
   global _CONFIG, _HOSTS, _PARAMS, _STEP_TIME, _MEASURE, _TFLOPS, _DEVICES, _MFU, _TOKENS
   global _BANDWIDTH, _UP, _DOWN, _RTT, _SWEEP, _SWEEP_H, _SWEEP_FORMATS, _SWEEP_MODES, _TARGET
-  global _JSON, _PNG, _SMOKE
+  global _JSON, _PNG, _SMOKE, _ROUND_OVERHEAD, _OUTER
   _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
   _HOSTS = flags.DEFINE_string("hosts", "2", "Hosts; with --sweep, a comma list (8,16,64).")
   _PARAMS = flags.DEFINE_float("params", None, "The model's params (1e9), instead of the "
@@ -60,6 +60,12 @@ def define_flags() -> None:
   _TARGET = flags.DEFINE_float("target", 0.9, "--sweep: the compute utilization to reach.")
   _JSON = flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
   _PNG = flags.DEFINE_string("png", None, "Also plot utilization here (--sweep: against H).")
+  _ROUND_OVERHEAD = flags.DEFINE_float(
+      "round_overhead_s", None, "Seconds per round besides the steps and the sync "
+      "(evaluation, checkpoints); default: the calibration's, measured on a tiny model.")
+  _OUTER = flags.DEFINE_float(
+      "outer_s_per_param", None, "The outer step's host time per param (copies and update); "
+      "default: the calibration's, measured on a 2-core CPU host (a GPU host: about 5e-10).")
   _SMOKE = flags.DEFINE_bool("smoke", False, "A quick sweep of configs/tiny.py into a "
                              "temporary directory (for the test suite).")
 
@@ -226,12 +232,18 @@ def main(argv: list[str]) -> None:
       times = step_time(config, n)
     hosts = _ints(_HOSTS.value, "hosts")
     base = setting_of(config, n, hosts[0], times)
+    constants = dataclasses.replace(calibration.CONSTANTS, **{
+        name: flag.value for name, flag in (("round_overhead_s", _ROUND_OVERHEAD),
+                                            ("outer_s_per_param", _OUTER))
+        if flag.value is not None})
+    if constants.round_overhead_s < 0 or constants.outer_s_per_param < 0:
+      raise ValueError("--round_overhead_s and --outer_s_per_param: must be >= 0")
     if _SWEEP.value:
-      rows = sweep(base, calibration.CONSTANTS)
+      rows = sweep(base, constants)
     else:
       if len(hosts) > 1:
         raise ValueError(f"--hosts={_HOSTS.value}: one number (a list needs --sweep)")
-      rows = [(base, plan_model.predict(base, calibration.CONSTANTS))]
+      rows = [(base, plan_model.predict(base, constants))]
     if not 0 < _TARGET.value <= 1:
       raise ValueError(f"--target={_TARGET.value:g}: a utilization in (0, 1]")
   except (ValueError, plan_model.PlanError) as e:
@@ -240,7 +252,7 @@ def main(argv: list[str]) -> None:
   print(f"{n / 1e6:,.2f}M params; step {', '.join(f'{t:.4g}' for t in times)} s; {link}; "
         f"{base.num_rounds} rounds")
   print(table(rows))
-  result = {"params": n, "link": link, "constants": dataclasses.asdict(calibration.CONSTANTS),
+  result = {"params": n, "link": link, "constants": dataclasses.asdict(constants),
             "rows": [row_json(s, p) for s, p in rows]}
   if _SWEEP.value:
     result["recommendation"] = {}
