@@ -23,12 +23,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "diloco_jax"
 # Top to bottom. A module may import from its own unit (a subpackage or a top-level
 # module) and from any unit of a lower layer; units of one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("diloco_jax", "train", "prepare", "sample", "export"),  # entry points, the package root
+    ("diloco_jax", "train", "prepare", "sample", "export", "plan"),  # entry points, the root
     ("loop",),
     ("modes",),
     ("wire", "data", "device"),
     ("runtime",),
     ("config",),
+    ("planning",),
     ("algo", "models", "corpus"),
     ("errors", "units", "_version", "_moved"),
 )
