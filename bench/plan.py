@@ -1,16 +1,17 @@
 """Calibrates and validates diloco_jax.plan on runs measured in network namespaces.
 
-  sudo python bench/plan.py --measure   # the runs (bench/wan.py, ~35 min), then the fit
+  sudo python bench/plan.py --measure   # the runs (bench/wan.py, ~45 min), then the fit
   python bench/plan.py                  # the fit and validation from the measured files
   python bench/plan.py --smoke          # the fit on the committed files, into a temp dir
 
 The measured runs are bench/wan.py's (configs/tiny.py's model and data, one replica per
-host, `tc tbf`-shaped veths), in GRID: 6 settings of hosts and bandwidth, each with the
-compute-only reference `none` and several modes, formats and H, written to
+host, `tc tbf`-shaped veths, each host pinned to a core), in GRID: 6 settings of hosts
+and bandwidth, each with the compute-only reference `none` measured before and after
+several modes, formats and H, written to
 bench/results/plan_wan_h<hosts>_<rate>.json. The first two settings calibrate the
 planner's constants (planning/model.py's `Constants`): least squares of the sync runs'
 extra time over the reference (overhead, 1 / link efficiency, codec time per entry), then
-the async slowdown that best predicts the eager runs. The other four are held out: their
+the async modes' own time per round, from the eager runs. The other four are held out: their
 round time and compute utilization are predicted from the constants and their own
 reference's step time, and compared with what was measured (within 15% is the aim).
 The outer step's host time per param comes from bench/results/outer_step.json (25M-param
@@ -40,14 +41,18 @@ ROUNDS = 16
 # (hosts, Mbit/s, runs); the first CALIBRATE settings fit the constants, the rest validate.
 # Only 2-host settings calibrate: 3 hosts on this machine's 2 cores slow each other's
 # compute, most in the compute-only reference, which the link model does not describe.
-GRID = [(2, 8, "none,sync,eager,sync-4bit,sync-h50"),
-        (2, 32, "none,sync,eager,sync-int8,streaming-p2"),
-        (2, 16, "none,sync,eager,sync-int8,sync-2bit,eager-h50"),
-        (2, 4, "none,sync,eager,sync-4bit,streaming-p2"),
-        (3, 8, "none,sync,eager,sync-h50"),
-        (3, 16, "none,sync,eager,sync-4bit")]
+GRID = [(2, 8, "none,sync,eager,sync-4bit,sync-h50,none"),
+        (2, 32, "none,sync,eager,sync-int8,streaming-p2,none"),
+        (2, 16, "none,sync,eager,sync-int8,sync-2bit,eager-h50,none"),
+        (2, 4, "none,sync,eager,sync-4bit,streaming-p2,none"),
+        (3, 8, "none,sync,eager,sync-h50,none"),
+        (3, 16, "none,sync,eager,sync-4bit,none")]
 CALIBRATE = 2
 TOLERANCE = 0.15
+# Each host on its own core (3 hosts: hosts 0 and 2 share one, in the reference too), and
+# one eval after the last round only: the runs evaluate on host 0, the reference's one-host
+# jobs on every host, which on shared cores would slow the reference alone.
+MEASURE_FLAGS = ("--pin_cores", "--eval_every=1000")
 
 
 def measured_name(hosts: int, rate: float) -> str:
@@ -57,10 +62,11 @@ def measured_name(hosts: int, rate: float) -> str:
 def measure(directory: str) -> None:
   """Every GRID setting through bench/wan.py (root: namespaces and tc)."""
   for hosts, rate, modes in GRID:
-    out = os.path.join(directory, measured_name(hosts, rate) + ".json")
+    # relative to the repository where it is inside: the command is recorded with the file
+    out = os.path.relpath(os.path.join(directory, measured_name(hosts, rate) + ".json"), REPO)
     subprocess.run([sys.executable, "bench/wan.py", f"--rounds={ROUNDS}", f"--hosts={hosts}",
-                    f"--rate_mbit={rate}", f"--modes={modes}", f"--out={out}"], cwd=REPO,
-                   check=True)
+                    f"--rate_mbit={rate}", f"--modes={modes}", f"--out={out}",
+                    *MEASURE_FLAGS], cwd=REPO, check=True)
 
 
 def tiny_params() -> int:
@@ -116,8 +122,10 @@ def runs_of(path: str, num_params: int, round_overhead: float = 0.0) -> list[Run
 
 
 def reference_round(d: dict) -> float:
-  """The compute-only reference's seconds per round (H = 25; round 1 excluded)."""
-  return next(r for r in d["rows"] if r["mode"] == "none")["wall_s"] / (d["rounds"] - 1)
+  """The compute-only reference's seconds per round (H = 25; round 1 excluded); the mean
+  of its runs (measured before and after the others)."""
+  walls = [r["wall_s"] for r in d["rows"] if r["mode"] == "none"]
+  return sum(walls) / len(walls) / (d["rounds"] - 1)
 
 
 def fit(runs: list[Run], outer: float):
@@ -127,8 +135,9 @@ def fit(runs: list[Run], outer: float):
         = f x (1 - H / 25) + overhead x P + (W / B) / efficiency + codec x N (compressed)
 
   (the reference's round holds 25 steps and one f); least squares gives f, the overhead,
-  the efficiency and the codec time. Then the async slowdown that best predicts the eager
-  runs, by a search over [0, 1]."""
+  the efficiency and the codec time. The async modes' round is max(C, T_x + codec x N)
+  plus those constants plus their own cost per round, which is then the eager runs' mean
+  time beyond the rest (least squares of a constant)."""
   from diloco_jax.planning import model  # pylint: disable=import-outside-toplevel
   blocking = [r for r in runs if r.setting.mode in ("sync", "streaming")]
   a, y = [], []
@@ -143,18 +152,12 @@ def fit(runs: list[Run], outer: float):
   base = model.Constants(round_overhead_s=float(max(f, 0.0)),
                          overhead_s=float(max(overhead, 0.0)),
                          link_efficiency=float(1 / max(inverse_efficiency, 1e-3)),
-                         codec_s_per_entry=float(max(codec, 0.0)), async_slowdown=0.0,
+                         codec_s_per_entry=float(max(codec, 0.0)), async_overhead_s=0.0,
                          outer_s_per_param=outer)
-  eager = [r for r in runs if r.setting.mode in ("eager", "delayed")]
-
-  def error(k: float) -> float:
-    c = dataclasses.replace(base, async_slowdown=k)
-    return sum((model.predict(with_step(r, c), c).round_s / r.round_s - 1) ** 2
-               for r in eager)
-
-  grid = np.linspace(0.0, 1.0, 1001)
-  best = float(grid[int(np.argmin([error(k) for k in grid]))]) if eager else 0.0
-  return dataclasses.replace(base, async_slowdown=best)
+  beyond = [r.round_s - model.predict(with_step(r, base), base).round_s
+            for r in runs if r.setting.mode in ("eager", "delayed")]
+  return dataclasses.replace(base, async_overhead_s=float(max(np.mean(beyond), 0.0))
+                             if beyond else 0.0)
 
 
 def with_step(r: Run, c) -> object:
@@ -264,6 +267,12 @@ def main(argv: list[str] | None = None) -> None:
   if missing:
     sys.exit(f"missing {missing[0]}: run sudo python bench/plan.py --measure")
   groups = [runs_of(f, n) for f in files]
+  references = {}  # each setting's reference runs, seconds per round: the machine's drift
+  for f in files:
+    with open(f) as fh:
+      d = json.load(fh)
+    references[os.path.basename(f)] = [r["wall_s"] / (d["rounds"] - 1) for r in d["rows"]
+                                       if r["mode"] == "none"]
   calibration = [r for g in groups[:CALIBRATE] for r in g]
   constants = rounded(fit(calibration, outer))
   rows = []
@@ -280,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
                    "hosts": r.setting.hosts, "rate_mbit": r.setting.up_mbit,
                    "inner_steps": r.setting.inner_steps, "mode": r.setting.mode,
                    "reference_round_s": r.reference_s,
+                   "reference_rounds_s": references[r.file],
                    "compression": r.setting.compression,
                    "measured_round_s": r.round_s, "predicted_round_s": p.round_s,
                    "round_error": p.round_s / r.round_s - 1,

@@ -11,9 +11,10 @@ reference (the same hosts as independent one-host jobs). `--modes` also takes th
 compression and streaming runs of RUNS (sync-int8, sync-4bit, streaming-p2, ...), and
 configs/sparseloco.py's own run beside float32 sync of its model (sparseloco-small_text,
 sync-small_text; on bench/quality.py's corpus, which must be prepared).
-Reports per run: wall time, compute utilization (reference wall time / run wall time),
-tokens/s, bytes each host put on the wire (the veth's own counter), the most bytes one
-sync sent (streaming: one fragment; the peak in flight) and the final eval loss.
+Reports per run: wall time, compute utilization (tokens/s over the reference's; `none`
+may be listed twice, before and after the others, and the mean is used), tokens/s, bytes
+each host put on the wire (the veth's own counter), the most bytes one sync sent
+(streaming: one fragment; the peak in flight) and the final eval loss.
 Writes bench/results/wan.json and wan.png (eval loss against wall-clock time).
 
 Choice of rate: the tiny model's pseudo-gradient is 0.43 MB; a host's inner phase (H=25
@@ -51,7 +52,7 @@ from bench.netns import Network  # noqa: E402
 
 # The same model, data and tokens for every mode.
 COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
-          "--config.batch_size=32", "--config.eval_every=4"]
+          "--config.batch_size=32"]
 # --smoke: the same, tiny (with H = SMOKE_H and `--rounds` rounds, whatever the run's H).
 SMOKE_COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
                 "--config.batch_size=2", "--config.eval_every=1", "--config.eval_batches=1",
@@ -116,9 +117,10 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
-             smoke: bool = False) -> dict:
+             smoke: bool = False, eval_every: int = 4, pin_cores: bool = False) -> dict:
   """One run of RUNS on every host; figures from host 0's metrics and every host's veth
-  (Localhost: host 0's metrics only)."""
+  (Localhost: host 0's metrics only). `pin_cores`: host i runs on core i mod the cores
+  (the reference's one-host jobs too), so that hosts do not trade cores between runs."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
   mode, extra, h = RUNS[name]
   num_rounds = rounds * 25 // h
@@ -129,24 +131,31 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   if own:  # the run's own config file, first (overrides must come after it)
     common = [*own, *(flag for flag in common if not flag.startswith("--config="))]
     extra = [flag for flag in extra if flag not in own]
+  if not smoke:
+    common = [*common, f"--config.eval_every={eval_every}"]
   args = [*common, f"--config.num_rounds={num_rounds}",
           f"--config.inner_steps={h}",
           f"--config.outer.lr={OUTER_LR[mode]}",
           f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra]
+  cores = os.cpu_count() or 1
+
+  def pinned(i: int, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", str(i % cores), *argv] if pin_cores else argv
+
   if mode == "none":  # the reference: every host its own one-host job, nothing crosses
-    procs = [subprocess.Popen([sys.executable, "-m", "diloco_jax.train", *args,
-                               "--config.mode=sync", f"--workdir={workdir}/h{i}"],
+    procs = [subprocess.Popen(pinned(i, [sys.executable, "-m", "diloco_jax.train", *args,
+                               "--config.mode=sync", f"--workdir={workdir}/h{i}"]),
                               cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   else:
     port = net.port()
     before = [net.tx_bytes(i) for i in range(net.num_hosts)]
-    procs = [subprocess.Popen(net.command(i, [
+    procs = [subprocess.Popen(net.command(i, pinned(i, [
         sys.executable, "-m", "diloco_jax.train",
         *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
         f"--coordinator_address={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
-        f"--host_id={i}", "--initialization_timeout=120"]),
+        f"--host_id={i}", "--initialization_timeout=120"])),
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   outputs = [p.communicate()[0] for p in procs]
@@ -213,6 +222,9 @@ def main():
                       help=f"runs, comma-separated, from {', '.join(RUNS)}")
   parser.add_argument("--subnet", type=int, default=77, help="10.77.<subnet>.0/24")
   parser.add_argument("--workdir", default="", help="keep each mode's workdirs here")
+  parser.add_argument("--eval_every", type=int, default=4, help="rounds between evals")
+  parser.add_argument("--pin_cores", action="store_true",
+                      help="host i on core i mod the cores (taskset), the reference too")
   args = _smoke.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync"))
   if not args.smoke and os.geteuid() != 0:
     sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs "
@@ -226,18 +238,23 @@ def main():
     unknown = set(args.modes.split(",")) - set(RUNS)
     if unknown:
       sys.exit(f"--modes: unknown {sorted(unknown)}; one of {', '.join(RUNS)}")
-    for mode in args.modes.split(","):
+    for i, mode in enumerate(args.modes.split(",")):
       t = time.time()
       try:
-        rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, mode), args.smoke))
+        rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, f"{i}-{mode}"),
+                             args.smoke, args.eval_every, args.pin_cores))
       except RuntimeError as e:  # report it, keep the other runs' figures
         print(f"{mode}: FAILED\n{e}", flush=True)
         failed.append(mode)
         continue
       print(f"{mode}: done in {time.time() - t:.0f} s", flush=True)
-  reference = next((r["wall_s"] for r in rows if r["mode"] == "none"), None)
+  # Utilization: tokens per second against the reference's (the mean of its runs when
+  # `none` is listed more than once, e.g. before and after the others). Per token, not per
+  # run: round 1 is left out of every run, which is more steps at a larger H.
+  references = [r["tokens_per_sec"] for r in rows if r["mode"] == "none"]
+  reference = sum(references) / len(references) if references else None
   for r in rows:
-    r["compute_utilization"] = reference / r["wall_s"] if reference else None
+    r["compute_utilization"] = r["tokens_per_sec"] / reference if reference else None
   title = (f"smoke: {args.hosts} hosts on 127.0.0.1, unshaped, H={SMOKE_H}" if args.smoke else
            f"{args.hosts} hosts, {args.rate_mbit:g} Mbit/s each way, H=25, tiny model unless "
            "the run names another")

@@ -140,9 +140,10 @@ def test_different_world_is_refused(tmp_path):
 
 def test_changed_config_is_refused_but_eval_settings_may_change(tmp_path):
   trainer.train_and_evaluate(multihost.small_config(num_rounds=2), str(tmp_path))
-  with pytest.raises(checkpoint.CheckpointError, match=r"config.outer.lr: checkpoint 0.7"):
+  with pytest.raises(checkpoint.CheckpointError, match=r"config.outer.lr: checkpoint 0.7") as e:
     trainer.train_and_evaluate(multihost.small_config(num_rounds=2, **{"outer.lr": 0.5}),
                                str(tmp_path))
+  assert "resume (--config.outer.lr=0.7)" in str(e.value)
   trainer.train_and_evaluate(multihost.small_config(num_rounds=2, eval_every=2),
                              str(tmp_path))
 

@@ -246,6 +246,16 @@ def test_memory_check_figures(monkeypatch):
   monkeypatch.setattr(mesh, "host_memory_available", lambda: 2**30)
   with pytest.raises(config_lib.ConfigError, match=r"of host memory, more than the 1\.0 GiB"):
     mesh.check_memory(config, 32, 1, profile())  # the outer state of 64 replicas, on the host
+  # Most params in the embedding: the vocabulary is named, the model's own where it has
+  # one (a pretrained model's), else the data's.
+  monkeypatch.setattr(mesh, "host_memory_available", lambda: 1000 * 2**30)
+  monkeypatch.setattr(mesh, "device_memory_limit", lambda: 2**30)
+  config.model.update(num_layers=1, d_model=512, mlp_dim=512)
+  config.replicas_per_host = 1
+  for model_vocab, named in ((0, "config.data.vocab_size"), (200_000, "config.model.vocab_size")):
+    config.model.vocab_size = model_vocab
+    with pytest.raises(config_lib.ConfigError, match=f"^config.model / {named} / "):
+      mesh.check_memory(config, 200_000, 1, profile())
 
 
 def test_every_field_documented():

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("planning",),
     ("algo", "models", "corpus"),
-    ("errors", "units", "_version", "_moved"),
+    ("errors", "units", "digest", "_version", "_moved"),
 )
 MAX_LINES = 400
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from diloco_jax import digest as digest_lib
 from diloco_jax.corpus import format as corpus
 from diloco_jax.corpus import sources as sources_lib
 from diloco_jax.corpus import tokenizer as tokenizer_lib
@@ -175,10 +176,10 @@ def prepare(args: argparse.Namespace) -> Prepared | None:
   if (size := sum(map(os.path.getsize, paths))) > 1e9:  # about a second per GB
     print(f"prepare: hashing {len(paths)} input files ({size / 1e9:.1f} GB)", file=sys.stderr)
   files = [{"path": os.path.abspath(f), "size": os.path.getsize(f),
-            "sha256": sources_lib.file_sha256(f)} for f in paths]
+            "sha256": digest_lib.file_sha256(f)} for f in paths]
   options = _options(args)
   if spec is not None:
-    options["tokenizer_sha256"] = sources_lib.file_sha256(spec.path) if spec.path else None
+    options["tokenizer_sha256"] = digest_lib.file_sha256(spec.path) if spec.path else None
   if (old is not None and old.get("sources") == files and old.get("args") == options
       and not corpus.missing_files(old, output)):
     return None

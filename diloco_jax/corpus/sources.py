@@ -15,7 +15,6 @@ import dataclasses
 import fnmatch
 import glob
 import gzip
-import hashlib
 import importlib
 import json
 import os
@@ -165,14 +164,6 @@ def listing(paths: Sequence[str]) -> str:
   """The first few paths, then how many more."""
   more = f" and {len(paths) - _LISTED} more" if len(paths) > _LISTED else ""
   return ", ".join(paths[:_LISTED]) + more
-
-
-def file_sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    while block := f.read(1 << 20):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 def describe(sources: Sequence[Source]) -> str:

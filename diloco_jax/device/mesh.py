@@ -223,12 +223,14 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
   n = model_lib.num_params_of(cfg)
   embed = (1 if cfg.tie_embeddings else 2) * vocab_size * cfg.d_model
-  model = ["config.model", *(["config.data.vocab_size"] if embed > n / 2 else [])]
+  # The model's own vocabulary when it has one (a pretrained model's), else the data's.
+  vocab = "config.model.vocab_size" if config.model.get("vocab_size") else "config.data.vocab_size"
+  model = ["config.model", *([vocab] if embed > n / 2 else [])]
   layout = ["config.mesh.fsdp"] if fsdp < num_local_devices // groups else []
   causes = {"state": [*model, *(["config.replicas_per_host"] if sets > 1 else []), *layout],
             "step": [*model, *layout], "outer": [*model, "config.replicas_per_host"],
             "activations": ["config.model", "config.batch_size / config.grad_accum_steps"],
-            "logits": ["config.data.vocab_size", "config.batch_size / config.grad_accum_steps"],
+            "logits": [vocab, "config.batch_size / config.grad_accum_steps"],
             "data": ["config.data.vocab_size / markov_order", "config.data.num_sequences"]}
   figures = (f"{n:,} params ({embed / n:.0%} in the embedding and head, vocab_size "
              f"{vocab_size:,} x d_model {cfg.d_model}); per device: state "

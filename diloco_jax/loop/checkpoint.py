@@ -13,10 +13,10 @@ A checkpoint is one orbax step directory, workdir/checkpoints/<round>, with thre
   meta    JSON: the round, the config, the world (hosts × replicas), versions.
 
 Saving costs the main thread one copy of the state into host memory; the dispatch thread
-hands that copy to orbax, which writes it in the background while training goes on. All
-orbax calls run on the dispatch thread (the one thread that issues cross-host collectives,
-`wire/dispatch.py`), and orbax's barriers go through the coordination service rather than gloo
-collectives, so they never interleave with a cross-host sum.
+hands that copy to orbax, which writes it in the background while training goes on. Every
+orbax call runs on the dispatch thread (the one that issues cross-host collectives,
+`wire/dispatch.py`); orbax's barriers use the coordination service, never gloo, so they
+never interleave with a cross-host sum.
 
 Restoring tries the newest checkpoint first. Every host reads its part, and the hosts
 agree (an all-gather of ok flags) before anyone uses it; when a checkpoint that any host
@@ -124,20 +124,21 @@ def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: i
     raise CheckpointError(
         f"{where} was written by {meta['num_hosts']} host(s) x {meta['replicas_per_host']} "
         f"replica(s); this run has {num_hosts} x {replicas_per_host}. A run resumes with "
-        f"the replicas per host that wrote it (each replica's inner state and data "
-        f"iterator belong to one host): restart with "
-        f"--config.replicas_per_host={meta['replicas_per_host']}, or use a new --workdir")
+        f"the replicas per host that wrote it (each replica's inner state and data iterator "
+        f"belong to one host): restart with --config.replicas_per_host="
+        f"{meta['replicas_per_host']}, or use a new --workdir")
   before = config_lib.flatten(config_lib.from_saved(meta["config"]))
   now = config_lib.flatten(config)
   changed = sorted(k for k in before.keys() | now.keys()
                    if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
   if changed:
-    lines = "\n".join(f"  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}"
-                      for k in changed)
+    lines = "".join(f"\n  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}" for k in changed)
+    flags = " ".join(f"--{k}={before[k]}" for k in changed  # those a flag can give back
+                     if isinstance(before.get(k), (bool, int, float, str)))
     raise CheckpointError(
-        f"the config differs from {where} in fields that change the math:\n{lines}\n"
-        f"Run with the checkpoint's values to resume, or use a new --workdir. Fields a "
-        f"resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
+        f"the config differs from {where} in fields that change the math:{lines}\nRun with "
+        f"the checkpoint's values to resume{f' ({flags})' if flags else ''}, or use a new "
+        f"--workdir. Fields a resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
 
 
 def check_space(directory: str, r: int, needed: int) -> None:
@@ -232,8 +233,7 @@ class Checkpointer:
 
   def _to_rows(self, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
-        (len(self.hosts), *x.shape), self._rows, [jax.device_put(x[None], self.device)]),
-        tree)
+        (len(self.hosts), *x.shape), self._rows, [jax.device_put(x[None], self.device)]), tree)
 
   def _abstract(self, tree: Any, sharding: NamedSharding, rows: int = 0) -> Any:
     lead = (rows,) if rows else ()

@@ -12,7 +12,6 @@ whatever the file's dtype; a resumed run reads its checkpoint instead.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from diloco_jax import digest
 from diloco_jax import errors
 from diloco_jax.models import exported
 from diloco_jax.models import family as model_lib
@@ -107,16 +107,9 @@ def params(directory: str, cfg: model_lib.ModelConfig) -> Any:
 
 def source(directory: str) -> dict[str, Any]:
   """Where the weights came from, for run.json: the directory and each file's sha256."""
-  def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-      while chunk := f.read(1 << 24):
-        digest.update(chunk)
-    return digest.hexdigest()
-
   files = [os.path.join(directory, CONFIG), *weight_files(directory)]
   return {"path": os.path.abspath(directory),
-          "sha256": {os.path.basename(p): sha256(p) for p in files}}
+          "sha256": {os.path.basename(p): digest.file_sha256(p) for p in files}}
 
 
 def resolved(config: ml_collections.ConfigDict, given: frozenset[str] = frozenset(),

@@ -5,6 +5,6 @@ they predict runs left out of the fit: docs/performance.md ("Predicting a run").
 
 from diloco_jax.planning.model import Constants
 
-CONSTANTS = Constants(round_overhead_s=0.311, overhead_s=0.132, link_efficiency=0.912,
-                      codec_s_per_entry=0.0, async_slowdown=0.213,
-                      outer_s_per_param=6.98e-09)
+CONSTANTS = Constants(round_overhead_s=0.303, overhead_s=0.0964,
+                      link_efficiency=0.703, codec_s_per_entry=0.0,
+                      async_overhead_s=0.423, outer_s_per_param=6.98e-09)

@@ -15,9 +15,10 @@ with N the params, `codec` the encode + decode seconds per entry of the format a
   sync       C + T_sync
   streaming  C + P x max(0, T_sync(W / P, N / P) - overlap_steps x t): P fragments, each
              hidden behind the steps that overlap it
-  eager,     C x (1 + async_slowdown) + overhead + outer x N
-  delayed      + max(0, T_x(W) + codec x N - C x (1 + async_slowdown)): the sum crosses
-             the link while the next inner phase trains, which the background thread slows
+  eager,     max(C, T_x(W) + codec x N) + overhead + async + outer x N: the sum crosses
+  delayed    the link while the next inner phase trains; `async` is the round's own cost
+             of running it on the background thread (hand-offs, copies, the host's
+             cores shared with the inner phase)
   ddp        H x (t + overhead + T_x(gradient all-reduce)): every step waits
 
 Compute utilization is what the round would take without DiLoCo's communication over
@@ -57,7 +58,7 @@ class Constants:
   overhead_s: float  # seconds per sync besides the payload: small collectives, dispatch
   link_efficiency: float  # payload bytes moved / (bandwidth x time)
   codec_s_per_entry: float  # encode + decode of a compressed format, per entry
-  async_slowdown: float  # how much longer an inner phase takes with a sum in flight
+  async_overhead_s: float  # per round of eager/delayed: the background sum's own cost
   outer_s_per_param: float  # the outer step on the host: copies and Nesterov, per param
 
 
@@ -204,10 +205,9 @@ def predict(s: Setting, c: Constants) -> Prediction:
     per_step = (c.overhead_s + transfer(grad)) if s.hosts > 1 else 0.0
     round_s = s.inner_steps * (max(times) + per_step)
   else:  # eager, delayed: the sum overlaps the next inner phase
-    slowed = compute * (1 + c.async_slowdown) if s.hosts > 1 else compute
     hidden = transfer(w) + codec * n if s.hosts > 1 else 0.0
-    round_s = (slowed + (c.overhead_s if s.hosts > 1 else 0.0) + c.outer_s_per_param * n
-               + max(0.0, hidden - slowed))
+    extra = c.overhead_s + c.async_overhead_s if s.hosts > 1 else 0.0
+    round_s = max(compute, hidden) + extra + c.outer_s_per_param * n
   round_s += f
   utilization = float(np.mean([(p + f) / round_s for p in phases]))
   return Prediction(round_s=round_s, compute_s=compute, wait_share=1 - (compute + f) / round_s,
