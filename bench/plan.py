@@ -39,8 +39,9 @@ from bench import wan  # noqa: E402
 
 ROUNDS = 16
 # (hosts, Mbit/s, runs); the first CALIBRATE settings fit the constants, the rest validate.
-# Only 2-host settings calibrate: 3 hosts on this machine's 2 cores slow each other's
-# compute, most in the compute-only reference, which the link model does not describe.
+# Only 2-host settings calibrate: 3 hosts on this machine's 2 cores put two on one core,
+# whose compute then depends on what the other one is doing, which the link model does not
+# describe.
 GRID = [(2, 8, "none,sync,eager,sync-4bit,sync-h50,none"),
         (2, 32, "none,sync,eager,sync-int8,streaming-p2,none"),
         (2, 16, "none,sync,eager,sync-int8,sync-2bit,eager-h50,none"),
@@ -92,7 +93,12 @@ class Run:
   setting: object  # planning.model.Setting
   round_s: float
   utilization: float
-  reference_s: float  # the compute-only reference's seconds per round, H = 25
+  # the compute-only reference's seconds per round (H = 25), before and after the runs
+  reference_rounds_s: tuple[float, ...]
+
+  @property
+  def reference_s(self) -> float:
+    return float(np.mean(self.reference_rounds_s))
 
 
 def runs_of(path: str, num_params: int, round_overhead: float = 0.0) -> list[Run]:
@@ -102,7 +108,8 @@ def runs_of(path: str, num_params: int, round_overhead: float = 0.0) -> list[Run
   with open(path) as f:
     d = json.load(f)
   rows = {r["mode"]: r for r in d["rows"]}
-  step = (reference_round(d) - round_overhead) / 25
+  references = reference_rounds(d)
+  step = (np.mean(references) - round_overhead) / 25
   out = []
   for name, r in rows.items():
     if name == "none":
@@ -117,15 +124,14 @@ def runs_of(path: str, num_params: int, round_overhead: float = 0.0) -> list[Run
         fragments=int(flags.get("--config.outer.fragments", 1)),
         overlap_steps=int(flags.get("--config.outer.overlap_steps", 0)), num_rounds=rounds)
     out.append(Run(os.path.basename(path), name, s, r["wall_s"] / (rounds - 1),
-                   r["compute_utilization"], reference_round(d)))
+                   r["compute_utilization"], references))
   return out
 
 
-def reference_round(d: dict) -> float:
-  """The compute-only reference's seconds per round (H = 25; round 1 excluded); the mean
-  of its runs (measured before and after the others)."""
-  walls = [r["wall_s"] for r in d["rows"] if r["mode"] == "none"]
-  return sum(walls) / len(walls) / (d["rounds"] - 1)
+def reference_rounds(d: dict) -> tuple[float, ...]:
+  """The compute-only reference's seconds per round (H = 25; round 1 excluded), for each
+  of its runs (measured before and after the others; their mean is used)."""
+  return tuple(r["wall_s"] / (d["rounds"] - 1) for r in d["rows"] if r["mode"] == "none")
 
 
 def fit(runs: list[Run], outer: float):
@@ -267,12 +273,6 @@ def main(argv: list[str] | None = None) -> None:
   if missing:
     sys.exit(f"missing {missing[0]}: run sudo python bench/plan.py --measure")
   groups = [runs_of(f, n) for f in files]
-  references = {}  # each setting's reference runs, seconds per round: the machine's drift
-  for f in files:
-    with open(f) as fh:
-      d = json.load(fh)
-    references[os.path.basename(f)] = [r["wall_s"] / (d["rounds"] - 1) for r in d["rows"]
-                                       if r["mode"] == "none"]
   calibration = [r for g in groups[:CALIBRATE] for r in g]
   constants = rounded(fit(calibration, outer))
   rows = []
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
                    "hosts": r.setting.hosts, "rate_mbit": r.setting.up_mbit,
                    "inner_steps": r.setting.inner_steps, "mode": r.setting.mode,
                    "reference_round_s": r.reference_s,
-                   "reference_rounds_s": references[r.file],
+                   "reference_rounds_s": list(r.reference_rounds_s),
                    "compression": r.setting.compression,
                    "measured_round_s": r.round_s, "predicted_round_s": p.round_s,
                    "round_error": p.round_s / r.round_s - 1,
