@@ -40,6 +40,7 @@ sys.path[0] = REPO  # not bench/: this file would shadow any module named `data`
 from bench import _smoke  # noqa: E402
 from configs import gpt_150m  # noqa: E402
 from diloco_jax.data import pipeline as data_lib  # noqa: E402
+from diloco_jax.models import family  # noqa: E402
 from diloco_jax.models import model as model_lib  # noqa: E402
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak (SXM)
@@ -117,7 +118,7 @@ def loader(path: str, args) -> dict:
 
 def demand() -> dict:
   config = gpt_150m.get_config()
-  cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, config.data.vocab_size)
   flops = model_lib.flops_per_token(cfg, model_lib.num_params_of(cfg))
   return {"model": "configs/gpt_150m.py", "params": model_lib.num_params_of(cfg),
           "flops_per_token": flops, "peak_flops": H100_BF16_FLOPS, "mfu": MFU,

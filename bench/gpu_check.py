@@ -180,6 +180,7 @@ def part_e(args, tmp: str) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from diloco_jax.models import layers  # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import family as family_lib  # pylint: disable=import-outside-toplevel
   from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
   shapes = dict(num_layers=2, d_model=576, num_heads=9, num_kv_heads=3, mlp_dim=1536,
                 vocab_size=1024, family="llama", tie_embeddings=True, dtype=jnp.bfloat16)
@@ -194,7 +195,7 @@ def part_e(args, tmp: str) -> dict:
                                 shapes["vocab_size"])
     logits = {}
     for kernel in ("xla", "cudnn"):
-      cfg = model_lib.ModelConfig(seq_len=length, attention=kernel, **shapes)
+      cfg = family_lib.ModelConfig(seq_len=length, attention=kernel, **shapes)
       try:
         model_lib.attention_kernel(cfg, platform)
       except layers.AttentionError as e:
@@ -210,7 +211,7 @@ def part_e(args, tmp: str) -> dict:
         jax.block_until_ready(compiled(params, tokens))
         times.append(time.perf_counter() - t)
       stats = compiled.memory_analysis()
-      logits[kernel] = np.asarray(jax.jit(model_lib.build(cfg).apply)(
+      logits[kernel] = np.asarray(jax.jit(family_lib.build(cfg).apply)(
           {"params": params}, tokens[:, :-1]), np.float32)
       result["rows"].append({"length": length, "attention": kernel,
                              "step_s": statistics.median(times),

@@ -42,10 +42,11 @@ def layout_memory(config, replicas: int, fsdp: int) -> dict:
   from diloco_jax.algo import state as state_lib
   from diloco_jax.device import inner
   from diloco_jax.device import mesh as mesh_lib
+  from diloco_jax.models import family
   from diloco_jax.models import model as model_lib
   config = config.copy_and_resolve_references()
   config.replicas_per_host, config.mesh.replicas, config.mesh.fsdp = replicas, replicas, fsdp
-  cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, config.data.vocab_size)
   optimizer = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
   mesh = mesh_lib.local_mesh(replicas, fsdp)
   step = inner.ReplicaStep(model_lib.make_loss_fn(cfg), optimizer, mesh=mesh,

@@ -31,26 +31,27 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from bench import _smoke  # noqa: E402
+from diloco_jax.models import family as family_lib  # noqa: E402
 from diloco_jax.models import model as model_lib  # noqa: E402
 
 SMOKE = {"d_model": 32, "num_layers": 2, "num_heads": 2, "gpt_mlp_dim": 64, "seq_len": 16,
          "batch_size": 2, "vocab_size": 64, "steps": 2, "rounds": 2}
 
 
-def configs(args) -> dict[str, model_lib.ModelConfig]:
+def configs(args) -> dict[str, family_lib.ModelConfig]:
   shape = dict(vocab_size=args.vocab_size, seq_len=args.seq_len, num_layers=args.num_layers,
                d_model=args.d_model, num_heads=args.num_heads, dtype=jnp.dtype(args.dtype))
-  gpt = model_lib.ModelConfig(**shape, mlp_dim=args.gpt_mlp_dim, family="gpt")
+  gpt = family_lib.ModelConfig(**shape, mlp_dim=args.gpt_mlp_dim, family="gpt")
   target = model_lib.num_params_of(gpt)
   # The llama's params grow by 3·D·layers per unit of SwiGLU width: solve, then round.
   width = round((target - model_lib.num_params_of(
-      model_lib.ModelConfig(**shape, mlp_dim=0, family="llama")))
+      family_lib.ModelConfig(**shape, mlp_dim=0, family="llama")))
       / (3 * args.d_model * args.num_layers))
-  return {"gpt": gpt, "llama": model_lib.ModelConfig(**shape, mlp_dim=max(width, 1),
+  return {"gpt": gpt, "llama": family_lib.ModelConfig(**shape, mlp_dim=max(width, 1),
                                                      family="llama")}
 
 
-def train_loop(cfg: model_lib.ModelConfig, batches: jax.Array, steps: int):
+def train_loop(cfg: family_lib.ModelConfig, batches: jax.Array, steps: int):
   """One round: `steps` AdamW steps over `batches` [steps, B, L+1], waited for."""
   optimizer = optax.adamw(1e-3)
   loss_fn = model_lib.make_loss_fn(cfg)

@@ -54,6 +54,7 @@ from diloco_jax.algo import state as state_lib  # noqa: E402
 from diloco_jax.data import pipeline as data_lib  # noqa: E402
 from diloco_jax.device import inner  # noqa: E402
 from diloco_jax.loop import trainer  # noqa: E402
+from diloco_jax.models import family  # noqa: E402
 from diloco_jax.models import model as model_lib  # noqa: E402
 from diloco_jax.wire import dispatch  # noqa: E402
 
@@ -99,14 +100,14 @@ def initial_params(config):
   """The params every loop but the trainer's starts from, on the host (initialised once:
   each `init_params` call compiles again)."""
   data = make_data(config)
-  cfg = model_lib.ModelConfig.from_config(config.model, data.spec.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, data.spec.vocab_size)
   return jax.device_get(model_lib.init_params(cfg, jax.random.key(0)))
 
 
 def plain_loop(config, params0, per_replica_batches: bool):
   """A plain AdamW loop written here, independent of the trainer: one set of params."""
   data = make_data(config)
-  cfg = model_lib.ModelConfig.from_config(config.model, data.spec.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, data.spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(cfg)
   opt = optim.inner_optimizer(config.inner, 10 ** 6)
 
@@ -134,7 +135,7 @@ def local_loop(config, params0):
   """The trainer's inner step over K replicas with no outer step (its very program: the
   same optimizer and learning-rate schedule)."""
   data = make_data(config)
-  cfg = model_lib.ModelConfig.from_config(config.model, data.spec.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, data.spec.vocab_size)
   opt = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
   step = inner.ReplicaStep(model_lib.make_loss_fn(cfg), opt, mesh=inner.local_mesh())
   state = [step.place(state_lib.init_replica_state(opt, jax.device_put(params0),

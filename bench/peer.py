@@ -288,15 +288,17 @@ def check_same_model(args, python: str) -> dict:
   import jax  # noqa: PLC0415 -- only this check needs jax in this process
   import numpy as np  # noqa: PLC0415
 
+  from diloco_jax.models import family  # noqa: PLC0415
+
   from diloco_jax.models import model as model_lib  # noqa: PLC0415
 
   config = peer_config.get_config()
   for k in SHAPE:
     config.model[k] = getattr(args, k)
-  cfg = model_lib.ModelConfig.from_config(config.model, vocab_size=256)
+  cfg = family.ModelConfig.from_config(config.model, vocab_size=256)
   params = model_lib.init_params(cfg, jax.random.key(config.seed))
   tokens = np.random.default_rng(0).integers(0, 256, (2, args.seq_len))
-  logits = model_lib.build(cfg).apply({"params": params}, tokens)
+  logits = family.build(cfg).apply({"params": params}, tokens)
   arrays = {".".join(str(k.key) for k in path): np.asarray(leaf)
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   with tempfile.TemporaryDirectory(prefix="bench_peer_check_") as tmp:

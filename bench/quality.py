@@ -143,7 +143,7 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
 def plot(rows: list[dict], path: str) -> None:
   import matplotlib
 
-  from diloco_jax.loop import metrics
+  from diloco_jax.reporting import metrics
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

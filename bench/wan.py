@@ -199,7 +199,7 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
 def plot(rows: list[dict], path: str, title: str) -> None:
   import matplotlib
 
-  from diloco_jax.loop import metrics
+  from diloco_jax.reporting import metrics
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)

@@ -1,26 +1,24 @@
 """diloco_jax: DiLoCo and Async DiLoCo training in JAX across badly connected hosts.
 
 The package is layered; each subpackage imports only from the layers below it
-(tests/test_layers.py checks it):
+(tests/test_layers.py checks it; docs/architecture.md has the table):
 
-  entry points   train, prepare, sample, export      (`python -m diloco_jax.<name>`)
-  loop           the round loop, checkpoints, the round log and what it writes
+  entry points   train, prepare, sample, export, plan   (`python -m diloco_jax.<name>`)
+  loop | readback    the round loop: parts + state, build, resume, pacing, membership |
+                     a finished run's model read back (sample, export)
+  checkpoints | reporting   the stores of a round boundary | the round log and its writers
   modes          one driver per mode behind `modes.base.Driver`, and their registry
   wire | data | device   cross-host sums | input pipelines | the inner step on the devices
   runtime        start-up, coordination, preemption, elasticity, host memory, the lock
   config         the schema and its validation
+  planning       a run's time and bytes, before it runs
   algo | models | corpus   the math of every mode | model families | corpora to prepare
-  errors, units, _version  the base
+  errors, units, digest, _version   the base
+
+Importing the package imports no jax and starts nothing: `simulate` is loaded on first use.
 """
 
-from diloco_jax import _moved
 from diloco_jax._version import __version__
-from diloco_jax.runtime import hostmem
-
-# `python -m diloco_jax.train` may start its process again for huge pages: here, before
-# jax is imported, that costs next to nothing (train.py's main asks again for other ways in).
-hostmem.restart_with_huge_pages(only_module="diloco_jax.train")
-_moved.install()
 
 __all__ = ["simulate", "SimulateResult", "__version__"]
 

@@ -83,7 +83,7 @@ def export(workdir: str, output: str, step: int | None = None,
            max_shard_bytes: int | None = None) -> list[str]:
   """The model of `workdir`'s newest checkpoint (or `step`'s) to `output`; returns the
   paths written. Raises exported.ExportError, trained.LoadError or model.ModuleError."""
-  from diloco_jax.loop import trained as trained_lib  # pylint: disable=import-outside-toplevel
+  from diloco_jax.readback import trained as trained_lib  # pylint: disable=import-outside-toplevel
   from diloco_jax.models import exported  # pylint: disable=import-outside-toplevel
   exported.check_output(output)  # before the checkpoint is read: it takes seconds
   exported.check_free([output, os.path.join(os.path.dirname(output) or ".", exported.CONFIG)],
@@ -118,9 +118,9 @@ def main(argv: list[str]) -> None:
       sys.exit(f"Missing --{flag.name} (see --help)")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every read, and warns that it is
     logging.set_verbosity(logging.ERROR)    # read-only: nothing the user needs
-  from diloco_jax.loop import trained as trained_lib  # pylint: disable=import-outside-toplevel
+  from diloco_jax.readback import trained as trained_lib  # pylint: disable=import-outside-toplevel
   from diloco_jax.models import exported  # pylint: disable=import-outside-toplevel
-  from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import family  # pylint: disable=import-outside-toplevel
   try:
     max_shard_bytes = parse_size(_MAX_SHARD_SIZE.value)
   except ValueError as e:
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> None:
   try:
     paths = export(_WORKDIR.value, _OUTPUT.value, _STEP.value, _OVERWRITE.value,
                    _DTYPE.value, max_shard_bytes)
-  except (exported.ExportError, trained_lib.LoadError, model_lib.ModuleError) as e:
+  except (exported.ExportError, trained_lib.LoadError, family.ModuleError) as e:
     sys.exit(str(e))
   print("Wrote " + ", ".join(paths))
 

@@ -86,10 +86,11 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 def num_params(config) -> int:
   # pylint: disable=import-outside-toplevel
+  from diloco_jax.models import family
   from diloco_jax.models import model as model_lib
   from diloco_jax.models import pretrained
   config = pretrained.resolved(config, announce=False)
-  return model_lib.num_params_of(model_lib.ModelConfig.from_config(config.model,
+  return model_lib.num_params_of(family.ModelConfig.from_config(config.model,
                                                                   config.data.vocab_size))
 
 
@@ -195,7 +196,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
-  from diloco_jax.loop import metrics  # pylint: disable=import-outside-toplevel
+  from diloco_jax.reporting import metrics  # pylint: disable=import-outside-toplevel
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
   hosts = rows[0][0].hosts
   lines: dict[tuple, list] = {}

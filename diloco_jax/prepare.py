@@ -1,4 +1,4 @@
-"""python -m diloco_jax.prepare --input=... --output=DIR --tokenizer=...: a prepared corpus.
+"""python -m diloco_jax.prepare --input=... --output=DIR --tokenizer=...: a prepared corpus_format.
 
 How a corpus is built, and what the directory holds: diloco_jax/corpus/build.py and
 docs/prepared_format.md. Any bad input stops with one line naming it and exit status 1.
@@ -54,7 +54,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--tokenizer_train_bytes", type=int, default=1 << 30,
                  help="With --tokenizer=train: train on the first this many bytes of text.")
   p.add_argument("--overwrite", action="store_true",
-                 help="Replace --output even if it is not a prepared corpus.")
+                 help="Replace --output even if it is not a prepared corpus_format.")
   args = p.parse_args(argv)
   args.text_extensions = tuple(e if e.startswith(".") else "." + e
                                for e in args.text_extensions.split(",") if e)

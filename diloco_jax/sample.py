@@ -1,7 +1,7 @@
 """Entry point: python -m diloco_jax.sample --workdir=DIR --prompt="Once upon a time".
 
 Samples text from the model a run trained, with the run's own tokenizer; how, and the
-functions behind it (`generate`, the codecs, `SampleError`): diloco_jax/loop/sampling.py,
+functions behind it (`generate`, the codecs, `SampleError`): diloco_jax/readback/sampling.py,
 whose names this module still answers to (`diloco_jax.sample.generate`).
 
 A bad flag, prompt or workdir stops with one line on stderr and exit status 1.
@@ -44,16 +44,6 @@ def define_flags() -> None:
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
 
 
-def __getattr__(name: str):
-  # The library's names, imported on first use: it imports jax and orbax, which --help
-  # does not need.
-  from diloco_jax.loop import sampling  # pylint: disable=import-outside-toplevel
-  try:
-    return getattr(sampling, name)
-  except AttributeError:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
 def main(argv):
   if len(argv) > 1:
     _fail(f"Unexpected arguments: {argv[1:]} (flags are --name=value; see --help)")
@@ -61,7 +51,7 @@ def main(argv):
     _fail("Missing --workdir: the --workdir of a training run, e.g. --workdir=/tmp/diloco_tiny")
   if not flags.FLAGS["verbosity"].present:  # orbax warns that a read-only reader is read-only
     logging.set_verbosity(logging.ERROR)
-  from diloco_jax.loop import sampling  # pylint: disable=import-outside-toplevel
+  from diloco_jax.readback import sampling  # pylint: disable=import-outside-toplevel
   try:
     texts = sampling.sample(_WORKDIR.value, _PROMPT.value,
                             max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,

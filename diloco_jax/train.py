@@ -230,11 +230,12 @@ def main(argv):
   # pylint: disable=import-outside-toplevel
   import jax
 
-  from diloco_jax.loop import checkpoint
+  from diloco_jax.checkpoints import store
+  from diloco_jax.checkpoints import shared_dir
   from diloco_jax.loop import trainer
-  from diloco_jax.loop import writers
+  from diloco_jax.reporting import writers
   from diloco_jax.modes import skips
-  from diloco_jax.runtime import cluster as distributed
+  from diloco_jax.runtime import cluster
   from diloco_jax.runtime import elastic
   from diloco_jax.runtime import workdir
   from diloco_jax.wire import dispatch
@@ -243,7 +244,7 @@ def main(argv):
   _use_compilation_cache(_COMPILATION_CACHE.value, _WORKDIR.value)
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
     logging.set_verbosity(logging.WARNING)
-  cluster = distributed.Cluster(
+  spec = cluster.Cluster(
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value,
@@ -252,16 +253,16 @@ def main(argv):
     if config.elastic:
       elastic.enable(config.elastic_timeout)
       # Orbax's barriers (coordination service) otherwise wait for a dead host.
-      checkpoint.set_barrier_timeout(config.elastic_timeout)
+      shared_dir.set_barrier_timeout(config.elastic_timeout)
     else:  # a save waiting for a host at a barrier gives up with the save's own timeout
-      checkpoint.set_barrier_timeout(config.checkpoint.timeout)
-    distributed.initialize(cluster)
+      shared_dir.set_barrier_timeout(config.checkpoint.timeout)
+    cluster.initialize(spec)
     multi_host_elastic = config.elastic and jax.process_count() > 1
     if multi_host_elastic and elastic.is_returning():
       elastic.return_and_wait()
       _exit(elastic.EXIT_RESTART)
     # Before validation: hosts that disagree must all stop, not wait for each other.
-    distributed.check_same_config(config, timeout_s=_INIT_TIMEOUT.value)
+    cluster.check_same_config(config, timeout_s=_INIT_TIMEOUT.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
     if multi_host_elastic:
       elastic.finish()
@@ -269,14 +270,14 @@ def main(argv):
     _exit(elastic.EXIT_RESTART)
   except config_lib.ConfigError as e:  # one line per bad field
     _fail("\n".join(f"Invalid config: {line}" for line in str(e).splitlines()))
-  except distributed.StartupError as e:
+  except cluster.StartupError as e:
     _fail(f"Start-up failed: {e}")
-  except checkpoint.CheckpointError as e:
+  except store.CheckpointError as e:
     _fail(f"Checkpoint error: {e}")
   except (workdir.WorkdirInUseError, writers.MetricsError, skips.BadPseudoGradientError) as e:
     _fail(f"Stopped: {e}")
   except dispatch.CollectiveError as e:
-    if isinstance(e.__cause__, checkpoint.CheckpointError):  # a save on the dispatch thread
+    if isinstance(e.__cause__, store.CheckpointError):  # a save on the dispatch thread
       _fail(f"Checkpoint error: {e.__cause__}")
     traceback.print_exc()
     if jax.process_count() == 1:
@@ -334,7 +335,7 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-  # `python -m diloco_jax.train` was started again for huge pages by the package's import,
-  # before jax's: this catches the other ways in (`python diloco_jax/train.py`).
+  # Only the trainer's own process is started again for huge pages (a library import never
+  # is): here, before jax is imported, that costs the flag modules' imports alone.
   hostmem.restart_with_huge_pages()
   app.run(main, flags_parser=parse_flags)

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(out_dir, host_id, num_hosts, port, overrides):
-  from diloco_jax.runtime import cluster as distributed
-  distributed.initialize(distributed.Cluster(
+  from diloco_jax.runtime import cluster
+  cluster.initialize(cluster.Cluster(
       coordinator_address=f"127.0.0.1:{port}", num_hosts=int(num_hosts), host_id=int(host_id),
       initialization_timeout=60, heartbeat_timeout=30))
   import jax

@@ -16,9 +16,10 @@ import numpy as np
 
 import diloco_jax
 from diloco_jax import config as config_lib
-from diloco_jax.algo import fragments as streaming
+from diloco_jax.algo import fragments
 from diloco_jax.algo import optim
 from diloco_jax.data import pipeline as data_lib
+from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,13 +156,13 @@ def trainer_batches(config):
 def simulate_trainer(config):
   """`simulate` on the model, optimizers and batches the trainer would use for `config`."""
   batches, spec = trainer_batches(config)
-  cfg = model_lib.ModelConfig.from_config(config.model, spec.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, spec.vocab_size)
   total = config.num_rounds * config.inner_steps
   params = model_lib.init_params(cfg, jax.random.key(config.seed))
   o, streaming_kw = config.outer, {}
   if config.mode == "streaming":
     streaming_kw = dict(
-        fragment_ids=streaming.model_fragment_ids(params, o.fragments, o.fragment_layout),
+        fragment_ids=fragments.model_fragment_ids(params, o.fragments, o.fragment_layout),
         overlap_steps=o.overlap_steps, merge_alpha=o.merge_alpha)
   return diloco_jax.simulate(
       model_lib.make_loss_fn(cfg), params, jnp.asarray(batches),

@@ -11,7 +11,7 @@ import pytest
 
 from diloco_jax import config as config_lib
 from diloco_jax.algo import balance
-from diloco_jax.loop import checkpoint
+from diloco_jax.checkpoints import store
 from diloco_jax.loop import pacing
 from tests import multihost
 
@@ -131,7 +131,7 @@ def test_speed_decides_weights_and_resumes_bit_identically_after_sigkill(tmp_pat
                                                     {"from_round": 4, "steps": [8, 4]}]
   hosts = multihost.start_hosts(tmp_path / "b", 2, **run)
   wait = time.monotonic() + 180
-  ckpts = tmp_path / "b" / "work" / checkpoint.CHECKPOINTS
+  ckpts = tmp_path / "b" / "work" / store.CHECKPOINTS
   while not (ckpts.is_dir() and any(d.isdigit() and int(d) >= 4 for d in os.listdir(ckpts))):
     assert time.monotonic() < wait and hosts[0].poll() is None, "no checkpoint 4"
     time.sleep(0.05)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from diloco_jax.algo import state as state_lib
-from diloco_jax.loop import checkpoint
-from diloco_jax.loop import trained
+from diloco_jax.checkpoints import store
+from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
-from diloco_jax.loop import treebytes
+from diloco_jax.checkpoints import treebytes
 from diloco_jax.runtime import preemption
 from tests import multihost
 from tests import test_trained
@@ -36,7 +36,7 @@ def losses(result):
 
 def checkpoint_has(workdir, name: str) -> bool:
   """Whether the hosts' item of the newest checkpoint holds a tree called `name`."""
-  newest = max((workdir / checkpoint.CHECKPOINTS).iterdir(), key=lambda p: int(p.name))
+  newest = max((workdir / store.CHECKPOINTS).iterdir(), key=lambda p: int(p.name))
   return f"'{name}'" in (newest / "hosts" / "_METADATA").read_text()
 
 
@@ -105,7 +105,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd)
   config = multihost.small_config(num_rounds=3)
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
   trainer.train_and_evaluate(config, str(tmp_path / "run"))
-  newest = tmp_path / "run" / checkpoint.CHECKPOINTS / "3"
+  newest = tmp_path / "run" / store.CHECKPOINTS / "3"
   biggest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   with open(biggest, "r+b") as f:
     f.truncate(biggest.stat().st_size // 2)
@@ -114,7 +114,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd)
   out = capfd.readouterr()
   assert "WARNING: checkpoint 3" in out.err and "corrupt" in out.err, out.err[-2000:]
   assert "resumed from checkpoint 2" in out.out
-  assert (tmp_path / "run" / checkpoint.UNREADABLE).is_dir()  # set aside, not deleted
+  assert (tmp_path / "run" / store.UNREADABLE).is_dir()  # set aside, not deleted
   for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):
     np.testing.assert_array_equal(a, b)
   gc.collect()  # here, under this test's filter
@@ -123,16 +123,16 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd)
 def test_every_checkpoint_unreadable_is_an_error(tmp_path):
   config = multihost.small_config(num_rounds=1)
   trainer.train_and_evaluate(config, str(tmp_path))
-  for meta in (tmp_path / checkpoint.CHECKPOINTS).glob("*/meta/metadata"):
+  for meta in (tmp_path / store.CHECKPOINTS).glob("*/meta/metadata"):
     meta.write_text("{not json")
-  with pytest.raises(checkpoint.CheckpointError, match="no checkpoint .* could be read"):
+  with pytest.raises(store.CheckpointError, match="no checkpoint .* could be read"):
     trainer.train_and_evaluate(config, str(tmp_path))
 
 
 def test_different_world_is_refused(tmp_path):
   trainer.train_and_evaluate(multihost.small_config(num_rounds=2, replicas_per_host=2),
                              str(tmp_path))
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(store.CheckpointError,
                      match=r"written by 1 host\(s\) x 2 replica\(s\); this run has 1 x 1"):
     trainer.train_and_evaluate(multihost.small_config(num_rounds=2, replicas_per_host=1),
                                str(tmp_path))
@@ -140,7 +140,7 @@ def test_different_world_is_refused(tmp_path):
 
 def test_changed_config_is_refused_but_eval_settings_may_change(tmp_path):
   trainer.train_and_evaluate(multihost.small_config(num_rounds=2), str(tmp_path))
-  with pytest.raises(checkpoint.CheckpointError, match=r"config.outer.lr: checkpoint 0.7") as e:
+  with pytest.raises(store.CheckpointError, match=r"config.outer.lr: checkpoint 0.7") as e:
     trainer.train_and_evaluate(multihost.small_config(num_rounds=2, **{"outer.lr": 0.5}),
                                str(tmp_path))
   assert "resume (--config.outer.lr=0.7)" in str(e.value)
@@ -156,17 +156,17 @@ def test_a_checkpoint_older_than_a_field_takes_its_default():
   for field in ("family", "num_kv_heads", "rope_base", "remat", "module"):
     del saved["model"][field]
   meta = {"num_hosts": 1, "replicas_per_host": 2, "config": saved}
-  checkpoint.check_compatible(meta, config, num_hosts=1, replicas_per_host=2, where="old")
+  store.check_compatible(meta, config, num_hosts=1, replicas_per_host=2, where="old")
   config.model.family = "llama"
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(store.CheckpointError,
                      match=r"config.model.family: checkpoint 'gpt', now 'llama'"):
-    checkpoint.check_compatible(meta, config, num_hosts=1, replicas_per_host=2, where="old")
+    store.check_compatible(meta, config, num_hosts=1, replicas_per_host=2, where="old")
 
 
 def test_unwritable_workdir_is_a_clear_error_at_start(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("")
-  with pytest.raises(checkpoint.CheckpointError, match="is not a writable directory"):
+  with pytest.raises(store.CheckpointError, match="is not a writable directory"):
     trainer.train_and_evaluate(multihost.small_config(), str(blocker / "run"))
   proc = subprocess.run(
       [sys.executable, "-m", "diloco_jax.train", "--config=configs/tiny.py",
@@ -178,9 +178,9 @@ def test_unwritable_workdir_is_a_clear_error_at_start(tmp_path):
 
 def test_checkpoint_json_round_trip():
   states = [{"next_index": 7}, {"next_index": 123456789, "epoch": [1, 2]}]
-  assert checkpoint.decode_json(checkpoint.encode_json(states)) == states
-  with pytest.raises(checkpoint.CheckpointError, match="bytes of JSON"):
-    checkpoint.encode_json([{"x": "y" * checkpoint.JSON_BYTES}])
+  assert store.decode_json(store.encode_json(states)) == states
+  with pytest.raises(store.CheckpointError, match="bytes of JSON"):
+    store.encode_json([{"x": "y" * store.JSON_BYTES}])
 
 
 # Several hosts through the launcher, as a user runs them.
@@ -223,7 +223,7 @@ def host_pid(launcher, host):
 
 
 def wait_for_checkpoint(workdir, round_, launcher, timeout=180):
-  ckpts = os.path.join(workdir, checkpoint.CHECKPOINTS)
+  ckpts = os.path.join(workdir, store.CHECKPOINTS)
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     if os.path.isdir(ckpts) and any(d.isdigit() and int(d) >= round_ for d in os.listdir(ckpts)):
@@ -292,7 +292,7 @@ def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):
   assert "Reached preemption sync point" not in text, text[-4000:]
   stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
   assert stopped < 10
-  assert max(int(d) for d in os.listdir(tmp_path / checkpoint.CHECKPOINTS)) == stopped
+  assert max(int(d) for d in os.listdir(tmp_path / store.CHECKPOINTS)) == stopped
   text = launch(tmp_path).communicate(timeout=300)[0]
   assert f"resumed from checkpoint {stopped}" in text, text[-4000:]
   same_run(tmp_path, reference)
@@ -375,7 +375,7 @@ def test_sigterm_on_one_host_run(tmp_path):
   text = "".join(lines) + proc.communicate(timeout=120)[0]
   assert proc.returncode == 0, text[-3000:]
   stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
-  assert stopped < 200 and os.path.isdir(tmp_path / checkpoint.CHECKPOINTS / str(stopped))
+  assert stopped < 200 and os.path.isdir(tmp_path / store.CHECKPOINTS / str(stopped))
 
 
 @pytest.mark.parametrize("mode", ["sync", "eager"])
@@ -390,7 +390,7 @@ def test_trained_model_of_a_two_host_run(references, mode):
 
 
 # Hosts with a workdir each (launch/local.py --workdir_per_host), as on machines that share
-# no disk: loop/local_checkpoint.py and loop/recovery.py.
+# no disk: checkpoints/per_host.py and checkpoints/recovery.py.
 
 def launch_per_host(workdir, *extra, hosts=2, max_restarts=0):
   return multihost.start([sys.executable, "launch/local.py", f"--hosts={hosts}",
@@ -399,13 +399,13 @@ def launch_per_host(workdir, *extra, hosts=2, max_restarts=0):
 
 
 def host_checkpoints(workdir, host):
-  path = os.path.join(workdir, f"host{host}", checkpoint.CHECKPOINTS)
+  path = os.path.join(workdir, f"host{host}", store.CHECKPOINTS)
   return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
 
 
 def checkpoint_files(workdir):
   return sorted((str(p.relative_to(workdir)), p.stat().st_size)
-                for p in workdir.rglob("*") if checkpoint.CHECKPOINTS in str(p))
+                for p in workdir.rglob("*") if store.CHECKPOINTS in str(p))
 
 
 @pytest.mark.slow
@@ -432,7 +432,7 @@ def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
   assert not (work / "host1" / "metrics.jsonl").exists()  # host 0 alone writes them
   assert host_checkpoints(work, 0) == host_checkpoints(work, 1) == [8, 9, 10]
 
-  ckpt = work / "host1" / checkpoint.CHECKPOINTS / "10"
+  ckpt = work / "host1" / store.CHECKPOINTS / "10"
   meta = json.loads((ckpt / "meta.json").read_text())
   raw = bytearray((ckpt / "shared.bin").read_bytes())
   raw[0] ^= 1  # one bit of the anchor, and a hash that matches it: a real divergence

@@ -14,6 +14,7 @@ from diloco_jax import config as config_lib
 from diloco_jax.data import files as data_files
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.device import mesh
+from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
 from diloco_jax.modes import registry
 
@@ -220,7 +221,7 @@ def test_huge_vocab_refused_before_allocation(tmp_path):
 
 @pytest.mark.parametrize("vocab_size", [16, 1000])
 def test_param_count_from_shapes(vocab_size):
-  cfg = model_lib.ModelConfig(vocab_size=vocab_size, seq_len=8, num_layers=2, d_model=16,
+  cfg = family.ModelConfig(vocab_size=vocab_size, seq_len=8, num_layers=2, d_model=16,
                             num_heads=2, mlp_dim=24)
   params = model_lib.init_params(cfg, jax.random.key(0))
   assert model_lib.num_params_of(cfg) == model_lib.count_params(params)
@@ -232,7 +233,7 @@ def test_memory_check_figures(monkeypatch):
   mesh.check_memory(config, config.data.vocab_size, 1, profile())  # small: fits this machine
   config.model.update(num_layers=8, d_model=1024, mlp_dim=4096)  # 101M params
   config.replicas_per_host = 64
-  n = model_lib.num_params_of(model_lib.ModelConfig.from_config(config.model, 32))
+  n = model_lib.num_params_of(family.ModelConfig.from_config(config.model, 32))
   monkeypatch.setattr(mesh, "device_memory_limit", lambda: 60 * 2**30)
   monkeypatch.setattr(mesh, "host_memory_available", lambda: 1000 * 2**30)
   with pytest.raises(config_lib.ConfigError) as e:

@@ -15,9 +15,10 @@ import pytest
 import safetensors.numpy
 
 from diloco_jax import export as export_lib
-from diloco_jax.loop import trained as trained_lib
+from diloco_jax.readback import trained as trained_lib
 from diloco_jax.loop import trainer
 from diloco_jax.models import exported
+from diloco_jax.models import family as family_lib
 from diloco_jax.models import model as model_lib
 from tests.multihost import small_config
 
@@ -60,7 +61,7 @@ def _tokens(vocab: int) -> np.ndarray:
   return np.random.default_rng(0).integers(0, vocab, (2, 16))
 
 
-def _perturbed_init(cfg: model_lib.ModelConfig):
+def _perturbed_init(cfg: family_lib.ModelConfig):
   """Initial params plus noise: no norm weight is 1 and no bias 0, so that every tensor's
   name and layout shows in the logits."""
   rng = np.random.default_rng(1)
@@ -68,8 +69,8 @@ def _perturbed_init(cfg: model_lib.ModelConfig):
                       model_lib.init_params(cfg, jax.random.key(0)))
 
 
-def _trainer_logits(cfg: model_lib.ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
-  return np.asarray(model_lib.build(cfg).apply({"params": params}, tokens))
+def _trainer_logits(cfg: family_lib.ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
+  return np.asarray(family_lib.build(cfg).apply({"params": params}, tokens))
 
 
 # The reference forward passes: numpy, float64, from the exported files only.
@@ -201,7 +202,7 @@ def test_llama_numpy_forward_equals_trainer(llama_run):
 def test_tied_llama_numpy_forward_tokenizer_and_round_trip(tmp_path):
   """Tied embeddings, other rope_theta and eps, perturbed initial params; with a corpus's
   tokenizer and EOS id."""
-  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+  cfg = family_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
                               num_heads=4, mlp_dim=64, family="llama", num_kv_heads=2,
                               rope_base=500.0, norm_eps=1e-6, tie_embeddings=True)
   params = _perturbed_init(cfg)
@@ -241,7 +242,7 @@ def assert_round_trip(output: str, cfg, params):
 def test_gpt2_numpy_forward_and_round_trip(tmp_path, model):
   """As GPT2LMHeadModel: untied with biases; tied without (zero biases in the file), a
   position table longer than seq_len."""
-  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+  cfg = family_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
                               num_heads=4, mlp_dim=64, family="gpt", **model)
   params = _perturbed_init(cfg)
   output = str(tmp_path / "gpt.safetensors")
@@ -269,7 +270,7 @@ def test_gpt2_numpy_forward_and_round_trip(tmp_path, model):
 def test_flax_names_where_hugging_face_has_no_layout(tmp_path):
   """A gpt with a head bias (the gpt of earlier versions) keeps flax's names; an export
   written before head_bias existed loads as the model it was (head bias, eps 1e-6)."""
-  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+  cfg = family_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
                               num_heads=4, mlp_dim=64, family="gpt", head_bias=True)
   params = _perturbed_init(cfg)
   output = str(tmp_path / "gpt.safetensors")
@@ -292,7 +293,7 @@ def test_bfloat16_and_shards_with_an_index(tmp_path):
   the float32 of those bf16 values; above max_shard_bytes the tensors go to numbered files
   with Hugging Face's index, read back bit for bit; an export in the other layout is not
   left beside a new one (refused without overwrite, removed with it)."""
-  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
+  cfg = family_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=32,
                               num_heads=4, mlp_dim=64, family="llama", num_kv_heads=2)
   params = _perturbed_init(cfg)
   output = str(tmp_path / "model.safetensors")
@@ -329,7 +330,7 @@ def test_bfloat16_and_shards_with_an_index(tmp_path):
 
 
 def test_load_exported_names_what_is_wrong(tmp_path):
-  cfg = model_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=1, d_model=32,
+  cfg = family_lib.ModelConfig(vocab_size=32, seq_len=16, num_layers=1, d_model=32,
                               num_heads=4, mlp_dim=64, family="llama")
   output = str(tmp_path / "model.safetensors")
   exported.write(output, cfg, model_lib.init_params(cfg, jax.random.key(0)))

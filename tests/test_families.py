@@ -10,6 +10,7 @@ import pytest
 from diloco_jax import config as config_lib
 from diloco_jax.loop import trainer
 from diloco_jax.models import layers
+from diloco_jax.models import family as family_lib
 from diloco_jax.models import model as model_lib
 from tests.multihost import simulate_trainer
 from tests.multihost import small_config
@@ -43,7 +44,7 @@ def test_trainer_equals_simulate(tmp_path, overrides):
 
 
 def test_llama_shapes_and_counts():
-  cfg = model_lib.ModelConfig(vocab_size=50, seq_len=8, num_layers=2, d_model=32, num_heads=4,
+  cfg = family_lib.ModelConfig(vocab_size=50, seq_len=8, num_layers=2, d_model=32, num_heads=4,
                               mlp_dim=48, family="llama", num_kv_heads=2)
   params = model_lib.init_params(cfg, jax.random.key(0))
   block = params["block_0"]
@@ -60,8 +61,8 @@ def test_gpt_without_biases():
   nothing else; the default keeps them; the head has one only with `head_bias` (the
   params of earlier versions)."""
   base = dict(vocab_size=50, seq_len=8, num_layers=2, d_model=32, num_heads=4, mlp_dim=48)
-  with_bias = model_lib.ModelConfig(**base)
-  params = model_lib.init_params(model_lib.ModelConfig(**base, use_bias=False),
+  with_bias = family_lib.ModelConfig(**base)
+  params = model_lib.init_params(family_lib.ModelConfig(**base, use_bias=False),
                                  jax.random.key(0))
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   assert not [path for path, _ in leaves if "bias" in jax.tree_util.keystr(path)]
@@ -69,9 +70,9 @@ def test_gpt_without_biases():
   # per block: 2 LayerNorm biases, qkv, attn_out, mlp_in, mlp_out; ln_final
   biases = 2 * (2 * 32 + 3 * 32 + 32 + 48 + 32) + 32
   assert model_lib.count_params(params) == model_lib.num_params_of(with_bias) - biases
-  assert "bias" in model_lib.param_shapes(with_bias)["block_0"]["qkv"]
-  assert "bias" not in model_lib.param_shapes(with_bias)["head"]
-  earlier = model_lib.ModelConfig(**base, head_bias=True)
+  assert "bias" in family_lib.param_shapes(with_bias)["block_0"]["qkv"]
+  assert "bias" not in family_lib.param_shapes(with_bias)["head"]
+  earlier = family_lib.ModelConfig(**base, head_bias=True)
   assert model_lib.num_params_of(earlier) == model_lib.num_params_of(with_bias) + 50
 
 
@@ -80,8 +81,8 @@ def test_gqa_equals_attention_with_repeated_heads():
   heads are each repeated N/K times: an independent check of the head grouping."""
   base = dict(vocab_size=20, seq_len=8, num_layers=1, d_model=32, num_heads=4, mlp_dim=16,
               family="llama")
-  grouped = model_lib.ModelConfig(**base, num_kv_heads=2)
-  full = model_lib.ModelConfig(**base)
+  grouped = family_lib.ModelConfig(**base, num_kv_heads=2)
+  full = family_lib.ModelConfig(**base)
   params = model_lib.init_params(grouped, jax.random.key(1))
 
   def repeat(kernel_DxKH):  # heads [k0, k1] -> [k0, k0, k1, k1], as query heads are grouped
@@ -90,8 +91,8 @@ def test_gqa_equals_attention_with_repeated_heads():
   block = dict(params["block_0"])
   block.update({name: {"kernel": repeat(block[name]["kernel"])} for name in ("k", "v")})
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 20)
-  a = model_lib.build(grouped).apply({"params": params}, tokens)
-  b = model_lib.build(full).apply({"params": {**params, "block_0": block}}, tokens)
+  a = family_lib.build(grouped).apply({"params": params}, tokens)
+  b = family_lib.build(full).apply({"params": {**params, "block_0": block}}, tokens)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
@@ -147,7 +148,7 @@ def test_cpu_weight_gradients_contract_the_lhs_last_axis():
   """On XLA:CPU no product of the compiled train step contracts its lhs over the first
   axis (the form XLA cannot run on its fast matmul kernels; layers._weight_grad_cpu): with
   plain autodiff, every weight gradient of the model would."""
-  cfg = model_lib.ModelConfig(vocab_size=64, seq_len=32, num_layers=2, d_model=64,
+  cfg = family_lib.ModelConfig(vocab_size=64, seq_len=32, num_layers=2, d_model=64,
                               num_heads=4, mlp_dim=128, use_bias=False)
   params = model_lib.init_params(cfg, jax.random.key(0))
   batch = jnp.zeros((4, 33), jnp.int32)
@@ -158,13 +159,13 @@ def test_cpu_weight_gradients_contract_the_lhs_last_axis():
 
 @pytest.mark.slow
 def test_remat_changes_no_loss_or_gradient():
-  cfg = model_lib.ModelConfig(vocab_size=20, seq_len=8, num_layers=2, d_model=16, num_heads=2,
+  cfg = family_lib.ModelConfig(vocab_size=20, seq_len=8, num_layers=2, d_model=16, num_heads=2,
                               mlp_dim=32, family="llama")
   params = model_lib.init_params(cfg, jax.random.key(0))
   batch = jax.random.randint(jax.random.key(3), (2, 9), 0, 20)
   plain = jax.value_and_grad(model_lib.make_loss_fn(cfg))(params, batch)
   remat = jax.value_and_grad(model_lib.make_loss_fn(
-      model_lib.ModelConfig(**{**cfg.__dict__, "remat": "block"})))(params, batch)
+      family_lib.ModelConfig(**{**cfg.__dict__, "remat": "block"})))(params, batch)
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
 
@@ -224,20 +225,20 @@ def test_attention_auto_is_todays_on_cpu_and_cudnn_is_refused_where_it_cannot_ru
   tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 16)
   logits = {}
   for attention in ("auto", "xla"):
-    cfg = model_lib.ModelConfig(**base, attention=attention)
+    cfg = family_lib.ModelConfig(**base, attention=attention)
     params = model_lib.init_params(cfg, jax.random.key(1))
-    logits[attention] = model_lib.build(cfg).apply({"params": params}, tokens)
+    logits[attention] = family_lib.build(cfg).apply({"params": params}, tokens)
     assert model_lib.attention_kernel(cfg, "cpu") == "xla"
   np.testing.assert_array_equal(logits["auto"], logits["xla"])
-  cudnn = model_lib.ModelConfig(**base, attention="cudnn")
+  cudnn = family_lib.ModelConfig(**base, attention="cudnn")
   with pytest.raises(layers.AttentionError, match=r"^config.model.attention = 'cudnn': it "
                      r"runs on GPUs only \(this backend: cpu\); use 'auto'"):
     model_lib.attention_kernel(cudnn, "cpu")
   bf16 = dict(base, dtype=jnp.bfloat16)
-  assert model_lib.attention_kernel(model_lib.ModelConfig(**bf16), "gpu") == "cudnn"
-  assert model_lib.attention_kernel(model_lib.ModelConfig(**base), "gpu") == "xla"  # float32
+  assert model_lib.attention_kernel(family_lib.ModelConfig(**bf16), "gpu") == "cudnn"
+  assert model_lib.attention_kernel(family_lib.ModelConfig(**base), "gpu") == "xla"  # float32
   with pytest.raises(layers.AttentionError, match="bf16 or fp16 compute"):
     model_lib.attention_kernel(cudnn, "gpu")
   wide = dict(bf16, d_model=2 * 136, attention="cudnn")  # head size 136
   with pytest.raises(layers.AttentionError, match="multiple of 8 up to 128, not 136"):
-    model_lib.attention_kernel(model_lib.ModelConfig(**wide), "gpu")
+    model_lib.attention_kernel(family_lib.ModelConfig(**wide), "gpu")

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from diloco_jax.loop import checkpoint
+from diloco_jax.checkpoints import store
 from diloco_jax.loop import trainer
-from diloco_jax.loop import writers
+from diloco_jax.reporting import writers
 from diloco_jax.runtime import preemption
 from diloco_jax.runtime import workdir as workdir_lib
 from tests import multihost
@@ -57,11 +57,11 @@ def records(workdir):
 def test_unreadable_checkpoints_are_refused_every_time_until_restart_from_scratch(tmp_path):
   config = multihost.small_config(num_rounds=2)
   trainer.train_and_evaluate(config, str(tmp_path))
-  for meta in (tmp_path / checkpoint.CHECKPOINTS).glob("*/meta/metadata"):
+  for meta in (tmp_path / store.CHECKPOINTS).glob("*/meta/metadata"):
     meta.write_text("{not json")
   before = snapshot_files(tmp_path)
   for _ in range(2):  # the first attempt, and the same command again
-    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint .* could be read.*"
+    with pytest.raises(store.CheckpointError, match=r"no checkpoint .* could be read.*"
                        r"left where they are.*--restart_from_scratch"):
       trainer.train_and_evaluate(config, str(tmp_path))
     assert snapshot_files(tmp_path) == before  # nothing moved, nothing rewritten
@@ -82,7 +82,7 @@ def test_unreadable_checkpoints_are_refused_every_time_until_restart_from_scratc
 def test_second_run_on_a_live_workdir_is_refused_and_a_stale_lock_is_not(tmp_path):
   first = multihost.start(train_cmd(tmp_path, "--config.checkpoint.keep=1000"))
   read_until(first, "round   3/200")
-  ckpts = tmp_path / checkpoint.CHECKPOINTS
+  ckpts = tmp_path / store.CHECKPOINTS
   finished = lambda: {d.name: snapshot_files(d) for d in ckpts.iterdir() if d.name.isdigit()}
   before = finished()  # complete checkpoints, which orbax never changes again
   second = subprocess.run(train_cmd(tmp_path, "--config.num_rounds=3"), cwd=multihost.REPO,
@@ -162,7 +162,7 @@ def test_full_disk_names_the_checkpoint_and_keeps_the_one_before(tmp_path):
     assert last.startswith("Checkpoint error: checkpoint 2 needs about"), proc.stderr[-3000:]
     assert "free: not written" in last and "Traceback" not in proc.stderr
     assert "host" not in last.split("free")[0]  # one host: no word of another host
-    kept = mount / "run" / checkpoint.CHECKPOINTS
+    kept = mount / "run" / store.CHECKPOINTS
     assert sorted(p.name for p in kept.iterdir() if p.name.isdigit()) == ["1"]
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(mount / "run"), str(copy)], check=True)

@@ -4,16 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax.models import family
+
 from diloco_jax.models import model as model_lib
 
-CFG = model_lib.ModelConfig(vocab_size=17, seq_len=12, num_layers=2, d_model=32, num_heads=4,
+CFG = family.ModelConfig(vocab_size=17, seq_len=12, num_layers=2, d_model=32, num_heads=4,
                           mlp_dim=64)
 
 
 def test_causal():
   """Changing token j changes no logits before position j."""
   params = model_lib.init_params(CFG, jax.random.key(0))
-  model = model_lib.build(CFG)
+  model = family.build(CFG)
   tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len), 0, CFG.vocab_size)
   changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % CFG.vocab_size)
   a = model.apply({"params": params}, tokens)
@@ -24,11 +26,11 @@ def test_causal():
 
 
 def test_params_float32_with_bf16_compute():
-  cfg = model_lib.ModelConfig(**{**CFG.__dict__, "dtype": jnp.bfloat16})
+  cfg = family.ModelConfig(**{**CFG.__dict__, "dtype": jnp.bfloat16})
   params = model_lib.init_params(cfg, jax.random.key(0))
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-  assert model_lib.build(cfg).apply({"params": params}, tokens).dtype == jnp.float32
+  assert family.build(cfg).apply({"params": params}, tokens).dtype == jnp.float32
   loss = model_lib.make_loss_fn(cfg)(params, jnp.zeros((2, cfg.seq_len + 1), jnp.int32))
   assert jnp.isfinite(loss)
 

@@ -20,10 +20,11 @@ import safetensors.numpy
 from diloco_jax import config as config_lib
 from diloco_jax import export as export_lib
 from diloco_jax.corpus import tokenizer as tokenizer_lib
-from diloco_jax.loop import sampling
-from diloco_jax.loop import trained as trained_lib
+from diloco_jax.readback import sampling
+from diloco_jax.readback import trained as trained_lib
 from diloco_jax.loop import trainer
 from diloco_jax.models import exported
+from diloco_jax.models import family as family_lib
 from diloco_jax.models import model as model_lib
 from diloco_jax.models import pretrained
 from tests.multihost import small_config
@@ -74,12 +75,12 @@ def hf(tmp_path_factory):
                                transformers=transformers)
 
 
-def _model(directory: str, corpus_vocab: int) -> model_lib.ModelConfig:
+def _model(directory: str, corpus_vocab: int) -> family_lib.ModelConfig:
   config = config_lib.get_default_config()
   config.model.init_from, config.model.seq_len = directory, 16
   config.data.vocab_size = corpus_vocab
   config = pretrained.resolved(config, announce=False)
-  return model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
+  return family_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
 
 
 def _hf_logits(hf, directory: str, tokens: np.ndarray) -> np.ndarray:
@@ -89,7 +90,7 @@ def _hf_logits(hf, directory: str, tokens: np.ndarray) -> np.ndarray:
 
 
 def _ours(cfg, params, tokens) -> np.ndarray:
-  return np.asarray(model_lib.build(cfg).apply({"params": params}, tokens))
+  return np.asarray(family_lib.build(cfg).apply({"params": params}, tokens))
 
 
 def _saved(directory: str, cfg) -> dict[str, np.ndarray]:
@@ -197,7 +198,7 @@ def test_continued_pretraining_generates_as_sample(hf, tmp_path):
 
 def _dir(tmp_path, name: str, cfg=None, **change) -> str:
   """A model directory written by our export (Hugging Face's layout), config.json changed."""
-  cfg = cfg or model_lib.ModelConfig(vocab_size=40, seq_len=16, num_layers=1, d_model=16,
+  cfg = cfg or family_lib.ModelConfig(vocab_size=40, seq_len=16, num_layers=1, d_model=16,
                                      num_heads=2, mlp_dim=32, family="gpt")
   directory = tmp_path / name
   exported.write(str(directory / "model.safetensors"), cfg,
@@ -212,7 +213,7 @@ def test_bad_model_directories_one_line_each(tmp_path):
     config = small_config(**{"model.init_from": directory, **fields})
     with pytest.raises(pretrained.PretrainedError) as e:
       config = pretrained.resolved(config, announce=False)
-      pretrained.params(directory, model_lib.ModelConfig.from_config(config.model, 16))
+      pretrained.params(directory, family_lib.ModelConfig.from_config(config.model, 16))
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -239,7 +240,7 @@ def test_bad_model_directories_one_line_each(tmp_path):
   os.remove(os.path.join(good, "model.safetensors"))
   assert "no model.safetensors nor model.safetensors.index.json" in error(good)
   # a model flag on the command line that contradicts config.json: the train command's line
-  llama = _dir(tmp_path, "llama", model_lib.ModelConfig(
+  llama = _dir(tmp_path, "llama", family_lib.ModelConfig(
       vocab_size=300, seq_len=16, num_layers=1, d_model=16, num_heads=2, mlp_dim=32,
       family="llama"))
   result = subprocess.run(

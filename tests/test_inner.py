@@ -17,12 +17,13 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from diloco_jax import config as config_lib
     from diloco_jax.device import inner
+    from diloco_jax.models import family
     from diloco_jax.models import model as model_lib
     from diloco_jax.algo import optim
     from diloco_jax.algo import state as state_lib
 
     def run(grad_accum_steps):
-      cfg = model_lib.ModelConfig(vocab_size=11, seq_len=8, num_layers=1, d_model=16,
+      cfg = family.ModelConfig(vocab_size=11, seq_len=8, num_layers=1, d_model=16,
                                 num_heads=2, mlp_dim=32)
       opt = optim.inner_optimizer(config_lib.get_default_config().inner, 10)
       mesh = inner.local_mesh()

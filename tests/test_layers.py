@@ -9,7 +9,6 @@ and runs in well under a second.
 from __future__ import annotations
 
 import ast
-import json
 import pathlib
 import subprocess
 import sys
@@ -24,14 +23,15 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "diloco_jax"
 # module) and from any unit of a lower layer; units of one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("diloco_jax", "train", "prepare", "sample", "export", "plan"),  # entry points, the root
-    ("loop",),
+    ("loop", "readback"),
+    ("checkpoints", "reporting"),
     ("modes",),
     ("wire", "data", "device"),
     ("runtime",),
     ("config",),
     ("planning",),
     ("algo", "models", "corpus"),
-    ("errors", "units", "digest", "_version", "_moved"),
+    ("errors", "units", "digest", "_version"),
 )
 MAX_LINES = 400
 
@@ -176,57 +176,13 @@ def test_the_contract_catches_a_cycle_through_a_deferred_import(tmp_path):
   assert cycles(graph(root)) == [["diloco_jax.models.exported", "diloco_jax.models.model"]]
 
 
-OLD_NAMES = {  # an attribute of each old module that lives elsewhere now
-    "model": "ModelConfig", "gpt": "GPT", "distributed": "Preemption",
-    "elastic": "ElasticCollective", "metrics": "format_bytes", "trainer": "Trainer",
-    "streaming": "model_fragment_ids", "corpus_reader": "open_corpus", "inner": "ReplicaStep",
-    "data": "markov_chain", "corpus": "SplitWriter",
-}
-
-_OLD_PATHS_SCRIPT = """
-import importlib, json, sys, warnings
-from diloco_jax import _moved
-from diloco_jax.models import model
-names = json.loads(sys.argv[1])
-out = {}
-for old in [*_moved.MOVED, *_moved.SHADOWED]:
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    module = importlib.import_module("diloco_jax." + old)
-    value = getattr(module, names[old]) if old in names else module
-  out[old] = [value is not None, [str(w.message) for w in caught
-                                  if w.category is DeprecationWarning]]
-out["factory"] = model.import_factory("diloco_jax.gpt:GPT").__name__
-print(json.dumps(out))
-"""
-
-
-def test_old_import_paths_still_import_with_a_deprecation_warning():
-  """Every module path of the flat layout imports (in a fresh process: nothing cached),
-  warns once with where it moved, and gives the names it had, a config's model module
-  "diloco_jax.gpt:GPT" included."""
-  done = subprocess.run([sys.executable, "-c", _OLD_PATHS_SCRIPT, json.dumps(OLD_NAMES)],
-                        capture_output=True, text=True, check=True,
-                        cwd=PACKAGE.parent)
-  result = json.loads(done.stdout.strip().splitlines()[-1])
-  assert result.pop("factory") == "GPT"
-  for old, (found, warned) in result.items():
-    assert found, old
-    assert warned and all(f"diloco_jax.{old}" in w and "moved to" in w for w in warned), old
-
-
-def test_the_changelog_lists_every_old_path():
-  changelog = (PACKAGE.parent / "CHANGELOG.md").read_text()
-  for old, new in _moved_table().items():
-    row = f"| `diloco_jax.{old}` | " + ", ".join(f"`diloco_jax.{n}`" for n in new) + " |"
-    assert row in changelog, row
-
-
-def _moved_table() -> dict[str, tuple[str, ...]]:
-  """_moved's tables, read without importing the package (it would import jax)."""
-  tree = ast.parse((PACKAGE / "_moved.py").read_text())
-  tables = {}
-  for node in tree.body:
-    if isinstance(node, ast.AnnAssign) and node.target.id in ("MOVED", "SHADOWED"):
-      tables.update(ast.literal_eval(node.value))
-  return tables
+def test_importing_the_package_starts_nothing():
+  """A library import runs no jax and never starts the interpreter again (the trainer's
+  huge-page re-exec belongs to `python -m diloco_jax.train` alone): run again, a process
+  would print its first line twice."""
+  script = ("import sys; print('before', flush=True); import diloco_jax, diloco_jax.loop, "
+            "diloco_jax.checkpoints, diloco_jax.reporting, diloco_jax.readback; "
+            "print('jax' in sys.modules)")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        check=True, cwd=PACKAGE.parent)
+  assert done.stdout.split() == ["before", "False"]

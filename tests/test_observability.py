@@ -15,10 +15,10 @@ from jax.profiler import ProfileData
 from tensorboard.backend.event_processing import event_accumulator
 
 from diloco_jax import config as config_lib
-from diloco_jax.loop import metrics
-from diloco_jax.loop import profiling
+from diloco_jax.reporting import metrics
+from diloco_jax.reporting import profiling
 from diloco_jax.loop import trainer
-from diloco_jax.loop import writers
+from diloco_jax.reporting import writers
 from tests.multihost import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

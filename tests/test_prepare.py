@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import prepare
-from diloco_jax.corpus import format as corpus
+from diloco_jax.corpus import format as corpus_format
 from diloco_jax.corpus import sources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def read_split(out, manifest, split):
     raw = (out / shard["file"]).read_bytes()
     assert shard["sha256"] == hashlib.sha256(raw).hexdigest()
     assert len(raw) == shard["tokens"] * itemsize
-    tokens, offsets = corpus.load_shard(str(out), shard, manifest["dtype"])
+    tokens, offsets = corpus_format.load_shard(str(out), shard, manifest["dtype"])
     assert offsets[0] == 0 and offsets[-1] == len(tokens) and np.all(np.diff(offsets) > 0)
     assert len(offsets) == shard["documents"] + 1
     docs += [np.array(tokens[offsets[d]:offsets[d + 1]]) for d in range(len(offsets) - 1)]
@@ -148,7 +148,7 @@ def check_corpus(out, texts, *, fraction=0.1, seed=0, shard_tokens=None, decode=
     assert entry["bytes"] == sum(len(t.encode()) for t in expected)
     if shard_tokens:  # cut at the document that brings a shard to shard_tokens
       for shard in entry["shards"][:-1]:
-        tokens, offsets = corpus.load_shard(str(out), shard, manifest["dtype"])
+        tokens, offsets = corpus_format.load_shard(str(out), shard, manifest["dtype"])
         assert len(tokens) >= shard_tokens > offsets[-2]
   assert 0 < sum(drawn) < len(texts)  # the draw gave both splits documents
   assert manifest["eval"] == {"fraction": fraction, "max_documents": None, "seed": seed}
@@ -300,12 +300,12 @@ def test_rerun_is_a_no_op_until_something_changes(tmp_path, capsys):
 KILLED_AFTER_FIRST_SHARD = """
 import os, signal, sys
 from diloco_jax import prepare
-from diloco_jax.corpus import format as corpus
-close = corpus.SplitWriter._close
+from diloco_jax.corpus import format as corpus_format
+close = corpus_format.SplitWriter._close
 def close_and_die(self):
   close(self)
   os.kill(os.getpid(), signal.SIGKILL)
-corpus.SplitWriter._close = close_and_die
+corpus_format.SplitWriter._close = close_and_die
 sys.exit(prepare.main(sys.argv[1:]))
 """
 

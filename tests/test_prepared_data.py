@@ -25,10 +25,11 @@ import pytest
 from diloco_jax import config as config_lib
 from diloco_jax.data import files as data_files
 from diloco_jax.data import pipeline as data_lib
-from diloco_jax.data import prepared as corpus_reader
-from diloco_jax.loop import checkpoint
+from diloco_jax.data import prepared as prepared_corpus
+from diloco_jax.checkpoints import store
 from diloco_jax.loop import trainer
 from diloco_jax.models import exported
+from diloco_jax.models import family as family_lib
 from diloco_jax.models import model as model_lib
 from diloco_jax.runtime import preemption
 from tests import multihost
@@ -204,7 +205,7 @@ def test_spec_bytes_per_token_and_unigram(prepared, documents):
 def test_unigram_of_a_large_corpus_is_sampled(prepared, monkeypatch):
   """Past UNIGRAM_SAMPLE tokens, evenly spaced chunks: close to the whole split's figure."""
   whole = host_data(data_config(prepared)).spec.unigram_loss
-  monkeypatch.setattr(corpus_reader, "UNIGRAM_SAMPLE", 64 * 200)
+  monkeypatch.setattr(prepared_corpus, "UNIGRAM_SAMPLE", 64 * 200)
   sampled = host_data(data_config(prepared)).spec.unigram_loss
   assert sampled != whole and sampled == pytest.approx(whole, abs=0.05)
 
@@ -253,7 +254,7 @@ def test_preempted_run_resumes_bit_identically(prepared, tmp_path, monkeypatch):
 
 
 # A pretrained model of its own shape, and a vocabulary of 3 more tokens than the corpus's.
-GPT2 = model_lib.ModelConfig(vocab_size=VOCAB + 3, seq_len=16, num_layers=2, d_model=32,
+GPT2 = family_lib.ModelConfig(vocab_size=VOCAB + 3, seq_len=16, num_layers=2, d_model=32,
                              num_heads=2, mlp_dim=64, family="gpt", tie_embeddings=True)
 
 
@@ -305,7 +306,7 @@ def test_sigkill_restart_resumes_bit_identically(prepared, tmp_path):
   assert run["init_from"]["path"] == model
   assert run["num_params"] == model_lib.num_params_of(GPT2)
   launcher = launch(tmp_path / "run", prepared, max_restarts=1, init_from=model)
-  ckpts = tmp_path / "run" / checkpoint.CHECKPOINTS
+  ckpts = tmp_path / "run" / store.CHECKPOINTS
   deadline = time.monotonic() + 180
   while not (ckpts.is_dir() and any(d.isdigit() and int(d) >= 3 for d in os.listdir(ckpts))):
     assert launcher.poll() is None and time.monotonic() < deadline, \

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from diloco_jax.runtime import cluster as distributed
+from diloco_jax.runtime import cluster
 from diloco_jax.runtime import hostmem
 from diloco_jax.wire import collective
 from diloco_jax.wire import dispatch
@@ -57,37 +57,37 @@ def test_single_host_needs_no_flags(monkeypatch):
   for var in ("DILOCO_COORDINATOR_ADDRESS", "DILOCO_NUM_HOSTS", "DILOCO_HOST_ID",
               "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
     monkeypatch.delenv(var, raising=False)
-  assert distributed.initialize(distributed.Cluster()) is False
-  assert distributed.initialize(distributed.Cluster(num_hosts=1)) is False
+  assert cluster.initialize(cluster.Cluster()) is False
+  assert cluster.initialize(cluster.Cluster(num_hosts=1)) is False
 
 
 def test_cluster_from_environment(monkeypatch):
   monkeypatch.setenv("DILOCO_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.setenv("DILOCO_NUM_HOSTS", "4")
   monkeypatch.setenv("DILOCO_HOST_ID", "3")
-  c = distributed.Cluster(host_id=2).resolved()  # a flag wins over the environment
+  c = cluster.Cluster(host_id=2).resolved()  # a flag wins over the environment
   assert (c.coordinator_address, c.num_hosts, c.host_id) == ("10.0.0.1:1234", 4, 2)
   monkeypatch.setenv("DILOCO_NUM_HOSTS", "four")
-  with pytest.raises(distributed.StartupError, match="DILOCO_NUM_HOSTS='four'"):
-    distributed.Cluster().resolved()
+  with pytest.raises(cluster.StartupError, match="DILOCO_NUM_HOSTS='four'"):
+    cluster.Cluster().resolved()
 
 
-@pytest.mark.parametrize("cluster, message", [
-    (distributed.Cluster("127.0.0.1:1", num_hosts=2, host_id=2), "--host_id=2"),
-    (distributed.Cluster("127.0.0.1:1", num_hosts=0, host_id=0), "--num_hosts=0"),
-    (distributed.Cluster("127.0.0.1:1", 2, 0, initialization_timeout=0),
+@pytest.mark.parametrize("spec, message", [
+    (cluster.Cluster("127.0.0.1:1", num_hosts=2, host_id=2), "--host_id=2"),
+    (cluster.Cluster("127.0.0.1:1", num_hosts=0, host_id=0), "--num_hosts=0"),
+    (cluster.Cluster("127.0.0.1:1", 2, 0, initialization_timeout=0),
      "--initialization_timeout=0"),
 ])
-def test_bad_cluster_flags(cluster, message):
-  with pytest.raises(distributed.StartupError, match=message):
-    distributed.initialize(cluster)
+def test_bad_cluster_flags(spec, message):
+  with pytest.raises(cluster.StartupError, match=message):
+    cluster.initialize(spec)
 
 
 def test_differing_fields():
   a = {"config.outer.lr": 0.7, "config.seed": 0, "diloco_jax": "0.1.0"}
   b = {"config.outer.lr": 0.5, "config.seed": 0, "diloco_jax": "0.2.0"}
-  assert distributed.differing_fields([a, a]) == {}
-  assert distributed.differing_fields([a, b, a]) == {
+  assert cluster.differing_fields([a, a]) == {}
+  assert cluster.differing_fields([a, b, a]) == {
       "config.outer.lr": [0.7, 0.5, 0.7], "diloco_jax": ["0.1.0", "0.2.0", "0.1.0"]}
 
 
@@ -105,9 +105,9 @@ def test_pack_unpack_round_trip():
 COLLECTIVE_HOST = textwrap.dedent("""
     import sys
     import numpy as np
-    from diloco_jax.runtime import cluster as distributed
+    from diloco_jax.runtime import cluster
     host, port = int(sys.argv[1]), sys.argv[2]
-    distributed.initialize(distributed.Cluster(f"127.0.0.1:{port}", 3, host,
+    cluster.initialize(cluster.Cluster(f"127.0.0.1:{port}", 3, host,
                                                initialization_timeout=60))
     from diloco_jax.wire import collective
     c = collective.make_collective()

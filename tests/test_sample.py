@@ -10,10 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import sample
 from diloco_jax.corpus import tokenizer as tokenizer_lib
 from diloco_jax.loop import trainer
+from diloco_jax.models import family as family_lib
 from diloco_jax.models import model as model_lib
+from diloco_jax.readback import sampling
+from diloco_jax.readback import trained
 from tests.multihost import small_config
 from tests.test_prepared_data import corpus_documents
 from tests.test_prepared_data import write_prepared
@@ -57,10 +59,10 @@ def bytes_run(tmp_path_factory):
 def test_cache_equals_recompute(family, kv_heads, module):
   """Greedy decoding with the KV cache = recomputing the window every step, token for
   token (a module of your own, here the gpt family by name, always recomputes)."""
-  cfg = model_lib.ModelConfig(**TINY, family=family, num_kv_heads=kv_heads)
+  cfg = family_lib.ModelConfig(**TINY, family=family, num_kv_heads=kv_heads)
   params = model_lib.init_params(cfg, jax.random.key(0))
-  cached = sample.generate(cfg, params, PROMPT, max_new_tokens=20, temperature=0)
-  recomputed = sample.generate(model_lib.ModelConfig(**TINY, family=family,
+  cached = sampling.generate(cfg, params, PROMPT, max_new_tokens=20, temperature=0)
+  recomputed = sampling.generate(family_lib.ModelConfig(**TINY, family=family,
                                                      num_kv_heads=kv_heads, module=module),
                                params, PROMPT, max_new_tokens=20, temperature=0,
                                use_cache=False)
@@ -70,9 +72,9 @@ def test_cache_equals_recompute(family, kv_heads, module):
 
 
 def test_seeded_sampling_repeats():
-  cfg = model_lib.ModelConfig(**TINY, family="llama", num_kv_heads=2)
+  cfg = family_lib.ModelConfig(**TINY, family="llama", num_kv_heads=2)
   params = model_lib.init_params(cfg, jax.random.key(0))
-  draw = lambda seed: sample.generate(cfg, params, PROMPT, max_new_tokens=20,
+  draw = lambda seed: sampling.generate(cfg, params, PROMPT, max_new_tokens=20,
                                       temperature=1.0, top_k=5, seed=seed, num_samples=3)
   a, b, c = draw(7), draw(7), draw(8)
   np.testing.assert_array_equal(a, b)
@@ -83,10 +85,10 @@ def test_seeded_sampling_repeats():
 def test_top_k_and_greedy():
   logits_BxV = jax.random.normal(jax.random.key(0), (256, 32))
   top5_Bx5 = np.argsort(np.asarray(logits_BxV), axis=-1)[:, -5:]
-  drawn_B = np.asarray(sample._pick(logits_BxV, jax.random.key(1), 5.0, 5))
+  drawn_B = np.asarray(sampling._pick(logits_BxV, jax.random.key(1), 5.0, 5))
   assert all(t in row for t, row in zip(drawn_B, top5_Bx5))
   assert len(set(drawn_B.tolist())) > 5  # the rows draw different tokens
-  greedy_B = sample._pick(logits_BxV, jax.random.key(1), 0.0, 5)
+  greedy_B = sampling._pick(logits_BxV, jax.random.key(1), 0.0, 5)
   np.testing.assert_array_equal(greedy_B, top5_Bx5[:, -1])
 
 
@@ -123,11 +125,11 @@ def test_cli_prepared_run(tmp_path):
   lines = proc.stdout.splitlines()
   assert len(lines) == 4 and "sample 1 of 2" in lines[0] and "sample 2 of 2" in lines[2]
   assert lines[1].startswith("<t0001.") and lines[1] == lines[3]  # greedy: the same twice
-  config = sample.trained_lib.load(workdir).config
-  assert sample.prompt_ids(sample.codec_of(config), "") == [256]  # EOS starts a document
+  config = trained.load(workdir).config
+  assert sampling.prompt_ids(sampling.codec_of(config), "") == [256]  # EOS starts a document
   os.rename(corpus, corpus + ".moved")
-  with pytest.raises(sample.SampleError, match=f"{corpus}/manifest.json is missing"):
-    sample.codec_of(config)
+  with pytest.raises(sampling.SampleError, match=f"{corpus}/manifest.json is missing"):
+    sampling.codec_of(config)
 
 
 def test_prepared_bpe_codec(tmp_path):
@@ -139,18 +141,18 @@ def test_prepared_bpe_codec(tmp_path):
   (tmp_path / "corpus" / "manifest.json").write_text(
       f'{{"vocab_size": {spec.vocab_size}, "eos_id": {spec.eos_id}, '
       '"tokenizer": {"kind": "bpe", "file": "tokenizer.json"}}')
-  codec = sample._prepared_codec(str(tmp_path / "corpus"), spec.vocab_size)
-  ids = sample.prompt_ids(codec, "the quick")
+  codec = sampling._prepared_codec(str(tmp_path / "corpus"), spec.vocab_size)
+  ids = sampling.prompt_ids(codec, "the quick")
   assert codec.decode(ids) == "the quick"
   rest = codec.encode(" brown fox naïve")
-  assert sample.continuation(codec, ids, rest + [spec.eos_id] + rest) == " brown fox naïve"
-  assert sample.prompt_ids(codec, "") == [spec.eos_id]
+  assert sampling.continuation(codec, ids, rest + [spec.eos_id] + rest) == " brown fox naïve"
+  assert sampling.prompt_ids(codec, "") == [spec.eos_id]
   (tmp_path / "corpus" / "tokenizer.json").write_text("{")
-  with pytest.raises(sample.SampleError, match="tokenizer.json cannot be read"):
-    sample._prepared_codec(str(tmp_path / "corpus"), spec.vocab_size)
+  with pytest.raises(sampling.SampleError, match="tokenizer.json cannot be read"):
+    sampling._prepared_codec(str(tmp_path / "corpus"), spec.vocab_size)
   os.remove(tmp_path / "corpus" / "tokenizer.json")
-  with pytest.raises(sample.SampleError, match="tokenizer.json .* is missing"):
-    sample._prepared_codec(str(tmp_path / "corpus"), spec.vocab_size)
+  with pytest.raises(sampling.SampleError, match="tokenizer.json .* is missing"):
+    sampling._prepared_codec(str(tmp_path / "corpus"), spec.vocab_size)
 
 
 def test_prepared_sentencepiece_codec(tmp_path):
@@ -161,21 +163,21 @@ def test_prepared_sentencepiece_codec(tmp_path):
   (tmp_path / "manifest.json").write_text(
       '{"vocab_size": 36, "eos_id": 2, "tokenizer": {"kind": "sentencepiece", '
       '"file": "tokenizer.model"}}')
-  codec = sample._prepared_codec(str(tmp_path), 36)
-  ids = sample.prompt_ids(codec, "the quick")
+  codec = sampling._prepared_codec(str(tmp_path), 36)
+  ids = sampling.prompt_ids(codec, "the quick")
   rest = np.array(codec.encode("the lazy dog") + [2, 5], np.int32)  # as generate returns
-  assert sample.continuation(codec, ids, rest) == " the lazy dog"
+  assert sampling.continuation(codec, ids, rest) == " the lazy dog"
 
 
 def test_ids_prompt_checked():
-  codec = sample.codec_of(small_config().lock())
-  assert sample.prompt_ids(codec, " 3 4  5") == [3, 4, 5]
-  with pytest.raises(sample.SampleError, match="--prompt is empty"):
-    sample.prompt_ids(codec, "")
-  with pytest.raises(sample.SampleError, match="token ids"):
-    sample.prompt_ids(codec, "hello")
-  cfg = model_lib.ModelConfig(**TINY)
-  with pytest.raises(sample.SampleError, match="token 40 is not in the model's vocabulary"):
-    sample.generate(cfg, {}, [1, 40], max_new_tokens=3)
-  with pytest.raises(sample.SampleError, match="--max_new_tokens=30 or less"):
-    sample.generate(cfg, {}, [1, 2], max_new_tokens=31)
+  codec = sampling.codec_of(small_config().lock())
+  assert sampling.prompt_ids(codec, " 3 4  5") == [3, 4, 5]
+  with pytest.raises(sampling.SampleError, match="--prompt is empty"):
+    sampling.prompt_ids(codec, "")
+  with pytest.raises(sampling.SampleError, match="token ids"):
+    sampling.prompt_ids(codec, "hello")
+  cfg = family_lib.ModelConfig(**TINY)
+  with pytest.raises(sampling.SampleError, match="token 40 is not in the model's vocabulary"):
+    sampling.generate(cfg, {}, [1, 40], max_new_tokens=3)
+  with pytest.raises(sampling.SampleError, match="--max_new_tokens=30 or less"):
+    sampling.generate(cfg, {}, [1, 2], max_new_tokens=31)

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from diloco_jax.runtime import cluster as distributed
+from diloco_jax.runtime import cluster
 from diloco_jax.runtime import security
 from diloco_jax.wire import integrity
 
@@ -57,9 +57,9 @@ def test_malformed_coordinator_address(address, no_sockets):
 def test_public_coordinator_is_refused_before_jax_distributed_starts(monkeypatch):
   def started(**kwargs):
     raise AssertionError("jax.distributed.initialize ran before the address check")
-  monkeypatch.setattr(distributed.jax.distributed, "initialize", started)
-  with pytest.raises(distributed.StartupError, match="203.0.113.5:61000 is a public address"):
-    distributed.initialize(distributed.Cluster(
+  monkeypatch.setattr(cluster.jax.distributed, "initialize", started)
+  with pytest.raises(cluster.StartupError, match="203.0.113.5:61000 is a public address"):
+    cluster.initialize(cluster.Cluster(
         coordinator_address="203.0.113.5:61000", num_hosts=2, host_id=0))
 
 

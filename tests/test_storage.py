@@ -17,10 +17,10 @@ import pytest
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.data import pipeline as data_lib
-from diloco_jax.loop import checkpoint
-from diloco_jax.loop import recovery
-from diloco_jax.loop import resize
-from diloco_jax.loop import treebytes
+from diloco_jax.checkpoints import store
+from diloco_jax.checkpoints import recovery
+from diloco_jax.checkpoints import resize
+from diloco_jax.checkpoints import treebytes
 from diloco_jax.runtime import workdir as workdir_lib
 from tests import multihost
 
@@ -57,14 +57,14 @@ def test_the_plan_resumes_from_the_newest_round_every_holder_holds():
 
 
 def test_the_plan_refuses_what_it_cannot_resume_safely():
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(store.CheckpointError,
                      match=r"round 5: hosts 0, 2: sha256 0{12}; host 1: sha256 f{12}\. "):
     recovery.plan([(held(0, 5), []), (held(1, 5, sha="f" * 64), []), (held(2, 5), [])])
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(store.CheckpointError,
                      match=r"^host 1: checkpoints of another run \(run cdcdcdcd, "
                            r"rounds \[3\]\) than hosts 0, 2 \(run abababab\)"):
     recovery.plan([(held(0, 5), []), (held(1, 3, run=OTHER), []), (held(2, 5), [])])
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(store.CheckpointError,
                      match=r"no host in this job holds a usable checkpoint to resume or heal "
                            r"from: host 1 cannot read rounds \[4, 3\]"):
     recovery.plan([([], []), ([], [4, 3])])
@@ -133,7 +133,7 @@ def test_after_a_host_count_change_every_replica_reads_a_disjoint_new_shard(tmp_
   world = resize.World(4, 3, ())
   assert world.changed and world.partial
   assert "cut into 6 shards" in world.message(9, replicas_per_host=2, inflight=True)
-  with pytest.raises(checkpoint.CheckpointError, match="mode 'eager' keeps an outer state"):
+  with pytest.raises(store.CheckpointError, match="mode 'eager' keeps an outer state"):
     resize.check_mode(resize.World(2, 2, (1,)), "eager", "checkpoint 3")
   resize.check_mode(resize.World(2, 2, ()), "eager", "checkpoint 3")
 
@@ -179,21 +179,21 @@ def test_hosts_find_out_whether_they_share_the_workdir(tmp_path, dirs, shared):
 def test_a_save_that_hangs_stops_the_run_within_its_timeout(tmp_path, monkeypatch):
   """A host's own save never waits for a peer; one whose disk hangs fails after
   config.checkpoint.timeout with one line, the checkpoints before it intact."""
-  from diloco_jax.loop import local_checkpoint
+  from diloco_jax.checkpoints import per_host
   from diloco_jax.wire import collective as collective_lib
-  ckpt = local_checkpoint.LocalCheckpointer(str(tmp_path), keep=2, dispatcher=None,
+  ckpt = per_host.LocalCheckpointer(str(tmp_path), keep=2, dispatcher=None,
                                             collective=collective_lib.LocalCollective(),
                                             timeout=1)
-  snap = checkpoint.Snapshot(1, {"anchor": np.arange(4, dtype=np.float32)},
+  snap = store.Snapshot(1, {"anchor": np.arange(4, dtype=np.float32)},
                              {"replicas": np.ones((2, 3), np.float32)}, {"round": 1})
   ckpt.save(snap)
   ckpt.wait()
   assert ckpt.steps() == [1]
   hang = threading.Event()
-  monkeypatch.setattr(local_checkpoint.treebytes, "write", lambda *_: hang.wait())
-  ckpt.save(checkpoint.Snapshot(2, snap.shared, snap.own, {"round": 2}))
+  monkeypatch.setattr(per_host.treebytes, "write", lambda *_: hang.wait())
+  ckpt.save(store.Snapshot(2, snap.shared, snap.own, {"round": 2}))
   t = time.monotonic()
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(store.CheckpointError,
                      match=r"^checkpoint 2 was not on disk in .* after 1 s \(config.checkpoint"
                            r".timeout\): the disk may hang. The checkpoints before it are intact$"):
     ckpt.wait()

@@ -7,8 +7,9 @@ import optax
 import pytest
 
 import diloco_jax
-from diloco_jax.algo import fragments as streaming
+from diloco_jax.algo import fragments
 from diloco_jax.loop import trainer
+from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
 from tests import multihost
 
@@ -97,24 +98,24 @@ def test_two_fragments_by_hand(tau, alpha):
 
 
 def test_schedule_and_bad_settings():
-  ev = streaming.events(num_rounds=2, h=4, num_fragments=2, tau=1)
+  ev = fragments.events(num_rounds=2, h=4, num_fragments=2, tau=1)
   assert ev == {4: [("send", 0)], 5: [("receive", 0)], 6: [("send", 1)],
                 7: [("receive", 1)], 8: [("send", 0), ("receive", 0)]}
   with pytest.raises(ValueError, match="divisible"):
-    streaming.events(2, 5, 2, 0)
+    fragments.events(2, 5, 2, 0)
   with pytest.raises(ValueError, match="overlap"):
-    streaming.events(2, 4, 2, 2)
+    fragments.events(2, 4, 2, 2)
 
 
 def test_model_fragments():
-  cfg = model_lib.ModelConfig(vocab_size=16, num_layers=4, d_model=8, num_heads=2, mlp_dim=16,
+  cfg = family.ModelConfig(vocab_size=16, num_layers=4, d_model=8, num_heads=2, mlp_dim=16,
                             seq_len=8)
   params = model_lib.init_params(cfg, jax.random.key(0))
-  strided = streaming.model_fragment_ids(params, 2)
+  strided = fragments.model_fragment_ids(params, 2)
   assert {strided[f"block_{i}"]["mlp_in"]["kernel"] for i in (0, 2)} == {0}
   assert {strided[f"block_{i}"]["mlp_in"]["kernel"] for i in (1, 3)} == {1}
   assert strided["embed"]["embedding"] == strided["head"]["kernel"] == 0
-  sequential = streaming.model_fragment_ids(params, 2, "sequential")
+  sequential = fragments.model_fragment_ids(params, 2, "sequential")
   assert [sequential[f"block_{i}"]["ln_mlp"]["scale"] for i in range(4)] == [0, 0, 1, 1]
 
 
@@ -165,7 +166,7 @@ def test_trainer_robust_aggregation_ignores_a_poisoned_replica(tmp_path, aggrega
   poisoned = trainer.train_and_evaluate(
       config, str(tmp_path / "poisoned"),
       pseudo_gradient_hook=multihost.poisoned(replica=4, value=1e6))
-  init = model_lib.init_params(model_lib.ModelConfig.from_config(config.model, 16),
+  init = model_lib.init_params(family.ModelConfig.from_config(config.model, 16),
                                jax.random.key(config.seed))
   norm = lambda tree: np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
                                   for x in jax.tree.leaves(tree)))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from diloco_jax.data import pipeline as data_lib
-from diloco_jax.loop import trained
+from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
 from diloco_jax.models import model as model_lib
 from tests.multihost import small_config

@@ -14,10 +14,12 @@ import pytest
 
 from diloco_jax.algo import optim
 from diloco_jax.device import mesh as mesh_lib
-from diloco_jax.loop import metrics
-from diloco_jax.loop import trained
+from diloco_jax.reporting import metrics
+from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
-from diloco_jax.loop import writers
+from diloco_jax.wire import integrity
+from diloco_jax.reporting import writers
+from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
 from diloco_jax.runtime import hostmem
 from tests import test_trained
@@ -95,7 +97,7 @@ def test_run_json_says_what_the_run_is(sync_run):
   assert run["local_devices"] == [str(d) for d in jax.local_devices()]
   params = sum(x.size for x in jax.tree.leaves(result.params))
   assert run["num_params"] == params
-  cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, config.data.vocab_size)
   assert run["flops_per_token"] == model_lib.flops_per_token(cfg, params)
   assert run["peak_flops"] is None  # CPU devices have no entry in the peak table
   # XLA's plan for the compiled inner step: the state (params + 2 AdamW moments, float32,
@@ -116,7 +118,7 @@ def test_ddp_equals_mean_gradient_adamw(tmp_path):
   config = small_config(mode="ddp", num_rounds=2)
   result = trainer.train_and_evaluate(config, str(tmp_path))
   batches, spec = trainer_batches(config)  # [T, K, H, B, L+1]
-  cfg = model_lib.ModelConfig.from_config(config.model, spec.vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(cfg)
   opt = optim.inner_optimizer(config.inner, config.num_rounds * config.inner_steps)
   params = model_lib.init_params(cfg, jax.random.key(config.seed))
@@ -217,7 +219,7 @@ def test_anchor_check_names_the_host_that_diverged(tmp_path):
     t.run_round(1)
     t.run_round(2)
     assert list(exchange.published) == [2] and exchange.collected == []
-    with pytest.raises(trainer.AnchorMismatchError,
+    with pytest.raises(integrity.AnchorMismatchError,
                        match=r"round 2: .* host 1 diverged from the others"):
       t.run_round(3)
     assert exchange.collected == [2]

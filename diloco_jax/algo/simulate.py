@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from diloco_jax.algo import diloco
-from diloco_jax.algo import fragments as streaming
+from diloco_jax.algo import fragments
 from diloco_jax.algo import state as state_lib
 from diloco_jax.algo import step as step_lib
 
@@ -173,7 +173,7 @@ def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fra
   leaves, treedef = jax.tree.flatten(init_params)
   ids = jax.tree.leaves(fragment_ids) if fragment_ids is not None else [0] * len(leaves)
   num_p = max(ids) + 1
-  events = streaming.events(t, h, num_p, tau)
+  events = fragments.events(t, h, num_p, tau)
   fragment_rule = diloco.Sync(outer_optimizer, k)  # each fragment's outer step
 
   def round_fn(round_events):
@@ -187,14 +187,14 @@ def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fra
           replicas, l = inner_steps(replicas, batches_KxH, done, step)
           losses.append(l)
           done = step
-        parts = streaming.split(replicas.params, ids, num_p)
+        parts = fragments.split(replicas.params, ids, num_p)
         if kind == "send":  # Δ̄_p against the fragment's global copy θᵍ_p
           in_flight[p] = diloco.replica_mean(
               diloco.pseudo_gradients(fragment_rule.start(outer[p]), parts[p]))
         else:
           outer[p] = fragment_rule.apply(outer[p], None, in_flight.pop(p))
-          parts[p] = streaming.merge(parts[p], outer[p].anchor, alpha, k)
-          replicas = replicas.replace(params=streaming.join(parts, ids, treedef))
+          parts[p] = fragments.merge(parts[p], outer[p].anchor, alpha, k)
+          replicas = replicas.replace(params=fragments.join(parts, ids, treedef))
       if done < h:
         replicas, l = inner_steps(replicas, batches_KxH, done, h)
         losses.append(l)
@@ -206,11 +206,11 @@ def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fra
     return [(s - (r - 1) * h, kind, p) for s in range((r - 1) * h + 1, r * h + 1)
             for kind, p in schedule.get(s, ())]
 
-  carry = (streaming.outer_states(outer_optimizer, init_params, ids, num_p), replicas, {})
+  carry = (fragments.outer_states(outer_optimizer, init_params, ids, num_p), replicas, {})
   at = lambda r: jax.tree.map(lambda x: x[r - 1], batches)
   carry, first = round_fn(events_of(1))(carry, at(1))
   losses = [first[None]]
-  steady = events_of(2, streaming.events(3, h, num_p, tau))  # a round between two others
+  steady = events_of(2, fragments.events(3, h, num_p, tau))  # a round between two others
   assert all(events_of(r) == steady for r in range(2, t)), "streaming schedule not periodic"
   # The last round runs on its own only when its events differ from the steady ones
   # (τ > 0: it also receives what its last send started); otherwise it joins the scan.
@@ -227,6 +227,6 @@ def _streaming(inner_steps, outer_optimizer, init_params, replicas, batches, fra
     carry, last = round_fn(events_of(t))(carry, at(t))
     losses.append(last[None])
   outer, replicas, in_flight = carry
-  assert not in_flight, "streaming.events receives every send by the last step"
-  anchor = streaming.join([o.anchor for o in outer], ids, treedef)
+  assert not in_flight, "fragments.events receives every send by the last step"
+  anchor = fragments.join([o.anchor for o in outer], ids, treedef)
   return SimulateResult(anchor, jnp.concatenate(losses), outer, replicas)

@@ -205,10 +205,10 @@ def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) 
   check("config.model.num_kv_heads", m.num_kv_heads >= 0, "must be >= 0 (0: num_heads)")
   if m.module:
     # Here, not at the top: models import jax, which `--print_config` does not need.
-    from diloco_jax.models import model as model_lib  # pylint: disable=import-outside-toplevel
+    from diloco_jax.models import family  # pylint: disable=import-outside-toplevel
     try:
-      model_lib.import_factory(m.module)
-    except model_lib.ModuleError as e:
+      family.import_factory(m.module)
+    except family.ModuleError as e:
       errors.append(str(e))
     return
   defaults = get_default_config().model
@@ -227,7 +227,7 @@ def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) 
 
 def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
   # Here, not at the top: algo imports jax, which `--help` and `--print_config` do not need.
-  from diloco_jax.algo import fragments as streaming  # pylint: disable=import-outside-toplevel
+  from diloco_jax.algo import fragments  # pylint: disable=import-outside-toplevel
   o = c.outer
   if c.mode != "streaming":
     for key, default in (("fragments", 1), ("overlap_steps", 0), ("merge_alpha", 0.0)):
@@ -235,8 +235,8 @@ def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
             f"applies to config.mode = 'streaming' only (mode is {c.mode!r}); leave it "
             f"at {default}")
     return
-  check("config.outer.fragment_layout", o.fragment_layout in streaming.LAYOUTS,
-        f"must be one of {streaming.LAYOUTS}")
+  check("config.outer.fragment_layout", o.fragment_layout in fragments.LAYOUTS,
+        f"must be one of {fragments.LAYOUTS}")
   check("config.outer.fragments", 1 <= o.fragments <= c.model.num_layers,
         f"must be in [1, config.model.num_layers = {c.model.num_layers}] (fragments are "
         "made of whole transformer blocks)")

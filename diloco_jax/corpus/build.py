@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from diloco_jax import digest as digest_lib
-from diloco_jax.corpus import format as corpus
+from diloco_jax.corpus import format as corpus_format
 from diloco_jax.corpus import sources as sources_lib
 from diloco_jax.corpus import tokenizer as tokenizer_lib
 from diloco_jax.corpus.sources import InputError
@@ -130,14 +130,14 @@ def existing_corpus(output: str, overwrite: bool) -> dict | None:
   if not os.path.lexists(output):
     return None
   if os.path.isdir(output):
-    if (manifest := corpus.read_manifest(output)) is not None:
+    if (manifest := corpus_format.read_manifest(output)) is not None:
       return manifest
     if not os.listdir(output):
       return None
   if overwrite:
     return None
   what = (f"a directory holding {sources_lib.listing(sorted(os.listdir(output)))} and no "
-          f"{corpus.FORMAT} manifest.json" if os.path.isdir(output) else "not a directory")
+          f"{corpus_format.FORMAT} manifest.json" if os.path.isdir(output) else "not a directory")
   raise InputError(f"--output={output} exists and is not a prepared corpus ({what}); choose "
                    "another --output, or add --overwrite to replace it (deleting what it holds)")
 
@@ -181,12 +181,12 @@ def prepare(args: argparse.Namespace) -> Prepared | None:
   if spec is not None:
     options["tokenizer_sha256"] = digest_lib.file_sha256(spec.path) if spec.path else None
   if (old is not None and old.get("sources") == files and old.get("args") == options
-      and not corpus.missing_files(old, output)):
+      and not corpus_format.missing_files(old, output)):
     return None
   _check_not_empty(sources, args.text_field)
   staging = os.path.join(os.path.dirname(os.path.abspath(output)),
                          f".{os.path.basename(output)}.partial")
-  corpus.remove(staging)  # an interrupted run's
+  corpus_format.remove(staging)  # an interrupted run's
   os.makedirs(staging)
   try:
     if spec is None:
@@ -204,10 +204,10 @@ def prepare(args: argparse.Namespace) -> Prepared | None:
       shutil.copyfile(spec.path, os.path.join(staging, tokenizer_lib.FILE_NAMES[spec.kind]))
     manifest, seconds = _write_splits(sources, spec, staging, args, notes)
     manifest.update(sources=files, args=options, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    corpus.write_json(os.path.join(staging, "manifest.json"), manifest)
-    corpus.publish(staging, output)
+    corpus_format.write_json(os.path.join(staging, "manifest.json"), manifest)
+    corpus_format.publish(staging, output)
   except BaseException:
-    corpus.remove(staging)
+    corpus_format.remove(staging)
     raise
   return Prepared(manifest, seconds, notes)
 
@@ -227,7 +227,7 @@ def _write_splits(sources, spec: tokenizer_lib.Spec, staging: str,
   seconds it took)."""
   reader = sources_lib.Reader(args.text_field)
   split = EvalSplit(args.eval_fraction, args.eval_max_documents, args.seed)
-  writers = {flag: corpus.SplitWriter(staging, name, spec.dtype, args.shard_tokens)
+  writers = {flag: corpus_format.SplitWriter(staging, name, spec.dtype, args.shard_tokens)
              for flag, name in [(False, "train"), (True, "eval")]}
   progress, text_bytes, tokens, documents = Progress("tokenizing"), 0, 0, 0
   chunks = _chunks(_documents(sources, reader, progress), split)
@@ -245,7 +245,7 @@ def _write_splits(sources, spec: tokenizer_lib.Spec, staging: str,
   if reader.replaced:
     notes.append(f"{len(reader.replaced)} text files were not valid UTF-8 (bad bytes read as "
                  f"U+FFFD): {sources_lib.listing(reader.replaced)}")
-  return ({"format": corpus.FORMAT, "vocab_size": spec.vocab_size, "eos_id": spec.eos_id,
+  return ({"format": corpus_format.FORMAT, "vocab_size": spec.vocab_size, "eos_id": spec.eos_id,
           "dtype": spec.dtype.name,
           "tokenizer": {"kind": spec.kind, "file": tokenizer_lib.FILE_NAMES[spec.kind]},
           "splits": {"train": writers[False].close(), "eval": writers[True].close()},

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from diloco_jax.data import files
-from diloco_jax.data import prepared as corpus_reader
+from diloco_jax.data import prepared
 from diloco_jax.data import synthetic
 
 
@@ -148,12 +148,12 @@ def _prepared_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batc
   batches are the first eval_batches x batch_size windows of the "eval" split, never of
   training documents (repeated when the split holds fewer). Nothing is read whole: windows
   come from memory-mapped shards."""
-  corpus = corpus_reader.open_corpus(config.path)
+  corpus = prepared.open_corpus(config.path)
   num_replicas = num_hosts * replicas_per_host
-  corpus_reader.check_sizes(corpus, vocab_size=config.vocab_size, seq_len=seq_len,
+  prepared.check_sizes(corpus, vocab_size=config.vocab_size, seq_len=seq_len,
                             batch_size=batch_size, num_replicas=num_replicas,
                             num_eval_batches=num_eval_batches)
-  held_out = corpus_reader.Windows(corpus.eval_stream(), seq_len)
+  held_out = prepared.Windows(corpus.eval_stream(), seq_len)
   need = num_eval_batches * batch_size
   if len(held_out) < need and host_index == 0:  # a small corpus: every window, some twice
     print(f"note: the eval split of {config.path} holds {len(held_out):,} windows, fewer than "
@@ -163,7 +163,7 @@ def _prepared_host_data(config: ml_collections.ConfigDict, *, seq_len: int, batc
   iterators = []
   for r in range(replicas_per_host):
     g = host_index * replicas_per_host + r
-    windows = corpus_reader.Windows(corpus.replica_stream(g, num_replicas), seq_len)
+    windows = prepared.Windows(corpus.replica_stream(g, num_replicas), seq_len)
     iterators.append(_replica_iterator(windows, config.seed, g, batch_size))
   spec = DataSpec(corpus.vocab_size, None, corpus.unigram_loss(), corpus.bytes_per_token())
   return HostData(spec, iterators, eval_batches)

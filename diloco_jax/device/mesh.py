@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax import config as config_lib
 from diloco_jax import units
 from diloco_jax.algo import state as state_lib
+from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
 
 REPLICA_AXIS, DATA_AXIS, FSDP_AXIS = "replica", "data", "fsdp"
@@ -200,7 +201,7 @@ def memory_needs(config: ml_collections.ConfigDict, vocab_size: int, num_local_d
   `config` on this many local devices: `model.memory_estimate` for the mode's `profile`
   and this layout, and the synthetic source's tables."""
   accum, groups, fsdp = config.grad_accum_steps, config.mesh.replicas, config.mesh.fsdp
-  cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, vocab_size)
   device, host = model_lib.memory_estimate(
       cfg, param_sets=profile.param_sets, fsdp=fsdp,
       grad_copies=profile.grad_copies + (accum > 1), host_copies=profile.host_copies,
@@ -220,7 +221,7 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   after `validate` and `cluster.initialize`, before anything is allocated."""
   groups, fsdp, sets = config.mesh.replicas, config.mesh.fsdp, profile.param_sets
   device, host = memory_needs(config, vocab_size, num_local_devices, profile)
-  cfg = model_lib.ModelConfig.from_config(config.model, vocab_size)
+  cfg = family.ModelConfig.from_config(config.model, vocab_size)
   n = model_lib.num_params_of(cfg)
   embed = (1 if cfg.tie_embeddings else 2) * vocab_size * cfg.d_model
   # The model's own vocabulary when it has one (a pretrained model's), else the data's.

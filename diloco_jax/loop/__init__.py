@@ -1,2 +1,2 @@
-"""The round loop and what it writes: checkpoints, the round log, metrics writers, profiles,
-the trained model read back from a workdir, and sampling from it."""
+"""The round loop: the run's parts (`build`), its state (`RunState`), resuming it, pacing
+hosts of unequal speed, and the job's membership."""

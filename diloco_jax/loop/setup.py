@@ -18,16 +18,18 @@ from diloco_jax import config as config_lib
 from diloco_jax._version import __version__
 from diloco_jax.algo import optim
 from diloco_jax.data import pipeline as data_lib
-from diloco_jax.data import prepared as corpus_reader
+from diloco_jax.data import prepared
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
-from diloco_jax.loop import checkpoint as checkpoint_lib
-from diloco_jax.loop import local_checkpoint
+from diloco_jax.checkpoints import store
+from diloco_jax.checkpoints import shared_dir
+from diloco_jax.checkpoints import per_host
 from diloco_jax.loop import membership as membership_lib
-from diloco_jax.loop import metrics
+from diloco_jax.reporting import metrics
 from diloco_jax.loop import pacing
-from diloco_jax.loop import profiling
-from diloco_jax.loop import writers
+from diloco_jax.reporting import profiling
+from diloco_jax.reporting import writers
+from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
 from diloco_jax.models import pretrained
 from diloco_jax.modes import base as modes_base
@@ -49,14 +51,14 @@ class Setup:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False,
                pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None):
-    config = corpus_reader.resolved(config, announce=jax.process_index() == 0)
+    config = prepared.resolved(config, announce=jax.process_index() == 0)
     config = pretrained.resolved(config, announce=jax.process_index() == 0)
     config_lib.validate(config, num_local_devices=jax.local_device_count(),
                         num_hosts=jax.process_count())
     driver = registry.driver(config.mode)
     try:  # before anything traces the model
       self.attention = model_lib.attention_kernel(
-          model_lib.ModelConfig.from_config(config.model, config.data.vocab_size),
+          family.ModelConfig.from_config(config.model, config.data.vocab_size),
           jax.local_devices()[0].platform)
     except model_lib.layers.AttentionError as e:
       raise config_lib.ConfigError(str(e)) from None
@@ -79,14 +81,14 @@ class Setup:
         replicas_per_host=self.replicas_per_host, num_eval_batches=config.eval_batches,
         host_index=self.host, num_hosts=self.num_hosts)
     self.spec = self.data.spec
-    self.model_cfg = model_lib.ModelConfig.from_config(config.model, self.spec.vocab_size)
+    self.model_cfg = family.ModelConfig.from_config(config.model, self.spec.vocab_size)
     loss_fn = model_lib.make_loss_fn(self.model_cfg)
     inner_optimizer = optim.inner_optimizer(config.inner, self.num_rounds * self.h)
     self.mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
     self._await_steps_once = self.mesh.devices.flat[0].platform == "cpu"  # run_round
     self._schedule_steps = self.num_rounds * self.h  # the inner lr schedule's length
     self._compiles = True  # the next round is this process's first: not timed for balance
-    checkpoint_lib.check_writable(workdir)  # after the data's checks: they may refuse
+    store.check_writable(workdir)  # after the data's checks: they may refuse
     self.membership = membership_lib.of(config)
     self.collective = self.membership.collective
     self.membership.connect(dispatcher)
@@ -99,22 +101,22 @@ class Setup:
                                                what="agreeing on the workdir"))
     self.lock = claim.lock
     self.shared_storage = claim.shared and not (self.num_hosts == 1
-                                                and local_checkpoint.present(workdir))
+                                                and per_host.present(workdir))
     if not claim.shared and config.elastic:
       claim.release()
-      raise checkpoint_lib.CheckpointError(
+      raise store.CheckpointError(
           "config.elastic needs one --workdir shared by every host: with a workdir per "
           "host, a returning host's older checkpoints would roll the others back")
     # Opening the shared checkpoint directory waits at a barrier for every host (elastic:
     # for only `elastic_timeout` seconds): it comes right after the lock's agreement,
     # before the compiles that finish at different times on different hosts.
     if self.shared_storage:
-      self.checkpointer = checkpoint_lib.Checkpointer(
+      self.checkpointer = shared_dir.Checkpointer(
           workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
           collective=self.collective, save_timeout=self.membership.save_timeout,
           timeout=config.checkpoint.timeout)
     else:
-      self.checkpointer = local_checkpoint.LocalCheckpointer(
+      self.checkpointer = per_host.LocalCheckpointer(
           workdir, keep=config.checkpoint.keep, dispatcher=dispatcher,
           collective=self.collective, timeout=config.checkpoint.timeout)
     self.train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=self.mesh,
@@ -128,7 +130,7 @@ class Setup:
         # every host's steps and seconds ride on the round's sum: not on streaming's
         # fragments, nor in elastic mode, whose sums leave out the hosts that are away
         pace=self.pacer if config.mode in pacing.MODES and not config.elastic else None)
-    param_shapes = model_lib.param_shapes(self.model_cfg)
+    param_shapes = family.param_shapes(self.model_cfg)
     self.outer_step = driver.from_config(config, mesh=self.mesh, exchange=self.exchange,
                                          params=param_shapes,
                                          pseudo_gradient_hook=pacing.weighted(
@@ -219,24 +221,24 @@ class Setup:
         self._init_source = {"path": self.config.model.init_from, "sha256": None}
     return self._init_source
 
-  def snapshot(self, r: int, finished: bool = False) -> checkpoint_lib.Snapshot:
+  def snapshot(self, r: int, finished: bool = False) -> store.Snapshot:
     """Everything needed to continue after round r (after its outer step); `finished`:
     after the last round, with what was in flight applied (the final model)."""
     shared, own = self.outer_step.split(self.outer)
     return self._snapshot(r, shared, own, finished, bool(self.outer.inflight))
 
-  def _snapshot(self, r, shared, own, finished, inflight) -> checkpoint_lib.Snapshot:
+  def _snapshot(self, r, shared, own, finished, inflight) -> store.Snapshot:
     own = {"replicas": self.replicas,
-           "data": checkpoint_lib.encode_json(self.data.get_state()), **own}
+           "data": store.encode_json(self.data.get_state()), **own}
     meta = {"round": r, "finished": finished, "inflight": inflight, "mode": self.config.mode,
             "num_hosts": self.num_hosts, "replicas_per_host": self.replicas_per_host,
             "data_state": self.data.get_state(),  # host 0's (meta is written by host 0)
             "run_id": self.run_id, "balance": self.pacer.state(),
             "config": self.config.to_dict(), "diloco_jax": __version__,
             "jax": jax.__version__, "saved_at": time.time()}
-    return checkpoint_lib.Snapshot(r, shared, own, meta)
+    return store.Snapshot(r, shared, own, meta)
 
   def _check_checkpoint(self, meta: dict) -> None:
-    checkpoint_lib.check_compatible(
+    store.check_compatible(
         meta, self.config, num_hosts=self.num_hosts, replicas_per_host=self.replicas_per_host,
         where=f"checkpoint {meta['round']} in {self.checkpointer.directory}")

@@ -23,17 +23,16 @@ import numpy as np
 from diloco_jax.algo import optim
 from diloco_jax.algo import state as state_lib
 from diloco_jax.device import mesh as mesh_lib
-from diloco_jax.loop import checkpoint as checkpoint_lib
+from diloco_jax.checkpoints import store
 from diloco_jax.loop import membership as membership_lib
-from diloco_jax.loop import metrics
-from diloco_jax.loop import profiling
-from diloco_jax.loop import resize
+from diloco_jax.reporting import metrics
+from diloco_jax.reporting import profiling
+from diloco_jax.checkpoints import resize
 from diloco_jax.loop import setup
-from diloco_jax.loop import writers
+from diloco_jax.reporting import writers
 from diloco_jax.modes import base as modes_base
 from diloco_jax.runtime import hostmem
 from diloco_jax.wire import dispatch
-from diloco_jax.wire import integrity
 
 
 class TrainResult(NamedTuple):
@@ -49,9 +48,6 @@ class TrainResult(NamedTuple):
   records: list[dict[str, Any]]
   traces: dict[str, int]
   preempted_at: int | None = None
-
-
-AnchorMismatchError = integrity.AnchorMismatchError
 
 
 class RestartForRejoin(Exception):  # noqa: N818 -- a request, not a failure
@@ -170,7 +166,7 @@ class Trainer(setup.Setup):
       self.outer = self.outer_step.join(snap.shared, own)
       self.replicas = self.train_step.place(own["replicas"])
       if not world.changed:  # else every replica starts a new pass over the new shards
-        self.data.set_state(checkpoint_lib.decode_json(own["data"]))
+        self.data.set_state(store.decode_json(own["data"]))
     recovered = getattr(self.checkpointer, "recovered", None)
     self.start = {"round": r, "storage": storage, **world.describe(),
                   "healed_from": recovered.source if recovered and recovered.healed else None,

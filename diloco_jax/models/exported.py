@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
-from diloco_jax.models import family as model_lib
+from diloco_jax.models import family
 from diloco_jax.models import hf
 
 Params = Any
@@ -60,7 +60,7 @@ class ExportError(ValueError):
   """What is being exported or loaded is not usable; the message says why, in one line."""
 
 
-def _format(cfg: model_lib.ModelConfig) -> str:
+def _format(cfg: family.ModelConfig) -> str:
   if hf.expressible(cfg) is not None:
     return FLAX
   return HF_LLAMA if cfg.family == "llama" else HF_GPT2
@@ -76,10 +76,10 @@ def _paths(params: Params) -> dict[tuple[str, ...], Any]:
   return {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def _mapping(cfg: model_lib.ModelConfig) -> list[hf.Tensor]:
+def _mapping(cfg: family.ModelConfig) -> list[hf.Tensor]:
   """Every tensor of build(cfg)'s file, checked against its param tree so that a family
   whose params change cannot export half a model."""
-  paths = _paths(model_lib.param_shapes(cfg))
+  paths = _paths(family.param_shapes(cfg))
   if _format(cfg) == FLAX:
     mapping = [hf.Tensor(path, ".".join(path)) for path in paths]
     if len({t.name for t in mapping}) < len(mapping):  # names holding a "."
@@ -94,7 +94,7 @@ def _mapping(cfg: model_lib.ModelConfig) -> list[hf.Tensor]:
   return mapping
 
 
-def to_tensors(cfg: model_lib.ModelConfig, params: Params) -> dict[str, np.ndarray]:
+def to_tensors(cfg: family.ModelConfig, params: Params) -> dict[str, np.ndarray]:
   """{tensor name: float32 array} of `params` (the module docstring's names, layouts)."""
   leaves, mapping = _paths(params), _mapping(cfg)
   if set(leaves) != {t.path for t in mapping if t.path is not None}:
@@ -110,7 +110,7 @@ def to_tensors(cfg: model_lib.ModelConfig, params: Params) -> dict[str, np.ndarr
   return out
 
 
-def from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarray]) -> Params:
+def from_tensors(cfg: family.ModelConfig, tensors: dict[str, np.ndarray]) -> Params:
   """The params tree of build(cfg) from `to_tensors`' output (an ExportError naming the
   first missing, extra or misshapen tensor, or a nonzero one the model has no param for)."""
   mapping = _mapping(cfg)
@@ -133,17 +133,17 @@ def from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarray]) -> 
                         f"{shape.shape[::-1] if t.transposed else shape.shape}")
     return np.ascontiguousarray(x, np.float32)
 
-  return jax.tree_util.tree_map_with_path(leaf, model_lib.param_shapes(cfg))
+  return jax.tree_util.tree_map_with_path(leaf, family.param_shapes(cfg))
 
 
-def model_fields(cfg: model_lib.ModelConfig) -> dict[str, Any]:
+def model_fields(cfg: family.ModelConfig) -> dict[str, Any]:
   """Every ModelConfig field, JSON-ready (the dtype by name)."""
   fields = dataclasses.asdict(cfg)
   fields["dtype"] = jnp.dtype(cfg.dtype).name
   return fields
 
 
-def config_json(cfg: model_lib.ModelConfig, run: dict[str, Any] | None = None,
+def config_json(cfg: family.ModelConfig, run: dict[str, Any] | None = None,
                 eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
   """config.json: Hugging Face's config fields where the model has its layout, and always
   the "diloco_jax" object (`run`: mode, round, finished, workdir; the tensors' dtype)."""
@@ -247,7 +247,7 @@ def token_text(tokenizer_json: str, token_id: int) -> str | None:
   return None
 
 
-def tokenizer_files(cfg: model_lib.ModelConfig, tokenizer: str | None,
+def tokenizer_files(cfg: family.ModelConfig, tokenizer: str | None,
                     eos_id: int | None) -> dict[str, dict[str, Any]]:
   """{file name: its JSON} of what Hugging Face reads beside a tokenizer.json:
   tokenizer_config.json and special_tokens_map.json (`AutoTokenizer`: the fast tokenizer
@@ -265,7 +265,7 @@ def tokenizer_files(cfg: model_lib.ModelConfig, tokenizer: str | None,
       "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id}}
 
 
-def write(output: str, cfg: model_lib.ModelConfig, params: Params, *,
+def write(output: str, cfg: family.ModelConfig, params: Params, *,
           run: dict[str, Any] | None = None, tokenizer: str | None = None,
           eos_id: int | None = None, overwrite: bool = False, dtype: str = "float32",
           max_shard_bytes: int | None = None) -> list[str]:
@@ -346,7 +346,7 @@ def load(path: str) -> tuple[Any, Params]:
     fields["dtype"] = jnp.dtype(fields["dtype"])
     if "head_bias" not in fields and fields.get("family") == "gpt" and not fields["module"]:
       fields.update(EARLIER_GPT, head_bias=fields["use_bias"])
-    cfg = model_lib.ModelConfig(**fields)
+    cfg = family.ModelConfig(**fields)
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ExportError(f"{config_path}: not the config.json of an export ({type(e).__name__}: "
                       f"{e})") from None
@@ -358,4 +358,4 @@ def load(path: str) -> tuple[Any, Params]:
     params = from_tensors(cfg, tensors)
   except ExportError as e:
     raise ExportError(f"{path}: {e}") from None
-  return model_lib.build(cfg), params
+  return family.build(cfg), params

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 from typing import NamedTuple
 
-from diloco_jax.models import family as model_lib
+from diloco_jax.models import family
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # GPT-2's names of what nn.gelu computes
@@ -44,7 +44,7 @@ class UnsupportedError(ValueError):
   """A Hugging Face config our families do not compute; the message names the field."""
 
 
-def expressible(cfg: model_lib.ModelConfig) -> str | None:
+def expressible(cfg: family.ModelConfig) -> str | None:
   """Why `cfg` has no Hugging Face layout (None: it has one)."""
   if cfg.module:
     return f"a model of your own module ({cfg.module}) has no Hugging Face class"
@@ -53,7 +53,7 @@ def expressible(cfg: model_lib.ModelConfig) -> str | None:
   return None
 
 
-def _llama(cfg: model_lib.ModelConfig) -> list[Tensor]:
+def _llama(cfg: family.ModelConfig) -> list[Tensor]:
   out = [Tensor(("embed", "embedding"), "model.embed_tokens.weight")]
   linear = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
             "attn_out": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
@@ -70,7 +70,7 @@ def _llama(cfg: model_lib.ModelConfig) -> list[Tensor]:
   return out
 
 
-def _gpt(cfg: model_lib.ModelConfig) -> list[Tensor]:
+def _gpt(cfg: family.ModelConfig) -> list[Tensor]:
   d, m = cfg.d_model, cfg.mlp_dim
 
   def bias(path: tuple[str, ...], name: str, width: int) -> Tensor:
@@ -96,12 +96,12 @@ def _gpt(cfg: model_lib.ModelConfig) -> list[Tensor]:
   return out
 
 
-def names(cfg: model_lib.ModelConfig) -> list[Tensor]:
+def names(cfg: family.ModelConfig) -> list[Tensor]:
   """Every tensor of `cfg`'s Hugging Face layout (`expressible(cfg)` must be None)."""
   return _llama(cfg) if cfg.family == "llama" else _gpt(cfg)
 
 
-def config_json(cfg: model_lib.ModelConfig, eos_id: int | None, dtype: str) -> dict[str, Any]:
+def config_json(cfg: family.ModelConfig, eos_id: int | None, dtype: str) -> dict[str, Any]:
   """Hugging Face's config fields of `cfg` (LlamaConfig or GPT2Config). Documents are
   packed, each followed by EOS, so EOS is also what precedes a document's first token:
   it is the BOS too (None, unknown, rather than the classes' defaults, which mean nothing

@@ -12,13 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.models import layers
-from diloco_jax.models.family import FAMILIES  # noqa: F401 -- the model's names, in one place
-from diloco_jax.models.family import REMAT  # noqa: F401 -- the model's names, in one place
-from diloco_jax.models.family import ModelConfig  # noqa: F401 -- the model's names, in one place
-from diloco_jax.models.family import ModuleError  # noqa: F401 -- the model's names, in one place
-from diloco_jax.models.family import build  # noqa: F401 -- the model's names, in one place
-from diloco_jax.models.family import import_factory  # noqa: F401 -- the model's names, in one place
-from diloco_jax.models.family import param_shapes  # noqa: F401 -- the model's names, in one place
+from diloco_jax.models.family import ModelConfig
+from diloco_jax.models.family import build
+from diloco_jax.models.family import param_shapes
 
 Params = Any
 

@@ -22,7 +22,7 @@ import numpy as np
 from diloco_jax import digest
 from diloco_jax import errors
 from diloco_jax.models import exported
-from diloco_jax.models import family as model_lib
+from diloco_jax.models import family
 from diloco_jax.models import hf
 
 CONFIG = "config.json"
@@ -73,7 +73,7 @@ def weight_files(directory: str) -> list[str]:
   return [index, *(os.path.join(directory, name) for name in shards)]
 
 
-def _named(tensors: dict[str, np.ndarray], cfg: model_lib.ModelConfig, config_path: str
+def _named(tensors: dict[str, np.ndarray], cfg: family.ModelConfig, config_path: str
            ) -> dict[str, np.ndarray]:
   """The tensors under models/hf.py's names: buffers dropped, GPT2Model's names given
   their "transformer." prefix, a tied head that repeats the embeddings dropped."""
@@ -93,7 +93,7 @@ def _named(tensors: dict[str, np.ndarray], cfg: model_lib.ModelConfig, config_pa
   return out
 
 
-def params(directory: str, cfg: model_lib.ModelConfig) -> Any:
+def params(directory: str, cfg: family.ModelConfig) -> Any:
   """The params of build(cfg) from DIR's weights, float32 numpy arrays (a PretrainedError
   naming the file of a missing, extra or misshapen tensor)."""
   files = weight_files(directory)

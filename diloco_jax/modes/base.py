@@ -4,7 +4,7 @@ Every mode's driver (`outer.OuterStep` for sync, delayed and eager over a `diloc
 `streaming.StreamingOuterStep`, `ddp.DDPRound`) is looked up by name in `registry.py`
 and used only through the members declared here, by the round loop (`loop/trainer.py`),
 the elastic rejoin (`loop/membership.py`) and the reader of a run's model
-(`loop/trained.py`). Every call of a running driver returns new values (an `Update`, an
+(`readback/trained.py`). Every call of a running driver returns new values (an `Update`, an
 `Outer`), never a mutation of what it was given.
 """
 

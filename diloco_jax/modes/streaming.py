@@ -1,6 +1,6 @@
 """Streaming DiLoCo on a host (docs/algorithms.md §5): P fragments synced mid-round.
 
-The schedule is `streaming.events`, the table `simulate` follows too: after inner step t,
+The schedule is `fragments.events`, the table `simulate` follows too: after inner step t,
 fragment p's Δ against its own global copy θᵍ_p is sent (one job on the dispatch thread),
 and τ steps later its mean moves θᵍ_p with the sync rule and every replica merges it in,
 θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p. The pieces (placement, Δ, NaN check, exchange, skip
@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from diloco_jax import config as config_lib
 from diloco_jax.algo import diloco
-from diloco_jax.algo import fragments as streaming
+from diloco_jax.algo import fragments
 from diloco_jax.algo import optim
 from diloco_jax.algo import state as state_lib
 from diloco_jax.modes import base
@@ -34,14 +34,14 @@ Params = Any
 
 
 def fragments_of(params: Params, num_fragments: int,
-                 layout: str) -> tuple[list[int], streaming.Fragments]:
+                 layout: str) -> tuple[list[int], fragments.Fragments]:
   """(each leaf's fragment, the fragments seen as one rule) for params of these shapes."""
   try:
-    ids = streaming.model_fragment_ids(params, num_fragments, layout)
+    ids = fragments.model_fragment_ids(params, num_fragments, layout)
   except ValueError as e:  # your own module, with fewer blocks than fragments
     raise config_lib.ConfigError(f"config.outer.fragments = {num_fragments}: {e}") from None
   ids = jax.tree.leaves(ids)
-  return ids, streaming.Fragments(tuple(ids), jax.tree.structure(params))
+  return ids, fragments.Fragments(tuple(ids), jax.tree.structure(params))
 
 
 class StreamingOuterStep(host_lib.HostSide):
@@ -58,9 +58,9 @@ class StreamingOuterStep(host_lib.HostSide):
     self.alpha = merge_alpha
     self.optimizer, self.h = optimizer, inner_steps
     self.fragment_rule = diloco.Sync(optimizer, self.num_replicas)  # a fragment's outer step
-    self.events = streaming.events(num_rounds, inner_steps, num_fragments, overlap_steps)
+    self.events = fragments.events(num_rounds, inner_steps, num_fragments, overlap_steps)
     self._apply = jax.jit(self.fragment_rule.apply, donate_argnums=0)
-    self._merge = jax.jit(functools.partial(streaming.merge, alpha=merge_alpha,
+    self._merge = jax.jit(functools.partial(fragments.merge, alpha=merge_alpha,
                                             num_replicas=self.replicas_per_host))
 
   @classmethod
@@ -82,12 +82,12 @@ class StreamingOuterStep(host_lib.HostSide):
     """θᵍ: every fragment's global copy."""
     o = config.outer
     ids, rule = fragments_of(template, o.fragments, o.fragment_layout)
-    like = jax.eval_shape(lambda anchor: streaming.outer_states(
+    like = jax.eval_shape(lambda anchor: fragments.outer_states(
         optim.outer_optimizer(o), anchor, ids, o.fragments), template)
     return rule.final(cls.restored_state(rule, like, read))
 
   def init(self, anchor: Params) -> base.Outer:
-    states = jax.device_put(streaming.outer_states(self.optimizer, anchor, self.ids,
+    states = jax.device_put(fragments.outer_states(self.optimizer, anchor, self.ids,
                                                    self.num_fragments), self.host)
     return base.Outer(states, state_lib.SkipCounters.of(0, 0), self.init_residuals(states))
 
@@ -128,7 +128,7 @@ class StreamingOuterStep(host_lib.HostSide):
                        tuple(synced))
 
   def _fragment(self, params: Params, p: int) -> list:
-    return streaming.split(params, self.ids, self.num_fragments)[p]
+    return fragments.split(params, self.ids, self.num_fragments)[p]
 
   def _merge_in(self, replicas, p: int, anchor_p: list):
     """θ_m,p ← α·θ_m,p + (1 − α)·θᵍ_p on the local devices (α = 0: the sync broadcast)."""
@@ -137,9 +137,9 @@ class StreamingOuterStep(host_lib.HostSide):
       new = self._broadcast(placed)
     else:
       new = self.layout.hold(self._merge(self._fragment(replicas.params, p), placed))
-    parts = streaming.split(replicas.params, self.ids, self.num_fragments)
+    parts = fragments.split(replicas.params, self.ids, self.num_fragments)
     parts[p] = jax.block_until_ready(new)
-    return replicas.replace(params=streaming.join(parts, self.ids, self.fragments.treedef))
+    return replicas.replace(params=fragments.join(parts, self.ids, self.fragments.treedef))
 
   def drain(self, outer, replicas) -> base.Update:
     """Nothing: the schedule receives every send by the last inner step."""

@@ -11,14 +11,14 @@ another machine that was touched within `STALE_AFTER_S` seconds is refused too.
 Hosts on different machines need not share a disk. At start host 0 takes the lock and
 writes a fresh nonce into it; every other host looks for that nonce in its own workdir's
 lock. All find it: the workdir is one shared directory (host 0 writes the checkpoints'
-shared part, loop/checkpoint.py). None finds it: each host has its own workdir, takes its
-own lock there and keeps its own checkpoints (loop/local_checkpoint.py). Some but not all:
+shared part, checkpoints/shared_dir.py). None finds it: each host has its own workdir, takes its
+own lock there and keeps its own checkpoints (checkpoints/per_host.py). Some but not all:
 refused, naming which hosts share host 0's directory.
 
 Starting over is always explicit: `--restart_from_scratch` moves the workdir's previous
 run (checkpoints, metrics, events, plot, run.json) into `workdir/previous/<time>/` and
 says where; without it, a workdir whose checkpoints cannot be read is refused on every
-attempt (loop/checkpoint.py), never trained again from round 1.
+attempt (checkpoints/shared_dir.py), never trained again from round 1.
 """
 
 from __future__ import annotations

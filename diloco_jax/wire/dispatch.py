@@ -74,7 +74,7 @@ class Dispatcher:
         continue
       try:
         label = what if round_ is None else f"{what} (round {round_})"
-        with jax.profiler.TraceAnnotation(label):  # named in a profile (loop/profiling.py)
+        with jax.profiler.TraceAnnotation(label):  # named in a profile (reporting/profiling.py)
           future.set_result(fn(*args))
       except BaseException as e:  # noqa: BLE001 -- handed to the main thread.
         self._failure = CollectiveError(round_, what, e)

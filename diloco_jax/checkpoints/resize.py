@@ -2,7 +2,7 @@
 that lost their own state.
 
 The anchor and the outer optimizer state are the same on every host, so any host that
-holds them (or receives them, loop/recovery.py) can continue the run. What belongs to
+holds them (or receives them, checkpoints/recovery.py) can continue the run. What belongs to
 one host does not carry over to another:
 
   - a host with a row of its own in the checkpoint keeps its replicas, their AdamW state
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from diloco_jax.loop import checkpoint as checkpoint_lib
+from diloco_jax.checkpoints import store
 
 NEEDS_OWN_ROWS = {"eager": "keeps an outer state per replica", "ddp": "keeps its model only in "
                   "the replicas"}
@@ -41,7 +41,7 @@ class World:
   missing: tuple[int, ...]
 
   @classmethod
-  def of(cls, snap: checkpoint_lib.Snapshot, hosts: int) -> World:
+  def of(cls, snap: store.Snapshot, hosts: int) -> World:
     return cls(int(snap.meta["num_hosts"]), hosts, tuple(snap.missing))
 
   @property
@@ -78,7 +78,7 @@ def check_mode(world: World, mode: str, where: str) -> None:
   if world.partial and mode in NEEDS_OWN_ROWS:
     who = (f"host(s) {list(world.missing)} have no row of their own in it" if world.missing
            else f"it was written by {world.saved_hosts} host(s), this run has {world.hosts}")
-    raise checkpoint_lib.CheckpointError(
+    raise store.CheckpointError(
         f"{where}: {who}, and mode {mode!r} {NEEDS_OWN_ROWS[mode]}, so those replicas "
         f"cannot start from the anchor. Resume with the hosts and disks that wrote it. "
         f"Nothing was changed")

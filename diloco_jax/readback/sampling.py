@@ -28,9 +28,9 @@ import numpy as np
 
 from diloco_jax.corpus import sources
 from diloco_jax.corpus import tokenizer as tokenizer_lib
-from diloco_jax.data import prepared as corpus_reader
-from diloco_jax.loop import trained as trained_lib
-from diloco_jax.models import model as model_lib
+from diloco_jax.data import prepared
+from diloco_jax.readback import trained as trained_lib
+from diloco_jax.models import family
 
 Params = Any
 
@@ -67,9 +67,9 @@ def _empty_cache(model, tokens_BxP: jax.Array) -> Params:
 # models). It compiles once per prompt length and max_new_tokens; the CLI samples once.
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "temperature", "top_k"))
 def _generate_cached(params: Params, prompt_BxP: jax.Array, key: jax.Array, *,
-                     cfg: model_lib.ModelConfig, max_new_tokens: int, temperature: float,
+                     cfg: family.ModelConfig, max_new_tokens: int, temperature: float,
                      top_k: int) -> jax.Array:
-  model = model_lib.build(cfg, decode=True)
+  model = family.build(cfg, decode=True)
   pick = functools.partial(_pick, temperature=temperature, top_k=top_k)
   cache = _empty_cache(model, prompt_BxP)
   logits_BxPxV, state = model.apply({"params": params, "cache": cache}, prompt_BxP,
@@ -89,11 +89,11 @@ def _generate_cached(params: Params, prompt_BxP: jax.Array, key: jax.Array, *,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "temperature", "top_k"))
 def _generate_window(params: Params, prompt_BxP: jax.Array, key: jax.Array, *,
-                     cfg: model_lib.ModelConfig, max_new_tokens: int, temperature: float,
+                     cfg: family.ModelConfig, max_new_tokens: int, temperature: float,
                      top_k: int) -> jax.Array:
   """Without a cache: the whole seq_len window every step (a fixed shape, so the model is
   compiled once; causal attention makes the zeros after position t irrelevant to it)."""
-  model = model_lib.build(cfg)
+  model = family.build(cfg)
   pick = functools.partial(_pick, temperature=temperature, top_k=top_k)
   b, p = prompt_BxP.shape
   window_BxL = jnp.zeros((b, cfg.seq_len), jnp.int32).at[:, :p].set(prompt_BxP)
@@ -108,7 +108,7 @@ def _generate_window(params: Params, prompt_BxP: jax.Array, key: jax.Array, *,
   return tokens_NxB.T
 
 
-def check_length(cfg: model_lib.ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
+def check_length(cfg: family.ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
   """A SampleError unless the prompt and the new tokens fit in the model's window (past
   it the cache's writes would be clamped onto its last slots and the gpt family's position
   lookups read NaN, silently)."""
@@ -121,7 +121,7 @@ def check_length(cfg: model_lib.ModelConfig, prompt_len: int, max_new_tokens: in
                       f"{cfg.seq_len} (the model's window): {fix}")
 
 
-def generate(cfg: model_lib.ModelConfig, params: Params, prompt_ids: Sequence[int], *,
+def generate(cfg: family.ModelConfig, params: Params, prompt_ids: Sequence[int], *,
              max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, seed: int = 0,
              num_samples: int = 1, use_cache: bool = True) -> np.ndarray:
   """[num_samples, max_new_tokens] int32: the tokens that follow `prompt_ids` (not
@@ -182,7 +182,7 @@ def _ids_codec() -> Codec:
 def _prepared_codec(path: str, vocab_size: int) -> Codec:
   """The tokenizer named by the manifest of the prepared corpus at `path`."""
   where = f"config.data.path = {path!r}"
-  manifest_path = os.path.join(path, corpus_reader.MANIFEST)
+  manifest_path = os.path.join(path, prepared.MANIFEST)
   try:
     with open(manifest_path) as f:
       manifest = json.load(f)

@@ -27,11 +27,11 @@ import optax
 import orbax.checkpoint as ocp
 
 from diloco_jax._version import __version__
-from diloco_jax.loop import writers
+from diloco_jax.reporting import writers
 from diloco_jax.runtime import hostmem
-from diloco_jax.units import format_bytes  # noqa: F401
-from diloco_jax.units import format_count  # noqa: F401
-from diloco_jax.units import format_duration  # noqa: F401
+from diloco_jax.units import format_bytes
+from diloco_jax.units import format_count
+from diloco_jax.units import format_duration
 
 # The parts of the outer step on the main thread's path (seconds; docs/monitoring.md).
 OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d")

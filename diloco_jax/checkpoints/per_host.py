@@ -18,8 +18,8 @@ Why not orbax: orbax 0.12.8 inside a multi-process JAX job writes numpy leaves o
 only and refuses arrays held by one process ("Cannot serialize host local jax.Array"), so
 per-process checkpoints are not possible with it; its experimental `emergency` manager
 needs a global mesh of replica slices. A shared workdir still uses orbax
-(loop/checkpoint.py). Which round the hosts resume from, and how a host without one heals
-from a peer, is loop/recovery.py.
+(checkpoints/shared_dir.py). Which round the hosts resume from, and how a host without one heals
+from a peer, is checkpoints/recovery.py.
 """
 
 from __future__ import annotations
@@ -37,17 +37,15 @@ from typing import Callable
 import jax
 
 from diloco_jax.algo import state as state_lib
-from diloco_jax.loop import checkpoint as checkpoint_lib
-from diloco_jax.loop import recovery
-from diloco_jax.loop import treebytes
+from diloco_jax.checkpoints import store
+from diloco_jax.checkpoints import recovery
+from diloco_jax.checkpoints import treebytes
 from diloco_jax.wire import collective as collective_lib
 
 FORMAT = "diloco_jax.host_checkpoint/1"
 META = "meta.json"
 PARTIAL = ".partial-"
 
-CheckpointError = checkpoint_lib.CheckpointError
-Snapshot = checkpoint_lib.Snapshot
 
 
 def _fsync_dir(path: str) -> None:
@@ -61,7 +59,7 @@ def _fsync_dir(path: str) -> None:
 def present(workdir: str) -> bool:
   """Whether `workdir` holds host checkpoints (a run of one host resuming what hosts
   with their own disks wrote keeps that format)."""
-  directory = os.path.join(workdir, checkpoint_lib.CHECKPOINTS)
+  directory = os.path.join(workdir, store.CHECKPOINTS)
   return os.path.isdir(directory) and any(
       os.path.exists(os.path.join(directory, n, META)) for n in os.listdir(directory)
       if n.isdigit())
@@ -70,11 +68,11 @@ def present(workdir: str) -> bool:
 class LocalCheckpointer:
   """This host's checkpoints under its own workdir/checkpoints (module docstring), with
   the interface of `checkpoint.Checkpointer`; `restore` agrees with the other hosts on the
-  round to resume from and heals a host that holds none (loop/recovery.py)."""
+  round to resume from and heals a host that holds none (checkpoints/recovery.py)."""
 
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, checkpoint_lib.CHECKPOINTS)
+    self.directory = os.path.join(self.workdir, store.CHECKPOINTS)
     self.keep, self.dispatcher, self.collective = keep, dispatcher, collective
     self.host = jax.process_index()
     self.write_seconds: float | None = None
@@ -89,13 +87,13 @@ class LocalCheckpointer:
 
   # Saving.
 
-  def save(self, snapshot: Snapshot, last: bool = False) -> float:
+  def save(self, snapshot: store.Snapshot, last: bool = False) -> float:
     """Starts writing `snapshot` on the writer thread; returns the seconds the caller was
     blocked (a private copy of the arrays, unless `last`)."""
     self._finish_previous()
     t = time.perf_counter()
-    shared = checkpoint_lib.to_host(snapshot.shared, not last)
-    own = checkpoint_lib.to_host(snapshot.own, not last)
+    shared = store.to_host(snapshot.shared, not last)
+    own = store.to_host(snapshot.own, not last)
     blocked = time.perf_counter() - t
     meta = dict(snapshot.meta, host=self.host)
     future = concurrent.futures.Future()
@@ -111,7 +109,7 @@ class LocalCheckpointer:
 
   def _write_checkpoint(self, r: int, shared: Any, own: Any, meta: dict) -> None:
     t = time.monotonic()
-    checkpoint_lib.check_space(self.directory, r, collective_lib.payload_bytes(shared)
+    store.check_space(self.directory, r, collective_lib.payload_bytes(shared)
                                + collective_lib.payload_bytes(own))
     meta.update(format=FORMAT, shared_sha256=state_lib.fingerprint(shared),
                 items={"shared": treebytes.index(shared), "own": treebytes.index(own)})
@@ -145,17 +143,17 @@ class LocalCheckpointer:
     try:
       future.result(timeout=self.timeout)
     except concurrent.futures.TimeoutError:
-      raise CheckpointError(
+      raise store.CheckpointError(
           f"checkpoint {r} was not on disk in {self.directory} after {self.timeout} s "
           f"(config.checkpoint.timeout): the disk may hang. The checkpoints before it are "
           f"intact") from None
-    except CheckpointError:
+    except store.CheckpointError:
       raise
     except Exception as e:  # noqa: BLE001 -- any write failure, reported with its round
       text = str(e)
       reason = ("no space left on device" if "No space left" in text
                 else f"{type(e).__name__}: {text[:300]}")
-      raise CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
+      raise store.CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
                             f"{reason}. The checkpoints before it are intact") from None
 
   def wait(self) -> None:
@@ -180,11 +178,11 @@ class LocalCheckpointer:
     with open(os.path.join(self.directory, str(r), META)) as f:
       meta = json.load(f)
     if meta.get("format") != FORMAT:
-      raise CheckpointError(f"{self.directory}/{r}/{META} is not a diloco_jax host "
+      raise store.CheckpointError(f"{self.directory}/{r}/{META} is not a diloco_jax host "
                             f"checkpoint (format {meta.get('format')!r})")
     return meta
 
-  def read(self, r: int, like: Callable[[dict], Snapshot]) -> Snapshot:
+  def read(self, r: int, like: Callable[[dict], store.Snapshot]) -> store.Snapshot:
     """Checkpoint r from this host's disk, its shared state checked against its hash."""
     where = f"checkpoint {r} in {self.directory}"
     meta = self.read_meta(r)
@@ -195,9 +193,9 @@ class LocalCheckpointer:
       with open(os.path.join(self.directory, str(r), f"{item}.bin"), "rb") as f:
         trees[item] = treebytes.from_buffer(f.read(), getattr(want, item), f"{where} ({item}.bin)")
     if state_lib.fingerprint(trees["shared"]) != meta["shared_sha256"]:
-      raise CheckpointError(f"{where}: shared.bin does not match the hash written with it "
+      raise store.CheckpointError(f"{where}: shared.bin does not match the hash written with it "
                             f"(the file changed on disk)")
-    return Snapshot(r, trees["shared"], trees["own"], meta)
+    return store.Snapshot(r, trees["shared"], trees["own"], meta)
 
   def held(self) -> list[recovery.Held]:
     """What this host holds, newest first: rounds whose meta can be read (one that
@@ -210,15 +208,15 @@ class LocalCheckpointer:
         meta = self.read_meta(r)
         out.append(recovery.Held(r, int(meta["host"]), meta["shared_sha256"],
                                  meta.get("run_id") or ""))
-      except (OSError, ValueError, KeyError, CheckpointError) as e:
+      except (OSError, ValueError, KeyError, store.CheckpointError) as e:
         print(f"host {self.host}: cannot read checkpoint {r} in {self.directory}: "
               f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", flush=True)
         self._unreadable.add(r)
     return out
 
-  def restore(self, like: Callable[[dict], Snapshot],
-              check_meta: Callable[[dict], None]) -> Snapshot | None:
-    """The snapshot to resume from, agreed with every host (loop/recovery.py); None when
+  def restore(self, like: Callable[[dict], store.Snapshot],
+              check_meta: Callable[[dict], None]) -> store.Snapshot | None:
+    """The snapshot to resume from, agreed with every host (checkpoints/recovery.py); None when
     no host holds a checkpoint. A host that holds none gets the shared state from a peer
     and `own` None."""
     snap, self.recovered = recovery.resume(self, like, check_meta)

@@ -1,6 +1,6 @@
 """Hosts with their own disks agree where to resume, and a host without a checkpoint heals.
 
-At start every host lists the complete checkpoints on its own disk (loop/local_checkpoint.py)
+At start every host lists the complete checkpoints on its own disk (checkpoints/per_host.py)
 and the hosts all-gather what each holds: per checkpoint its round, the host that wrote
 it, the sha256 of its shared state (the outer state, the same on every host) and the id
 of the run that wrote it. From that table every host computes the same `Plan`:
@@ -34,8 +34,8 @@ import numpy as np
 
 from diloco_jax import units
 from diloco_jax.algo import state as state_lib
-from diloco_jax.loop import checkpoint as checkpoint_lib
-from diloco_jax.loop import treebytes
+from diloco_jax.checkpoints import store
+from diloco_jax.checkpoints import treebytes
 
 SLOTS = 16  # checkpoints per host in the table (more than anyone keeps: config.checkpoint.keep)
 # Per checkpoint: round, writer, sha256 (8 words), run id (4 words). int32: the collective
@@ -44,7 +44,6 @@ WORDS = 14
 CHUNK_BYTES = 64 << 20  # one sum of the heal's broadcast
 PATH_BYTES = 512  # of each host's checkpoint directory, for the messages
 
-CheckpointError = checkpoint_lib.CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +118,7 @@ def _where(hosts, paths: list[str] | None) -> str:
 def plan(tables: list[tuple[list[Held], list[int]]], paths: list[str] | None = None) -> Plan:
   """The plan from every host's (held, unreadable rounds), in host order (module
   docstring); `paths`, each host's checkpoint directory, for the messages. Raises
-  CheckpointError, the same on every host, when no plan is safe."""
+  store.CheckpointError, the same on every host, when no plan is safe."""
   held = {h: [c for c in cs if c.writer == h] for h, (cs, _) in enumerate(tables)}
   runs: dict[str, list[int]] = {}
   for h, cs in held.items():
@@ -130,7 +129,7 @@ def plan(tables: list[tuple[list[Held], list[int]]], paths: list[str] | None = N
     other = {rid: hs for rid, hs in runs.items() if rid != ours}
     rid, hs = next(iter(other.items()))
     rounds = sorted({c.round for h in hs for c in held[h] if c.run_id == rid})
-    raise CheckpointError(
+    raise store.CheckpointError(
         f"{_where(hs, paths)}: checkpoints of another run (run {rid[:8]}, rounds {rounds}) "
         f"than {_hosts(runs[ours])} (run {ours[:8]}): each host's --workdir must "
         f"hold this run's checkpoints or none. Nothing was deleted: move the other run's "
@@ -144,7 +143,7 @@ def plan(tables: list[tuple[list[Held], list[int]]], paths: list[str] | None = N
       shas = by_round[r]
       first = shas[min(shas)]
       odd = [h for h, s in shas.items() if s != first]
-      raise CheckpointError(
+      raise store.CheckpointError(
           f"hosts disagree on the shared state of round {r}: "
           f"{_where(shas.keys() - set(odd), paths)}: sha256 {first[:12]}; "
           f"{_where(odd, paths)}: sha256 {shas[odd[0]][:12]}. Neither is "
@@ -154,7 +153,7 @@ def plan(tables: list[tuple[list[Held], list[int]]], paths: list[str] | None = N
   if not holders:
     bad = {h: b for h, (_, b) in enumerate(tables) if b}
     if bad:
-      raise CheckpointError(
+      raise store.CheckpointError(
           f"no host in this job holds a usable checkpoint to resume or heal from: "
           f"{'; '.join(f'{_where([h], paths)} cannot read rounds {b}' for h, b in bad.items())}. "
           f"Nothing was deleted: if a disk was missing for a moment, run the same command "
@@ -186,9 +185,9 @@ def broadcast(payload: bytes | None, source: int, *, sum_: Callable, allgather: 
   return bytes(out)
 
 
-def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
+def resume(checkpointer, like: Callable[[dict], store.Snapshot],
            check_meta: Callable[[dict], None]
-           ) -> tuple[checkpoint_lib.Snapshot | None, Recovered | None]:
+           ) -> tuple[store.Snapshot | None, Recovered | None]:
   """The snapshot this host resumes from (`own` None: it heals) and what was done; (None,
   None) when no host holds a checkpoint. Every host calls it at the same time."""
   c = checkpointer
@@ -216,7 +215,7 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
     if snap is not None:
       try:
         check_meta(snap.meta)  # the config and world: agreed on before anyone goes on
-      except CheckpointError as e:
+      except store.CheckpointError as e:
         refused = e
     flags = run(c.collective.allgather, np.array([error is None, refused is None], np.int32),
                 what="agreeing on a readable checkpoint")
@@ -224,7 +223,7 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
       raise refused
     if not flags[:, 1].all():
       bad = [h for h in range(len(flags)) if not flags[h, 1]]
-      raise CheckpointError(f"checkpoint {p.round} does not fit this run on host(s) {bad} "
+      raise store.CheckpointError(f"checkpoint {p.round} does not fit this run on host(s) {bad} "
                             f"(their log says why)")
     if flags[:, 0].all():
       break
@@ -248,9 +247,9 @@ def resume(checkpointer, like: Callable[[dict], checkpoint_lib.Snapshot],
     shared = treebytes.from_buffer(payload, like(meta).shared,
                                    f"the shared state sent by host {p.source}")
     if state_lib.fingerprint(shared) != p.sha:
-      raise CheckpointError(f"host {c.host}: the shared state of round {p.round} received "
+      raise store.CheckpointError(f"host {c.host}: the shared state of round {p.round} received "
                             f"from host {p.source} does not match its hash: not used")
-    snap = checkpoint_lib.Snapshot(p.round, shared, None, meta, p.heal)
+    snap = store.Snapshot(p.round, shared, None, meta, p.heal)
     print(f"host {c.host} healed from host {p.source}: outer state "
           f"{units.format_bytes(len(payload))} in {seconds:.1f} s at round {p.round}",
           flush=True)

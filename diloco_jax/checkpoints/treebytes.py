@@ -1,7 +1,7 @@
 """A pytree as bytes: its leaves' raw bytes end to end, in tree order, and back.
 
-The layout of a host checkpoint's .bin files (loop/local_checkpoint.py) and of the shared
-state a healing host receives (loop/recovery.py). The tree's structure, shapes and dtypes
+The layout of a host checkpoint's .bin files (checkpoints/per_host.py) and of the shared
+state a healing host receives (checkpoints/recovery.py). The tree's structure, shapes and dtypes
 come from the reader's own state (`like`), and `index` records them beside the bytes so a
 file from another run or version is refused, naming the first leaf that differs.
 """

@@ -22,8 +22,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax import config as config_lib
-from diloco_jax.loop import checkpoint as checkpoint_lib
-from diloco_jax.models import model as model_lib
+from diloco_jax.checkpoints import store
+from diloco_jax.models import family
 from diloco_jax.modes import registry
 
 Params = Any
@@ -39,7 +39,7 @@ class Trained:
   params, numpy float32 arrays in the model's tree; round, the checkpoint's; finished,
   whether the run had ended there."""
   config: ml_collections.ConfigDict
-  model: model_lib.ModelConfig
+  model: family.ModelConfig
   params: Params
   round: int
   finished: bool
@@ -81,9 +81,9 @@ def model_params(config: ml_collections.ConfigDict, meta: dict, template: Params
 def load(workdir: str, step: int | None = None) -> Trained:
   """The model of the newest checkpoint in `workdir` (or of checkpoint `step`)."""
   # orbax reads only absolute paths: a relative --workdir is the user's working directory's
-  directory = os.path.join(os.path.abspath(workdir), checkpoint_lib.CHECKPOINTS)
+  directory = os.path.join(os.path.abspath(workdir), store.CHECKPOINTS)
   if not os.path.isdir(directory):
-    raise LoadError(f"{workdir}: no {checkpoint_lib.CHECKPOINTS}/ directory; is it the "
+    raise LoadError(f"{workdir}: no {store.CHECKPOINTS}/ directory; is it the "
                     "--workdir of a training run?")
   manager = _manager(directory)
   steps = sorted(manager.all_steps())
@@ -97,12 +97,12 @@ def load(workdir: str, step: int | None = None) -> Trained:
   try:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     config = config_lib.from_saved(meta["config"])
-    cfg = model_lib.ModelConfig.from_config(config.model, config.data.vocab_size)
+    cfg = family.ModelConfig.from_config(config.model, config.data.vocab_size)
     # The same math with either kernel, and a GPU run's model may be read on a laptop.
     cfg = dataclasses.replace(cfg, attention="auto")
-    template = model_lib.param_shapes(cfg)
+    template = family.param_shapes(cfg)
     params = model_params(config, meta, template, lambda items: _read(manager, step, items))
-  except (LoadError, model_lib.ModuleError):
+  except (LoadError, family.ModuleError):
     raise
   except Exception as e:  # noqa: BLE001 -- orbax's many read errors, one line
     detail = " ".join(str(e).split())[:300]

@@ -1,5 +1,5 @@
 """Checkpoints at round boundaries in a workdir every host shares: orbax, written in the
-background, restored on start. (Hosts with a workdir each: loop/local_checkpoint.py.)
+background, restored on start. (Hosts with a workdir each: `per_host`.)
 
 A checkpoint is one orbax step directory, workdir/checkpoints/<round>, with three items:
 
@@ -28,13 +28,10 @@ never starts over from round 1 while checkpoints it could not read exist.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import sys
 import time
-import uuid
 from typing import Any
 from typing import Callable
 
@@ -45,55 +42,9 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import config as config_lib
 from diloco_jax import units
+from diloco_jax.checkpoints import store
 from diloco_jax.wire import collective as collective_lib
-
-CHECKPOINTS = "checkpoints"
-UNREADABLE = "checkpoints_unreadable"
-JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint cannot be written or used; the message says which and why."""
-
-
-@dataclasses.dataclass
-class Snapshot:
-  """Everything needed to continue after round `round`, bit for bit (checkpoints are
-  taken at round boundaries only).
-
-  Attributes:
-    round: the last round whose outer step is in `shared`.
-    shared: pytree identical on every host (written once).
-    own: pytree of this host's state (one row per host on disk).
-    meta: JSON-serializable description (round, config, world, versions).
-    missing: on restore, the hosts of this run that have no row of their own in it (a
-      new, wiped or returning host, or more hosts than wrote it): they restart their
-      replicas from the anchor. The same on every host.
-  """
-  round: int
-  shared: Any
-  own: Any
-  meta: dict[str, Any]
-  missing: tuple[int, ...] = ()
-
-
-def encode_json(items: list[Any]) -> np.ndarray:
-  """[len(items), JSON_BYTES] uint8: each item as JSON, zero-padded (a fixed shape, so
-  the same array layout on every host)."""
-  out = np.zeros((len(items), JSON_BYTES), np.uint8)
-  for i, item in enumerate(items):
-    raw = json.dumps(item).encode()
-    if len(raw) > JSON_BYTES:
-      raise CheckpointError(f"a data iterator's state is {len(raw)} bytes of JSON, more "
-                            f"than the {JSON_BYTES} bytes reserved for it")
-    out[i, :len(raw)] = np.frombuffer(raw, np.uint8)
-  return out
-
-
-def decode_json(rows: np.ndarray) -> list[Any]:
-  return [json.loads(bytes(row).rstrip(b"\0")) for row in np.asarray(rows)]
 
 
 def set_barrier_timeout(seconds: int) -> None:
@@ -104,68 +55,12 @@ def set_barrier_timeout(seconds: int) -> None:
   orbax_multihost._DEFAULT_BARRIER_TIMEOUT = seconds
 
 
-def check_writable(workdir: str) -> None:
-  """Fails at start, not at the first checkpoint, when `workdir` cannot be written."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_test_{uuid.uuid4().hex}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise CheckpointError(f"--workdir={workdir} is not a writable directory: {e}") from e
-
-
-def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: int,
-                     where: str) -> None:
-  """Refuses a checkpoint written with another number of replicas per host, or with a
-  config whose math differs. Another number of hosts is allowed (loop/trainer.py)."""
-  if meta["replicas_per_host"] != replicas_per_host:
-    raise CheckpointError(
-        f"{where} was written by {meta['num_hosts']} host(s) x {meta['replicas_per_host']} "
-        f"replica(s); this run has {num_hosts} x {replicas_per_host}. A run resumes with "
-        f"the replicas per host that wrote it (each replica's inner state and data iterator "
-        f"belong to one host): restart with --config.replicas_per_host="
-        f"{meta['replicas_per_host']}, or use a new --workdir")
-  before = config_lib.flatten(config_lib.from_saved(meta["config"]))
-  now = config_lib.flatten(config)
-  changed = sorted(k for k in before.keys() | now.keys()
-                   if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
-  if changed:
-    lines = "".join(f"\n  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}" for k in changed)
-    flags = " ".join(f"--{k}={before[k]}" for k in changed  # those a flag can give back
-                     if isinstance(before.get(k), (bool, int, float, str)))
-    raise CheckpointError(
-        f"the config differs from {where} in fields that change the math:{lines}\nRun with "
-        f"the checkpoint's values to resume{f' ({flags})' if flags else ''}, or use a new "
-        f"--workdir. Fields a resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
-
-
-def check_space(directory: str, r: int, needed: int) -> None:
-  """Refuses a save of `needed` bytes the filesystem cannot hold, before it is written."""
-  free = shutil.disk_usage(directory).free
-  if free < needed + needed // 10:
-    raise CheckpointError(
-        f"checkpoint {r} needs about {units.format_bytes(needed)} in {directory}, "
-        f"which has {units.format_bytes(free)} free: not written. The checkpoints before "
-        f"it are intact; free some space and run the same command to continue")
-
-
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
   """(fn(), None), or (None, the exception)."""
   try:
     return fn(), None
   except Exception as e:  # noqa: BLE001 -- any read failure: the caller tries the one before
     return None, e
-
-
-def to_host(tree: Any, private: bool) -> Any:
-  """The tree in host memory: a private copy (`private`: the live arrays are donated by
-  the next step), else the arrays themselves where they already are in host memory (a
-  CPU jax.Array is read in place; a GPU one is copied, as it must be)."""
-  if private:
-    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
-  return jax.tree.map(np.asarray, tree)
 
 
 class Checkpointer:
@@ -178,7 +73,7 @@ class Checkpointer:
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
                save_timeout: int | None = None, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, CHECKPOINTS)
+    self.directory = os.path.join(self.workdir, store.CHECKPOINTS)
     self.dispatcher, self.collective = dispatcher, collective
     self.num_hosts, self.host = jax.process_count(), jax.process_index()
     self.keep = keep
@@ -240,13 +135,13 @@ class Checkpointer:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *np.shape(x)), x.dtype,
                                                        sharding=sharding), tree)
 
-  def save(self, snapshot: Snapshot, last: bool = False) -> float:
+  def save(self, snapshot: store.Snapshot, last: bool = False) -> float:
     """Starts writing `snapshot`; returns the seconds the caller was blocked (the copy).
     `last`: nothing will change the snapshot's arrays any more (the run's final save),
     so they are written without a private copy first: on CPU that copy was the biggest
     part of the host memory a save adds (bench/checkpoint.py measures a save)."""
     t = time.perf_counter()
-    shared, own = to_host(snapshot.shared, not last), to_host(snapshot.own, not last)
+    shared, own = store.to_host(snapshot.shared, not last), store.to_host(snapshot.own, not last)
     blocked = time.perf_counter() - t
     # Elastic mode: only the live hosts write (the manager of the whole world is dropped,
     # with any save it still had in flight).
@@ -260,7 +155,7 @@ class Checkpointer:
         if hosts != self.hosts:
           self._open(hosts)
         self._finish_previous()
-        check_space(self.directory, snapshot.round, needed)
+        store.check_space(self.directory, snapshot.round, needed)
         self._save_started = time.monotonic()
         self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
             shared=ocp.args.StandardSave(self._to_replicated(shared)),
@@ -290,12 +185,12 @@ class Checkpointer:
       raise self._failed(self._writing, e) from None
     self._writing = None
 
-  def _failed(self, r: int | None, error: BaseException) -> CheckpointError:
+  def _failed(self, r: int | None, error: BaseException) -> store.CheckpointError:
     text = str(error)
     full = "No space left on device" in text or "os_error_code='28'" in text
     reason = "no space left on device" if full else f"{type(error).__name__}: {text[:300]}"
     free = shutil.disk_usage(self.directory).free
-    return CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
+    return store.CheckpointError(f"checkpoint {r} could not be written to {self.directory}: "
                            f"{reason} ({units.format_bytes(free)} free there). The "
                            f"checkpoints before it are intact")
 
@@ -315,7 +210,7 @@ class Checkpointer:
     seen = self.dispatcher.run(self.collective.allgather, newest,
                                what="agreeing on the checkpoints")
     if not (seen == newest).all():
-      raise CheckpointError(
+      raise store.CheckpointError(
           f"hosts see different checkpoints in {self.directory} (newest, count per host: "
           f"{seen.tolist()}): the workdir must be one directory shared by every host")
     return steps
@@ -324,12 +219,12 @@ class Checkpointer:
     self.manager.reload()  # what is on disk now, not what this manager saw
     return list(self.manager.all_steps())
 
-  def restore(self, like: Callable[[dict], Snapshot],
-              check_meta: Callable[[dict], None]) -> Snapshot | None:
+  def restore(self, like: Callable[[dict], store.Snapshot],
+              check_meta: Callable[[dict], None]) -> store.Snapshot | None:
     """The newest checkpoint every host can read, or None if there is none.
 
     `like(meta)` gives the structure, shapes and dtypes; `check_meta(meta)` raises a
-    CheckpointError if the checkpoint does not fit this run (not a read failure: it stops
+    store.CheckpointError if the checkpoint does not fit this run (not a read failure: it stops
     the run rather than falling back to an older checkpoint)."""
     tried = []
     for step in self.steps():
@@ -361,7 +256,7 @@ class Checkpointer:
             own = jax.tree.map(lambda g: np.asarray(g.addressable_data(0))[row],  # noqa: B023
                                restored.hosts)
           missing = tuple(h for h in range(self.num_hosts) if h not in writers)
-          snapshot = Snapshot(step, shared, own, meta, missing)
+          snapshot = store.Snapshot(step, shared, own, meta, missing)
       ok = error is None
       flags = self.dispatcher.run(self.collective.allgather, np.array([ok], np.int32),
                                   what="agreeing on a readable checkpoint")[:, 0]
@@ -376,7 +271,7 @@ class Checkpointer:
       tried.append((step, [h for h, f in enumerate(flags) if not f]))
     if tried:  # left where they are: every later attempt refuses the same way
       rounds = ", ".join(f"{step} (unreadable on host(s) {bad})" for step, bad in tried)
-      raise CheckpointError(
+      raise store.CheckpointError(
           f"no checkpoint in {self.directory} could be read: rounds {rounds}. They are "
           f"left where they are, and this run is not started again from round 1 while "
           f"they exist. If a filesystem was missing for a moment, run the same command "
@@ -388,7 +283,7 @@ class Checkpointer:
     """Moves an unreadable checkpoint newer than the one resumed from out of orbax's way
     (kept for inspection), on every host's view, with a warning naming it."""
     if self.host == 0:
-      target = os.path.join(self.workdir, UNREADABLE, f"{step}-{int(time.time())}")
+      target = os.path.join(self.workdir, store.UNREADABLE, f"{step}-{int(time.time())}")
       os.makedirs(os.path.dirname(target), exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), target)
       print(f"WARNING: checkpoint {step} in {self.directory} is incomplete or corrupt "

@@ -1,0 +1,124 @@
+"""What every checkpoint store shares: the `Snapshot` a round boundary is saved as, the
+error a store raises, the checks made before writing or using a checkpoint, and the JSON
+rows a data iterator's state is kept in.
+
+The stores: `shared_dir` (one workdir every host shares, orbax) and `per_host` (a workdir
+per host, each host's own disk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+
+from diloco_jax import config as config_lib
+from diloco_jax import units
+
+CHECKPOINTS = "checkpoints"
+UNREADABLE = "checkpoints_unreadable"
+JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint cannot be written or used; the message says which and why."""
+
+
+@dataclasses.dataclass
+class Snapshot:
+  """Everything needed to continue after round `round`, bit for bit (checkpoints are
+  taken at round boundaries only).
+
+  Attributes:
+    round: the last round whose outer step is in `shared`.
+    shared: pytree identical on every host (written once).
+    own: pytree of this host's state (one row per host on disk).
+    meta: JSON-serializable description (round, config, world, versions).
+    missing: on restore, the hosts of this run that have no row of their own in it (a
+      new, wiped or returning host, or more hosts than wrote it): they restart their
+      replicas from the anchor. The same on every host.
+  """
+  round: int
+  shared: Any
+  own: Any
+  meta: dict[str, Any]
+  missing: tuple[int, ...] = ()
+
+
+def encode_json(items: list[Any]) -> np.ndarray:
+  """[len(items), JSON_BYTES] uint8: each item as JSON, zero-padded (a fixed shape, so
+  the same array layout on every host)."""
+  out = np.zeros((len(items), JSON_BYTES), np.uint8)
+  for i, item in enumerate(items):
+    raw = json.dumps(item).encode()
+    if len(raw) > JSON_BYTES:
+      raise CheckpointError(f"a data iterator's state is {len(raw)} bytes of JSON, more "
+                            f"than the {JSON_BYTES} bytes reserved for it")
+    out[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+  return out
+
+
+def decode_json(rows: np.ndarray) -> list[Any]:
+  return [json.loads(bytes(row).rstrip(b"\0")) for row in np.asarray(rows)]
+
+
+def check_writable(workdir: str) -> None:
+  """Fails at start, not at the first checkpoint, when `workdir` cannot be written."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_test_{uuid.uuid4().hex}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise CheckpointError(f"--workdir={workdir} is not a writable directory: {e}") from e
+
+
+def check_compatible(meta: dict, config, *, num_hosts: int, replicas_per_host: int,
+                     where: str) -> None:
+  """Refuses a checkpoint written with another number of replicas per host, or with a
+  config whose math differs. Another number of hosts is allowed (loop/trainer.py)."""
+  if meta["replicas_per_host"] != replicas_per_host:
+    raise CheckpointError(
+        f"{where} was written by {meta['num_hosts']} host(s) x {meta['replicas_per_host']} "
+        f"replica(s); this run has {num_hosts} x {replicas_per_host}. A run resumes with "
+        f"the replicas per host that wrote it (each replica's inner state and data iterator "
+        f"belong to one host): restart with --config.replicas_per_host="
+        f"{meta['replicas_per_host']}, or use a new --workdir")
+  before = config_lib.flatten(config_lib.from_saved(meta["config"]))
+  now = config_lib.flatten(config)
+  changed = sorted(k for k in before.keys() | now.keys()
+                   if k not in config_lib.RESUMABLE_CHANGES and before.get(k) != now.get(k))
+  if changed:
+    lines = "".join(f"\n  {k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}" for k in changed)
+    flags = " ".join(f"--{k}={before[k]}" for k in changed  # those a flag can give back
+                     if isinstance(before.get(k), (bool, int, float, str)))
+    raise CheckpointError(
+        f"the config differs from {where} in fields that change the math:{lines}\nRun with "
+        f"the checkpoint's values to resume{f' ({flags})' if flags else ''}, or use a new "
+        f"--workdir. Fields a resumed run may change: {', '.join(config_lib.RESUMABLE_CHANGES)}")
+
+
+def check_space(directory: str, r: int, needed: int) -> None:
+  """Refuses a save of `needed` bytes the filesystem cannot hold, before it is written."""
+  free = shutil.disk_usage(directory).free
+  if free < needed + needed // 10:
+    raise CheckpointError(
+        f"checkpoint {r} needs about {units.format_bytes(needed)} in {directory}, "
+        f"which has {units.format_bytes(free)} free: not written. The checkpoints before "
+        f"it are intact; free some space and run the same command to continue")
+
+
+def to_host(tree: Any, private: bool) -> Any:
+  """The tree in host memory: a private copy (`private`: the live arrays are donated by
+  the next step), else the arrays themselves where they already are in host memory (a
+  CPU jax.Array is read in place; a GPU one is copied, as it must be)."""
+  if private:
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+  return jax.tree.map(np.asarray, tree)
