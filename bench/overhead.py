@@ -91,7 +91,7 @@ def diloco_loop(config, dispatcher, workdir: str):
 
   def one_round(r):
     t.run_round(r)
-    jax.block_until_ready(t.replicas)
+    jax.block_until_ready(t.state.replicas)
 
   return one_round
 

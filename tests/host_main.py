@@ -37,8 +37,8 @@ def main(out_dir, host_id, num_hosts, port, overrides):
     hook = multihost.poisoned(bad["replica"], bad["value"], bad.get("calls"))
   corrupt = overrides.pop("_corrupt", None)
   if corrupt is not None and corrupt["host"] == int(host_id):
-    trainer.Trainer._round_checks = multihost.corrupted(trainer.Trainer._round_checks,
-                                                        corrupt["round"])
+    from diloco_jax.modes import outer
+    outer.OuterStep.end_round = multihost.corrupted(outer.OuterStep.end_round, corrupt["round"])
   pace = overrides.pop("_pace", None)
   if pace is not None:  # balance 'speed' with hosts of these speeds (multihost.paced)
     from diloco_jax.loop import pacing

@@ -57,11 +57,11 @@ def main(out_dir):
     saved = trainer.Trainer(config_for("sync", 1, 1), os.path.join(out_dir, "sync_1x1"), d)
     saved.resume()
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
-        jax.tree.leaves((t.replicas, t.outer.state)),
-        jax.tree.leaves((saved.replicas, saved.outer.state))))
-    specs = {str(x.sharding.spec) for x in jax.tree.leaves(t.replicas.params)}
-    t.checkpointer.close()
-    saved.checkpointer.close()
+        jax.tree.leaves((t.state.replicas, t.state.outer.state)),
+        jax.tree.leaves((saved.state.replicas, saved.state.outer.state))))
+    specs = {str(x.sharding.spec) for x in jax.tree.leaves(t.state.replicas.params)}
+    t.parts.store.close()
+    saved.parts.store.close()
   out["resumed under 2x2"] = {"same_numbers": same, "specs": sorted(specs)}
   with open(os.path.join(out_dir, "layouts.json"), "w") as f:
     json.dump(out, f, indent=1)

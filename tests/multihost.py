@@ -63,17 +63,19 @@ def poisoned(replica: int, value, calls=None):
   return hook
 
 
-def corrupted(round_checks, at_round: int):
-  """`Trainer._round_checks` that first adds 1e-3 to one entry of the anchor (sync mode's
-  `OuterState`) after round `at_round`'s outer step."""
-  def wrapped(self, r):
+def corrupted(end_round, at_round: int):
+  """The sync driver's `end_round` (`modes.outer.OuterStep.end_round`) that adds 1e-3 to one
+  entry of the anchor (sync mode's `OuterState`) after round `at_round`'s outer step, before
+  the round's checks."""
+  def wrapped(self, outer, replicas, loss_sum, r):
+    update = end_round(self, outer, replicas, loss_sum, r)
     if r == at_round:
-      state = self.outer.state
+      state = update.outer.state
       leaves, treedef = jax.tree.flatten(state.anchor)
       leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(1e-3)
-      self.outer = self.outer._replace(
-          state=state.replace(anchor=jax.tree.unflatten(treedef, leaves)))
-    return round_checks(self, r)
+      update = update._replace(outer=update.outer._replace(
+          state=state.replace(anchor=jax.tree.unflatten(treedef, leaves))))
+    return update
 
   return wrapped
 

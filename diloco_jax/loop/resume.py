@@ -1,0 +1,109 @@
+"""`resume(parts, state) -> RunState`: a start that continues from the newest readable
+checkpoint, or begins the run (round 0) when there is none.
+
+The store (`checkpoints/`) says which checkpoint every host can read and gives it back; this
+module puts it into the run: the outer state and replicas (or, for a host without a row of
+its own, replicas started from the anchor), the data iterators, the pacer's decisions, the
+run's id (host 0's on every host), and what run.json says about the start.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import jax
+import numpy as np
+
+from diloco_jax.checkpoints import resize
+from diloco_jax.checkpoints import store
+from diloco_jax.loop import membership
+from diloco_jax.loop import rounds
+from diloco_jax.loop import state as state_lib
+from diloco_jax.models import pretrained
+from diloco_jax.reporting import metrics
+
+
+def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
+  """The state after the newest readable checkpoint (`state` itself, with the run's id, when
+  there is none). A sum in flight in it is issued again; its round's record is opened anew."""
+  config = parts.config
+  snap = parts.store.restore(lambda meta: state_lib.snapshot_like(parts, state, meta),
+                             lambda meta: _check_checkpoint(parts, meta))
+  state = state.replace(run_id=_agreed_run_id(parts, snap.meta.get("run_id", "") if snap else ""),
+                        init_source=_init_source(config))
+  storage = "shared" if parts.shared_storage else "per_host"
+  if snap is None:
+    state = state.replace(start={"round": 0, "storage": storage}, round=0)
+    return _from_pretrained(parts, state) if config.model.init_from else state
+  r = snap.round
+  world = resize.World.of(snap, parts.num_hosts)
+  resize.check_mode(world, config.mode, where=f"checkpoint {r}")
+  parts.pacer.restore(snap.meta.get("balance"), same_world=not world.changed)
+  state = rounds.reschedule(parts, state.replace(finished_before=snap.meta["finished"], round=r))
+  own = resize.without_inflight(snap.own) if world.partial else snap.own
+  if own is None:  # a new, wiped or returning host: no row of its own
+    outer, replicas = membership.rejoin(
+        parts.driver, snap, parts.init_replicas, None if world.changed else parts.data,
+        parts.pacer.steps_done(r))
+  else:
+    outer = parts.driver.join(snap.shared, own)
+    replicas = parts.inner.place(own["replicas"])
+    if not world.changed:  # else every replica starts a new pass over the new shards
+      parts.data.set_state(store.decode_json(own["data"]))
+  recovered = parts.store.recovered
+  state = state.replace(outer=outer, replicas=replicas, start={
+      "round": r, "storage": storage, **world.describe(),
+      "healed_from": recovered.source if recovered and recovered.healed else None,
+      "heal_bytes": recovered.bytes if recovered else 0,
+      "heal_seconds": recovered.seconds if recovered else 0.0})
+  if parts.is_host0 and world.partial:
+    print(world.message(r, replicas_per_host=parts.replicas_per_host,
+                        inflight=bool(snap.meta["inflight"])), flush=True)
+  if parts.is_host0:
+    metrics.print_resumed(r, parts.store.directory, replicas=parts.num_replicas,
+                          inflight=bool(outer.inflight), finished=state.finished_before,
+                          num_rounds=parts.num_rounds)
+    if config.model.init_from:
+      print(f"config.model.init_from = {config.model.init_from}: its weights are not "
+            f"used (the checkpoint's params win)", flush=True)
+  if outer.inflight:  # its record was not logged before the checkpoint
+    rounds.open_record(parts, r, resumed=True, round_time=0.0, tokens_per_sec=0.0,
+                       elapsed=0.0, eta=0.0)
+    rounds.round_checks(parts, state, r)
+  return state
+
+
+def _check_checkpoint(parts, meta: dict) -> None:
+  store.check_compatible(meta, parts.config, num_hosts=parts.num_hosts,
+                         replicas_per_host=parts.replicas_per_host,
+                         where=f"checkpoint {meta['round']} in {parts.store.directory}")
+
+
+def _agreed_run_id(parts, saved: str) -> str:
+  """The run's id: the checkpoint's, else a new one; host 0's on every host."""
+  mine = np.frombuffer(bytes.fromhex(saved or uuid.uuid4().hex), np.uint8)
+  words = parts.dispatcher.run(parts.collective.allgather, mine, what="agreeing on the run")
+  return bytes(words[0]).hex()
+
+
+def _from_pretrained(parts, state: state_lib.RunState) -> state_lib.RunState:
+  """The anchor and every replica from `config.model.init_from`'s weights: the same files
+  on every host, the same anchor."""
+  params = pretrained.params(parts.config.model.init_from, parts.model_cfg)
+  # The placeholders (zeros of the right shapes) go first: one copy of the state at a time.
+  for x in jax.tree.leaves((state.outer, state.replicas)):
+    if isinstance(x, jax.Array):
+      x.delete()
+  anchor = jax.device_put(params, parts.exchange.host_device)
+  return state.replace(outer=parts.driver.init(anchor), replicas=parts.init_replicas(anchor))
+
+
+def _init_source(config) -> dict | None:
+  """`config.model.init_from`'s directory and the sha256 of its files (None: none), for
+  run.json. A resumed run's weights may be gone: then the path alone."""
+  if not config.model.init_from:
+    return None
+  try:
+    return pretrained.source(config.model.init_from)
+  except (OSError, pretrained.PretrainedError):
+    return {"path": config.model.init_from, "sha256": None}

@@ -1,0 +1,35 @@
+"""What a start says about the run: every host's start-up lines, and host 0's run.json."""
+
+from __future__ import annotations
+
+import jax
+
+from diloco_jax.loop import state as state_lib
+from diloco_jax.reporting import metrics
+
+
+def announce(parts) -> None:
+  """The start-up lines (every host prints its own)."""
+  metrics.print_startup(
+      host=parts.host, num_hosts=parts.num_hosts, mode=parts.config.mode,
+      devices=[f"{d.platform}:{jax.local_devices().index(d)}"  # this host's own numbering
+               for d in parts.mesh.devices.flat],
+      replicas_per_host=parts.replicas_per_host, num_params=parts.num_params,
+      model=parts.model_cfg.module or parts.model_cfg.family, attention=parts.attention,
+      flops_per_token=parts.flops_per_token, num_rounds=parts.num_rounds,
+      inner_steps=parts.h, tokens=parts.tokens_per_step * parts.num_rounds * parts.h,
+      floor=parts.spec.floor, unigram=parts.spec.unigram_loss,
+      storage=None if parts.num_hosts == 1 else "one shared workdir" if parts.shared_storage
+      else "a workdir per host (each keeps its own checkpoints)")
+
+
+def write_run_json(parts, state: state_lib.RunState) -> None:
+  """Host 0: the step's memory line and run.json."""
+  metrics.print_memory(parts.step_memory, parts.mesh)
+  metrics.write_run_json(parts.workdir, parts.config, hosts=parts.num_hosts,
+                         devices=parts.mesh.devices.flat, num_params=parts.num_params,
+                         flops_per_token=parts.flops_per_token,
+                         tokens_per_step=parts.tokens_per_step, peak_flops=parts.peak_flops,
+                         memory=parts.step_memory, layout=parts.inner.layout.describe(),
+                         start=state.start, balance=parts.pacer.describe(),
+                         attention=parts.attention, init_from=state.init_source)
