@@ -134,9 +134,11 @@ class FakeStore:
 
 
 def agree(secrets_by_host):
-  """Runs `agree_on_token` on one thread per host; each host's error message or None."""
+  """Runs `agree_on_token` on one thread per host; each host's error message or None.
+  Any other exception in a host's thread (a crash, not a refusal) is raised here: in a
+  thread it would only be a warning, and the hosts would seem to agree."""
   store, n = FakeStore(len(secrets_by_host)), len(secrets_by_host)
-  errors = [None] * n
+  errors, crashes = [None] * n, []
 
   def host(h):
     token = secrets_by_host[h] and security.JoinToken(secrets_by_host[h], "test")
@@ -144,12 +146,18 @@ def agree(secrets_by_host):
       security.agree_on_token(store, h, n, token, timeout_s=20)
     except security.SecurityError as e:
       errors[h] = str(e)
+    except BaseException as e:  # noqa: BLE001 -- handed to the test's thread below
+      crashes.append((h, e))
 
   threads = [threading.Thread(target=host, args=(h,)) for h in range(n)]
   for t in threads:
     t.start()
   for t in threads:
-    t.join()
+    t.join(timeout=30)  # agree_on_token's own timeout is 20 s
+    assert not t.is_alive(), "agree_on_token did not return within its timeout"
+  if crashes:
+    h, e = crashes[0]
+    raise AssertionError(f"host {h}'s agree_on_token crashed: {type(e).__name__}: {e}") from e
   return errors, store
 
 
