@@ -70,6 +70,8 @@ class Checkpointer:
   save never leaves the run without a good one.
   """
 
+  recovered = None  # a shared workdir never heals a host from a peer (per_host does)
+
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
                save_timeout: int | None = None, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
