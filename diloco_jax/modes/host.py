@@ -66,7 +66,7 @@ class HostSide:
     self.pseudo_gradient_hook = pseudo_gradient_hook
     self.replicas_per_host = exchange.replicas_per_host
     self.num_replicas = exchange.num_replicas
-    self.host = jax.sharding.SingleDeviceSharding(exchange.host_device)
+    self.host_sharding = jax.sharding.SingleDeviceSharding(exchange.host_device)
     self.layout = mesh_lib.Layout(mesh)  # how the inner step holds params on the devices
     self._deltas = jax.jit(diloco.pseudo_gradients)
     self._finite = jax.jit(diloco.finite_replicas)
@@ -109,7 +109,7 @@ class HostSide:
   def to_host(self, params_R: Params) -> tuple[Params, float]:
     jax.block_until_ready(params_R)  # the inner phase is done: time the outer step alone
     t = time.perf_counter()
-    return jax.block_until_ready(jax.device_put(params_R, self.host)), time.perf_counter() - t
+    return jax.block_until_ready(jax.device_put(params_R, self.host_sharding)), time.perf_counter() - t
 
   def pseudo_gradients(self, start: Params, local_R: Params, *, round_: int,
                        fragment: int = 0) -> Params:
@@ -189,7 +189,7 @@ class HostSide:
     """The carry of a checkpoint, its sum in flight issued again (own None: a host that
     was away in elastic mode starts from the shared state)."""
     own = own or {}
-    state = jax.device_put(self.rule.join(shared["outer"], own.get("outer")), self.host)
+    state = jax.device_put(self.rule.join(shared["outer"], own.get("outer")), self.host_sharding)
     residuals = ({int(key): np.asarray(r) for key, r in own["wire"].items()} if "wire" in own
                  else self.init_residuals(state))
     inflight = ()

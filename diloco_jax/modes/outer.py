@@ -72,7 +72,7 @@ class OuterStep(host_lib.HostSide):
   def init(self, anchor: Params) -> base.Outer:
     # Committed to the host CPU device, as every later outer state is, so the outer-step
     # programs compile once rather than again in round 2.
-    state = jax.device_put(self.rule.init(anchor, self.replicas_per_host), self.host)
+    state = jax.device_put(self.rule.init(anchor, self.replicas_per_host), self.host_sharding)
     return base.Outer(state, state_lib.SkipCounters.of(0, 0), self.init_residuals(state))
 
   def end_round(self, outer: base.Outer, replicas, loss_sum, round_: int) -> base.Update:

@@ -88,7 +88,7 @@ class StreamingOuterStep(host_lib.HostSide):
 
   def init(self, anchor: Params) -> base.Outer:
     states = jax.device_put(fragments.outer_states(self.optimizer, anchor, self.ids,
-                                                   self.num_fragments), self.host)
+                                                   self.num_fragments), self.host_sharding)
     return base.Outer(states, state_lib.SkipCounters.of(0, 0), self.init_residuals(states))
 
   def init_residuals(self, states) -> dict[int, np.ndarray]:
