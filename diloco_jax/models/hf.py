@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 from typing import NamedTuple
 
-from diloco_jax import errors
 from diloco_jax.models import family
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
@@ -41,9 +40,8 @@ class Tensor(NamedTuple):
   zeros: tuple[int, ...] = ()
 
 
-class UnsupportedError(errors.DilocoError, ValueError):
+class UnsupportedError(ValueError):
   """A Hugging Face config our families do not compute; the message names the field."""
-  prefix = "Unsupported model"
 
 
 def expressible(cfg: family.ModelConfig) -> str | None:

@@ -37,7 +37,6 @@ import math
 
 import numpy as np
 
-from diloco_jax import errors
 from diloco_jax.algo import compress
 
 MODES = ("sync", "streaming", "eager", "delayed", "ddp")
@@ -101,9 +100,8 @@ class Prediction:
   host_steps: tuple[int, ...]  # inner steps each host trains per round
 
 
-class PlanError(errors.DilocoError, ValueError):
+class PlanError(ValueError):
   """A setting that cannot be planned; the message names the input."""
-  prefix = "Cannot plan"
 
 
 def check(s: Setting) -> None:

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import errors
 from diloco_jax.corpus import sources
 from diloco_jax.corpus import tokenizer as tokenizer_lib
 from diloco_jax.data import prepared
@@ -36,9 +35,8 @@ from diloco_jax.models import family
 Params = Any
 
 
-class SampleError(errors.DilocoError, ValueError):
+class SampleError(ValueError):
   """A prompt, flag or tokenizer that cannot be sampled from; the message says why."""
-  prefix = "Cannot sample"
 
 
 # ------------------------------------------------------------------------- generation

@@ -21,8 +21,6 @@ from typing import Mapping
 
 import numpy as np
 
-from diloco_jax import errors
-
 # The group of each record field, for the tags `group/name` (the group's prefix dropped
 # from the name: outer_d2h -> outer/d2h). A field named nowhere goes to `other/`.
 GROUPS = {
@@ -61,7 +59,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
-class MetricsError(errors.DilocoError, RuntimeError):
+class MetricsError(RuntimeError):
   """metrics.jsonl cannot be continued; the message names the file and the line."""
 
 

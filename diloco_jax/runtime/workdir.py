@@ -35,8 +35,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from diloco_jax import errors
-
 LOCK = "lock"
 PREVIOUS = "previous"
 REFRESH_S = 10.0
@@ -47,7 +45,7 @@ RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "tensorbo
 _HELD: dict[str, Lock] = {}  # path -> this process's lock on it
 
 
-class WorkdirInUseError(errors.DilocoError, RuntimeError):
+class WorkdirInUseError(RuntimeError):
   """Another run holds the workdir's lock; the message names it."""
 
 

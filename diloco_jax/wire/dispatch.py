@@ -20,12 +20,10 @@ from typing import Callable
 
 import jax
 
-from diloco_jax import errors
-
 _STOP = object()
 
 
-class CollectiveError(errors.DilocoError, RuntimeError):
+class CollectiveError(RuntimeError):
   """A cross-host job failed; the message names the round it belonged to."""
 
   def __init__(self, round_: int | None, what: str, cause: BaseException):

@@ -23,7 +23,6 @@ from typing import Protocol
 
 import numpy as np
 
-from diloco_jax import errors
 from diloco_jax.algo import state as state_lib
 
 _KEY = "diloco_jax/anchor/"
@@ -41,7 +40,7 @@ class HashExchange(Protocol):
   def collect(self, round_: int) -> dict[int, str]: ...
 
 
-class AnchorMismatchError(errors.DilocoError, RuntimeError):
+class AnchorMismatchError(RuntimeError):
   """The outer state differs between hosts after an outer step."""
 
 
