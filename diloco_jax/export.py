@@ -16,6 +16,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from diloco_jax import errors
+
 # The checkpoint reader and the model (jax, orbax) are imported where they are used, so
 # that --help answers at once.
 
@@ -118,9 +120,6 @@ def main(argv: list[str]) -> None:
       sys.exit(f"Missing --{flag.name} (see --help)")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every read, and warns that it is
     logging.set_verbosity(logging.ERROR)    # read-only: nothing the user needs
-  from diloco_jax.readback import trained as trained_lib  # pylint: disable=import-outside-toplevel
-  from diloco_jax.models import exported  # pylint: disable=import-outside-toplevel
-  from diloco_jax.models import family  # pylint: disable=import-outside-toplevel
   try:
     max_shard_bytes = parse_size(_MAX_SHARD_SIZE.value)
   except ValueError as e:
@@ -128,8 +127,9 @@ def main(argv: list[str]) -> None:
   try:
     paths = export(_WORKDIR.value, _OUTPUT.value, _STEP.value, _OVERWRITE.value,
                    _DTYPE.value, max_shard_bytes)
-  except (exported.ExportError, trained_lib.LoadError, family.ModuleError) as e:
-    sys.exit(str(e))
+  except errors.DilocoError as e:  # the message alone: it names the flag or file at fault
+    sys.stderr.write(errors.describe(e, prefix="") + "\n")
+    sys.exit(e.exit_code)
   print("Wrote " + ", ".join(paths))
 
 

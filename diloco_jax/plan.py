@@ -26,6 +26,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from diloco_jax import errors
+
 
 def define_flags() -> None:
   """The command's flags, defined when it runs as a command (not on import: `train` also
@@ -247,7 +249,10 @@ def main(argv: list[str]) -> None:
       rows = [(base, plan_model.predict(base, constants))]
     if not 0 < _TARGET.value <= 1:
       raise ValueError(f"--target={_TARGET.value:g}: a utilization in (0, 1]")
-  except (ValueError, plan_model.PlanError) as e:
+  except errors.DilocoError as e:  # a PlanError, a ConfigError: the message alone
+    sys.stderr.write(errors.describe(e, prefix="") + "\n")
+    sys.exit(e.exit_code)
+  except ValueError as e:  # this command's own flags: a number that is not one, or out of range
     sys.exit(str(e))
   link = f"{base.up_mbit:g}/{base.down_mbit:g} Mbit/s up/down, rtt {base.rtt_ms:g} ms"
   print(f"{n / 1e6:,.2f}M params; step {', '.join(f'{t:.4g}' for t in times)} s; {link}; "

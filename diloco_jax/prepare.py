@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from diloco_jax import errors
 from diloco_jax.corpus import build
 from diloco_jax.corpus import format as corpus_format
 from diloco_jax.corpus import sources as sources_lib
@@ -91,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     done = build.prepare(args)
-  except (InputError, OSError) as e:  # OSError: a full disk, a directory not writable, ...
+  except errors.DilocoError as e:
+    print(errors.describe(e, "prepare"), file=sys.stderr)
+    return e.exit_code
+  except OSError as e:  # a full disk, a directory not writable, ...
     print(f"prepare: {e}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:

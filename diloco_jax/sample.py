@@ -16,6 +16,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from diloco_jax import errors
+
 
 def define_flags() -> None:
   """The command's flags, defined when it runs as a command (not on import: sample and
@@ -57,9 +59,8 @@ def main(argv):
                             max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
                             top_k=_TOP_K.value, seed=_SEED.value, step=_STEP.value,
                             num_samples=_NUM_SAMPLES.value)
-  except (sampling.SampleError, sampling.trained_lib.LoadError, sampling.model_lib.ModuleError,
-          sampling.sources.InputError) as e:
-    _fail(f"sample: {e}")
+  except errors.DilocoError as e:  # whatever its kind, named by the command: `sample: ...`
+    _fail(errors.describe(e, "sample"), e.exit_code)
   for i, text in enumerate(texts):
     if len(texts) > 1:
       print(f"{'-' * 20} sample {i + 1} of {len(texts)} {'-' * 20}")
@@ -80,9 +81,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     _fail(f"Invalid flags: {' '.join(str(e).split())} (see --help)")
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 1) -> None:
   sys.stderr.write(message + "\n")
-  _exit(1)
+  _exit(code)
 
 
 def _exit(code: int) -> None:

@@ -25,6 +25,7 @@ from ml_collections import config_flags
 # Only what the flags, --help and --print_config need: jax, orbax and the trainer take a
 # second or more to import, and `main` imports them once it knows it will train.
 from diloco_jax import config as config_lib
+from diloco_jax import errors
 from diloco_jax.runtime import hostmem
 from diloco_jax.runtime import quiet
 
@@ -233,11 +234,8 @@ def main(argv):
   from diloco_jax.checkpoints import store
   from diloco_jax.checkpoints import shared_dir
   from diloco_jax.loop import trainer
-  from diloco_jax.reporting import writers
-  from diloco_jax.modes import skips
   from diloco_jax.runtime import cluster
   from diloco_jax.runtime import elastic
-  from diloco_jax.runtime import workdir
   from diloco_jax.wire import dispatch
   # pylint: enable=import-outside-toplevel
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
@@ -268,14 +266,6 @@ def main(argv):
       elastic.finish()
   except trainer.RestartForRejoin:
     _exit(elastic.EXIT_RESTART)
-  except config_lib.ConfigError as e:  # one line per bad field
-    _fail("\n".join(f"Invalid config: {line}" for line in str(e).splitlines()))
-  except cluster.StartupError as e:
-    _fail(f"Start-up failed: {e}")
-  except store.CheckpointError as e:
-    _fail(f"Checkpoint error: {e}")
-  except (workdir.WorkdirInUseError, writers.MetricsError, skips.BadPseudoGradientError) as e:
-    _fail(f"Stopped: {e}")
   except dispatch.CollectiveError as e:
     if isinstance(e.__cause__, store.CheckpointError):  # a save on the dispatch thread
       _fail(f"Checkpoint error: {e.__cause__}")
@@ -286,6 +276,8 @@ def main(argv):
     # will never arrive (which would end in an abort at the heartbeat timeout).
     sys.stderr.write(f"Stopped: {e}\nAnother host failed or was killed: see its log.\n")
     _exit(1)
+  except errors.DilocoError as e:  # every other failure of the package: its prefix and
+    _fail(errors.describe(e), e.exit_code)  # message, a line per bad config field
   except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
 

@@ -1,5 +1,6 @@
 """Errors at start-up: one line on stderr that names the field or file, exit status 1, no
-traceback, before anything is compiled; --help and --print_config exit 0."""
+traceback, before anything is compiled; --help and --print_config exit 0. Every error the
+package defines has one base, which ends `train` in one line too."""
 
 import os
 import subprocess
@@ -11,12 +12,17 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
+from diloco_jax import errors
+from diloco_jax.checkpoints import store
 from diloco_jax.data import files as data_files
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.device import mesh
+from diloco_jax.loop import pacing
 from diloco_jax.models import family
+from diloco_jax.models import layers
 from diloco_jax.models import model as model_lib
 from diloco_jax.modes import registry
+from diloco_jax.wire import integrity
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "--config=configs/tiny.py"
@@ -263,3 +269,57 @@ def test_every_field_documented():
   docs = config_lib.field_docs()
   for name in config_lib.flatten(config_lib.get_default_config()):
     assert docs.get(name, ("",))[0], f"{name}: no trailing comment in get_default_config()"
+
+
+# ------------------------------------------------------------------ the package's errors
+
+
+def test_every_error_the_package_defines_has_one_base():
+  """The entry points catch `errors.DilocoError` alone: an exception class of the package
+  outside it would end in a traceback. Outside on purpose: a restart request (exit 75),
+  not a failure."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  import inspect  # pylint: disable=import-outside-toplevel
+  import pkgutil  # pylint: disable=import-outside-toplevel
+
+  import diloco_jax  # pylint: disable=import-outside-toplevel
+  inside, outside = set(), set()
+  for info in pkgutil.walk_packages(diloco_jax.__path__, "diloco_jax."):
+    for c in vars(importlib.import_module(info.name)).values():
+      if inspect.isclass(c) and issubclass(c, BaseException) and c.__module__ == info.name:
+        (inside if issubclass(c, errors.DilocoError) else outside).add(c.__name__)
+  assert outside == {"RestartForRejoin"}
+  assert {"ConfigError", "CheckpointError", "AnchorMismatchError", "BalanceError",
+          "InputError", "SampleError", "ExportError", "PlanError"} <= inside, inside
+
+
+def test_describe_puts_the_prefix_on_every_line():
+  assert errors.describe(config_lib.ConfigError("config.a = 1: bad\nconfig.b: unknown")) == (
+      "Invalid config: config.a = 1: bad\nInvalid config: config.b: unknown")
+  assert errors.describe(pacing.BalanceError("round 1: differ")) == "Stopped: round 1: differ"
+  assert errors.describe(store.CheckpointError("gone")) == "Checkpoint error: gone"
+  assert errors.describe(store.CheckpointError("gone"), "sample") == "sample: gone"
+  assert errors.describe(store.CheckpointError("gone"), "") == "gone"
+  assert isinstance(pacing.BalanceError("x"), RuntimeError)  # callers still catch these
+  assert isinstance(layers.AttentionError("x"), ValueError)
+
+
+def test_anchor_mismatch_ends_in_one_line(tmp_path):
+  """An error no entry point names (the hosts' outer states differ) ends `train` in one
+  line with its prefix, exit status 1, no traceback."""
+  hashes = {0: "aa" * 32, 1: "bb" * 32, 2: "aa" * 32}
+  script = ("import sys\n"
+            "from absl import app\n"
+            "from diloco_jax import train\n"
+            "from diloco_jax.loop import trainer\n"
+            "from diloco_jax.wire import integrity\n"
+            "def diverged(*args, **kwargs):\n"
+            f"  raise integrity.AnchorMismatchError(integrity.mismatch_message(2, {hashes}))\n"
+            "trainer.train_and_evaluate = diverged\n"
+            "app.run(train.main, flags_parser=train.parse_flags)\n")
+  proc = subprocess.run([sys.executable, "-c", script, TINY, f"--workdir={tmp_path}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert (proc.returncode, proc.stderr) == (
+      1, f"Stopped: {integrity.mismatch_message(2, hashes)}\n"), proc.stdout + proc.stderr
+  assert "host 1 diverged from the others" in proc.stderr

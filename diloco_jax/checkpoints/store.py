@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from diloco_jax import config as config_lib
+from diloco_jax import errors
 from diloco_jax import units
 
 CHECKPOINTS = "checkpoints"
@@ -26,8 +27,9 @@ UNREADABLE = "checkpoints_unreadable"
 JSON_BYTES = 4096  # Room for one data iterator's state, JSON-encoded.
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(errors.DilocoError, RuntimeError):
   """A checkpoint cannot be written or used; the message says which and why."""
+  prefix = "Checkpoint error"
 
 
 @dataclasses.dataclass

@@ -21,14 +21,17 @@ import os
 from collections.abc import Iterator
 from collections.abc import Sequence
 
+from diloco_jax import errors
+
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".rst", ".tex", ".py", ".pyi", ".c", ".h", ".cc",
                    ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts", ".sh")
 _ROWS_PER_BATCH = 1024
 _LISTED = 5  # skipped paths named in a message, then a count
 
 
-class InputError(Exception):
+class InputError(errors.DilocoError):
   """A problem with what the user gave (an input, a flag, a file), said in one line."""
+  prefix = "Invalid input"
 
 
 def require(module: str):

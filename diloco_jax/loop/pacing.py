@@ -29,12 +29,13 @@ import jax
 import ml_collections
 import numpy as np
 
+from diloco_jax import errors
 from diloco_jax.algo import balance
 
 MODES = ("sync", "delayed", "eager")  # whose round sums carry the hosts' steps and seconds
 
 
-class BalanceError(RuntimeError):
+class BalanceError(errors.DilocoError, RuntimeError):
   """The hosts disagree on the steps of a round: their configs or code differ."""
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
+from diloco_jax import errors
 from diloco_jax.models import family
 from diloco_jax.models import hf
 
@@ -56,8 +57,9 @@ DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 EARLIER_GPT = {"norm_eps": 1e-6}
 
 
-class ExportError(ValueError):
+class ExportError(errors.DilocoError, ValueError):
   """What is being exported or loaded is not usable; the message says why, in one line."""
+  prefix = "Cannot export"
 
 
 def _format(cfg: family.ModelConfig) -> str:

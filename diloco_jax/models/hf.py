@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 from typing import NamedTuple
 
+from diloco_jax import errors
 from diloco_jax.models import family
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
@@ -40,8 +41,9 @@ class Tensor(NamedTuple):
   zeros: tuple[int, ...] = ()
 
 
-class UnsupportedError(ValueError):
+class UnsupportedError(errors.DilocoError, ValueError):
   """A Hugging Face config our families do not compute; the message names the field."""
+  prefix = "Unsupported model"
 
 
 def expressible(cfg: family.ModelConfig) -> str | None:

@@ -16,6 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from diloco_jax import errors
+
 
 def dense(features: int, dtype: Any, std: float = 0.02, *, use_bias: bool = True,
           name: str | None = None) -> Dense:
@@ -111,7 +113,7 @@ def rope(x_BxLxNxH: jax.Array, positions_L: jax.Array, base: float) -> jax.Array
   return (x * cos_LxH + rotated * sin_LxH).astype(x_BxLxNxH.dtype)
 
 
-class AttentionError(ValueError):
+class AttentionError(errors.ConfigError):
   """config.model.attention asks for a kernel this backend or these shapes do not have."""
 
 

@@ -13,11 +13,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from diloco_jax import errors
 from diloco_jax.algo import state as state_lib
 from diloco_jax.wire import exchange as exchange_lib
 
 
-class BadPseudoGradientError(RuntimeError):
+class BadPseudoGradientError(errors.DilocoError, RuntimeError):
   """Pseudo-gradients with NaN or Inf entries in `outer.max_skipped_rounds` rounds in a row."""
 
 

@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 
+from diloco_jax import errors
 from diloco_jax.algo import compress
 
 MODES = ("sync", "streaming", "eager", "delayed", "ddp")
@@ -100,8 +101,9 @@ class Prediction:
   host_steps: tuple[int, ...]  # inner steps each host trains per round
 
 
-class PlanError(ValueError):
+class PlanError(errors.DilocoError, ValueError):
   """A setting that cannot be planned; the message names the input."""
+  prefix = "Cannot plan"
 
 
 def check(s: Setting) -> None:

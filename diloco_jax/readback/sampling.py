@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax import errors
 from diloco_jax.corpus import sources
 from diloco_jax.corpus import tokenizer as tokenizer_lib
 from diloco_jax.data import prepared
@@ -35,8 +36,9 @@ from diloco_jax.models import family
 Params = Any
 
 
-class SampleError(ValueError):
+class SampleError(errors.DilocoError, ValueError):
   """A prompt, flag or tokenizer that cannot be sampled from; the message says why."""
+  prefix = "Cannot sample"
 
 
 # ------------------------------------------------------------------------- generation

@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax import config as config_lib
+from diloco_jax import errors
 from diloco_jax.checkpoints import store
 from diloco_jax.models import family
 from diloco_jax.modes import registry
@@ -29,8 +30,9 @@ from diloco_jax.modes import registry
 Params = Any
 
 
-class LoadError(RuntimeError):
+class LoadError(errors.DilocoError, RuntimeError):
   """The workdir holds no model that can be read; the message says why."""
+  prefix = "Cannot load"
 
 
 @dataclasses.dataclass(frozen=True)

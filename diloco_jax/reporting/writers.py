@@ -21,6 +21,8 @@ from typing import Mapping
 
 import numpy as np
 
+from diloco_jax import errors
+
 # The group of each record field, for the tags `group/name` (the group's prefix dropped
 # from the name: outer_d2h -> outer/d2h). A field named nowhere goes to `other/`.
 GROUPS = {
@@ -59,7 +61,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
-class MetricsError(RuntimeError):
+class MetricsError(errors.DilocoError, RuntimeError):
   """metrics.jsonl cannot be continued; the message names the file and the line."""
 
 

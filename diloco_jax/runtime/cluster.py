@@ -28,6 +28,7 @@ import jax
 import ml_collections
 
 from diloco_jax import config as config_lib
+from diloco_jax import errors
 from diloco_jax._version import __version__
 from diloco_jax.runtime import coordination
 from diloco_jax.runtime import elastic
@@ -38,8 +39,9 @@ _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOC
         "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT"}
 
 
-class StartupError(RuntimeError):
+class StartupError(errors.DilocoError, RuntimeError):
   """The hosts could not form a job (a peer missing, mismatched configs, bad flags)."""
+  prefix = "Start-up failed"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,8 @@ import secrets
 import socket
 from typing import Callable
 
+from diloco_jax import errors
+
 MIN_TOKEN_CHARS = 16
 TOKEN_ENV, TOKEN_FILE_ENV = "DILOCO_JOIN_TOKEN", "DILOCO_JOIN_TOKEN_FILE"
 _KEY = "diloco_jax/join/"
@@ -40,8 +42,9 @@ _PRIVATE = tuple(ipaddress.ip_network(n) for n in (
     "169.254.0.0/16", "::1/128", "fc00::/7", "fe80::/10"))
 
 
-class SecurityError(RuntimeError):
+class SecurityError(errors.DilocoError, RuntimeError):
   """A start-up refused for a security reason (a public coordinator, a token mismatch)."""
+  prefix = "Start-up failed"
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -35,6 +35,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from diloco_jax import errors
+
 LOCK = "lock"
 PREVIOUS = "previous"
 REFRESH_S = 10.0
@@ -45,7 +47,7 @@ RUN_FILES = ("checkpoints", "checkpoints_unreadable", "metrics.jsonl", "tensorbo
 _HELD: dict[str, Lock] = {}  # path -> this process's lock on it
 
 
-class WorkdirInUseError(RuntimeError):
+class WorkdirInUseError(errors.DilocoError, RuntimeError):
   """Another run holds the workdir's lock; the message names it."""
 
 

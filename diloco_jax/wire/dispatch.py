@@ -20,10 +20,12 @@ from typing import Callable
 
 import jax
 
+from diloco_jax import errors
+
 _STOP = object()
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(errors.DilocoError, RuntimeError):
   """A cross-host job failed; the message names the round it belonged to."""
 
   def __init__(self, round_: int | None, what: str, cause: BaseException):

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from diloco_jax import errors
 from diloco_jax.algo import state as state_lib
 
 _KEY = "diloco_jax/anchor/"
@@ -40,7 +41,7 @@ class HashExchange(Protocol):
   def collect(self, round_: int) -> dict[int, str]: ...
 
 
-class AnchorMismatchError(RuntimeError):
+class AnchorMismatchError(errors.DilocoError, RuntimeError):
   """The outer state differs between hosts after an outer step."""
 
 
