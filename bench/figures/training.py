@@ -1,0 +1,98 @@
+"""Figures of training on one machine: DiLoCo against plain training, the outer step,
+checkpoints, model families, memory per device and the data pipeline."""
+
+from __future__ import annotations
+
+import os
+
+from bench.figures.markdown import mb
+from bench.figures.markdown import num
+from bench.figures.results import Results
+
+GIB = 2 ** 30
+
+
+def overhead(results: Results) -> dict:
+  return results("overhead")
+
+
+def overhead_peer(results: Results) -> dict:
+  d = results("overhead_peer")
+  # The loops took turns, so round i of each ran at nearly the same moment.
+  per_round = [x / y for x, y in zip(d["samples"]["diloco"], d["samples"]["plain"])]
+  return {**d, "per_round": (min(per_round), max(per_round))}
+
+
+OUTER_PARTS = ("outer_d2h", "outer_mean", "outer_update", "outer_h2d", "outer_time",
+               "anchor_hash_time", "anchor_check_time")
+
+
+def outer_step(results: Results) -> dict:
+  d = results("outer_step")
+  rows = [[r["model"], f"{r['params_millions']:.2f}M", r["hosts"],
+           *(f"{1e3 * r[k]:.1f}" for k in OUTER_PARTS),
+           f"{100 * r['check_share_of_round']:.3f}", mb(r["bytes_sent_per_round"])]
+          for r in d["rows"]]
+  return {**d, "table": rows, "worst": max(d["rows"], key=lambda r: r["check_share_of_round"])}
+
+
+def checkpoint(results: Results) -> dict:
+  d = results("checkpoint")
+  seconds = [r["seconds"] for r in d["rounds"]]
+  return {**d, "clean_rounds": sum(not r["write_behind"] for r in d["rounds"]),
+          "full_saves": sum(s["full"] is not None for s in d["saves"]),
+          "exact": d["anchor_bit_exact"] and d["state_bit_exact"],
+          "rounds_s": (min(seconds), max(seconds))}
+
+
+def models(results: Results) -> dict:
+  d = results("models")
+  rows = [[r["family"], num(r["params"]), num(r["mlp_dim"]),
+           f"{r['flops_per_token'] / 1e6:.1f}", num(r["tokens_per_sec"]),
+           f"{r['flops_per_sec'] / 1e9:.1f}"] for r in d["rows"]]
+  return {**d, "table": rows, "by": {r["family"]: r for r in d["rows"]}}
+
+
+def memory(results: Results) -> dict:
+  d = results("memory")
+  rows = [[f"{config_name(r['config'])} ({count(r['params'])})", layout(r),
+           r["sequences_per_device"], f"{r['memory_per_device_bytes'] / GIB:.1f} GiB",
+           f"{r['estimate_bytes'] / GIB:.1f} GiB",
+           f"{r['memory_per_device_bytes'] / r['estimate_bytes']:.1f}",
+           "yes" if r["memory_per_device_bytes"] <= 80e9 else "no"] for r in d["rows"]]
+  return {**d, "table": rows, "state": state_per_device(d["rows"])}
+
+
+def config_name(path: str) -> str:
+  return os.path.basename(path)[:-len(".py")]
+
+
+def layout(row: dict) -> str:
+  return f"{row['replicas']} × {row['fsdp']}"
+
+
+def count(params: int) -> str:
+  return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+
+
+def state_per_device(rows: list[dict]) -> list[dict]:
+  """Per config: the state (params and AdamW moments) per device under the layout that
+  shards it most (`lo`) and the one that shards it least (`hi`), in GiB."""
+  out = []
+  for config in dict.fromkeys(r["config"] for r in rows):
+    mine = [r for r in rows if r["config"] == config]
+    lo = min(mine, key=lambda r: r["estimate"]["state"])
+    hi = max(mine, key=lambda r: r["estimate"]["state"])
+    out.append({"config": config_name(config),
+                "lo": lo["estimate"]["state"] / GIB, "lo_layout": layout(lo),
+                "hi": hi["estimate"]["state"] / GIB, "hi_layout": layout(hi)})
+  return out
+
+
+def data(results: Results) -> dict:
+  d = results("data")
+  rows = [[p["tokenizer"] + (f" (BPE of {p['vocab_size']:,}, trained first)"
+                             if p["tokenizer"] == "train" else ""),
+           f"{p['text_mb']:.1f}", f"{p['mb_per_sec']:.2f}", f"{p['tokenize_mb_per_sec']:.2f}",
+           num(p["tokens"]), p["workers"]] for p in d["prepare"]]
+  return {**d, "table": rows}
