@@ -2,6 +2,7 @@
 SIGKILL of any host, corrupt checkpoints), and what cannot be resumed is refused clearly."""
 
 import gc
+import hashlib
 import json
 import os
 import random
@@ -15,12 +16,13 @@ import time
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.checkpoints import store
 from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
-from diloco_jax.checkpoints import treebytes
+from diloco_jax.checkpoints import files
 from diloco_jax.runtime import preemption
 from tests import multihost
 from tests import test_trained
@@ -408,10 +410,24 @@ def checkpoint_files(workdir):
                 for p in workdir.rglob("*") if store.CHECKPOINTS in str(p))
 
 
+@pytest.fixture(scope="module")
+def per_host_run(tmp_path_factory):
+  """2 hosts, each its own workdir, host 1 SIGKILLed after its checkpoint 3 and both
+  restarted by the launcher: (workdir, launcher, its output), run once. The tests below
+  check it, each on a copy of its workdirs."""
+  work = tmp_path_factory.mktemp("per_host") / "run"
+  launcher = launch_per_host(work, max_restarts=1)
+  wait_for_checkpoint(work / "host1", 3, launcher)  # round dirs only: partial ones are not
+  time.sleep(random.uniform(0, 0.5))
+  os.kill(host_pid(launcher, 1), signal.SIGKILL)
+  text = launcher.communicate(timeout=300)[0]
+  return work, launcher, text
+
+
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
-    tmp_path, references):
+    tmp_path, references, per_host_run):
   """2 hosts, each its own workdir. SIGKILL of host 1 after its checkpoint 3: the launcher
   restarts both, which agree on the newest round both hold and end where the uninterrupted
   shared-workdir run ends, every round's anchor hash included. Then host 1's last
@@ -420,11 +436,8 @@ def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
   (bench/chaos.py heals hosts mid-run)."""
   reference = references("sync")
   work = tmp_path / "run"
-  launcher = launch_per_host(work, max_restarts=1)
-  wait_for_checkpoint(work / "host1", 3, launcher)  # round dirs only: partial ones are not
-  time.sleep(random.uniform(0, 0.5))
-  os.kill(host_pid(launcher, 1), signal.SIGKILL)
-  text = launcher.communicate(timeout=300)[0]
+  shutil.copytree(per_host_run[0], work)
+  _, launcher, text = per_host_run
   assert launcher.returncode == 0, text[-4000:]
   assert "host 1 killed by signal 9" in text and "restart 1/1" in text, text[-4000:]
   assert "checkpoints in a workdir per host" in text and "resumed from checkpoint" in text
@@ -434,12 +447,17 @@ def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
 
   ckpt = work / "host1" / store.CHECKPOINTS / "10"
   meta = json.loads((ckpt / "meta.json").read_text())
-  raw = bytearray((ckpt / "shared.bin").read_bytes())
-  raw[0] ^= 1  # one bit of the anchor, and a hash that matches it: a real divergence
-  (ckpt / "shared.bin").write_bytes(bytes(raw))
-  meta["shared_sha256"] = state_lib.fingerprint(treebytes.from_buffer(
-      bytes(raw), [np.zeros(s, d) for d, s, _ in meta["items"]["shared"]], "test"))
-  (ckpt / "meta.json").write_text(json.dumps(meta))
+  record = meta["files"]["shared.safetensors"]
+  shared = {k: v.copy() for k, v in safetensors.numpy.load_file(
+      ckpt / "shared.safetensors").items()}
+  first = shared[record["leaves"][0]]
+  first.reshape(-1).view(np.uint8)[0] ^= 1  # one bit of the anchor, and hashes that match
+  safetensors.numpy.save_file(shared, ckpt / "shared.safetensors")  # it: a real divergence
+  raw = (ckpt / "shared.safetensors").read_bytes()
+  record.update(sha256=hashlib.sha256(raw).hexdigest(), bytes=len(raw))
+  meta["shared_sha256"] = state_lib.fingerprint([shared[n] for n in record["leaves"]])
+  del meta[files.META_SHA]
+  files.write_meta(str(ckpt / "meta.json"), meta)
   before = checkpoint_files(work)
   launcher = launch_per_host(work)
   text = launcher.communicate(timeout=300)[0]
@@ -456,3 +474,42 @@ def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
     start = json.load(f)["start"]
   assert (start["round"], start["hosts_from_anchor"], start["healed_from"]) == (10, [1], 0)
   assert start["heal_bytes"] > 0
+
+
+def overwrite_middle(path, size=4096):
+  """`size` bytes in the middle of the file replaced by others (a disk's bad write)."""
+  raw = bytearray(path.read_bytes())
+  size = min(size, len(raw) // 4)
+  start = (len(raw) - size) // 2
+  raw[start:start + size] = bytes(255 - b for b in raw[start:start + size])
+  path.write_bytes(bytes(raw))
+  return bytes(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_per_host_damaged_files_are_named_and_never_trained_on(tmp_path, references,
+                                                                per_host_run):
+  """The per-host run above, its newest checkpoint damaged: 4 KiB overwritten in the
+  middle of host 1's own file, then (again) of host 0's shared file. Each time the same
+  command names the file in one line (sha256 mismatch), both hosts resume from the round
+  before, which both hold, and the run ends where the uninterrupted run ends, every
+  round's anchor hash included; the damaged checkpoint is kept in checkpoints_unreadable/.
+  (A host left with no readable checkpoint heals from a peer: tests/test_storage.py.)"""
+  reference = references("sync")
+  work = tmp_path / "run"
+  shutil.copytree(per_host_run[0], work)
+  for host, item in ((1, "own"), (0, "shared")):
+    path = work / f"host{host}" / store.CHECKPOINTS / "10" / f"{item}.safetensors"
+    damaged = overwrite_middle(path)
+    launcher = launch_per_host(work)
+    text = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, text[-4000:]
+    named = [line for line in text.splitlines() if str(path) in line]
+    assert len(named) == 1 and f"checkpoint 10 not used: {path}: sha256 mismatch" in named[0], (
+        named or text[-4000:])
+    assert "resumed from checkpoint 9" in text, text[-4000:]
+    same_run(work / "host0", reference)
+    assert host_checkpoints(work, 0) == host_checkpoints(work, 1) == [8, 9, 10]
+    aside = sorted((work / f"host{host}" / store.UNREADABLE).iterdir())[-1]
+    assert (aside / path.name).read_bytes() == damaged

@@ -3,29 +3,37 @@
 When every host has a --workdir of its own (runtime/workdir.py finds out at start), each
 host writes whole checkpoints of its own: workdir/checkpoints/<round>/ holds
 
-  shared.bin  the outer state every host holds bit for bit (anchor, outer momentum, ...),
-  own.bin     this host's replicas, data iterators and, in async modes, its sum in flight,
-  meta.json   the round, config and world; the run's id, the host that wrote it, the
-              sha256 of the shared state, and where each leaf lies in the two files.
+  shared.safetensors  the outer state every host holds bit for bit (anchor, outer
+                      momentum, ...),
+  own.safetensors     this host's replicas, data iterators and, in async modes, its sum in
+                      flight,
+  meta.json           the round, config and world; the run's id, the host that wrote it,
+                      the sha256 of the shared state (what the hosts compare), and the
+                      sha256 of every file, checked before a byte of it is used
+                      (checkpoints/files.py).
 
-Each .bin file is the leaves' raw bytes in tree order. A save is written into
-<round>.partial-<id>/ and renamed to <round>/ once every file is on disk (fsynced), so a
-directory named by a round is complete; partial ones left by a crash are removed at start.
-A save waits for no other host: it cannot hang on a peer. It is written by a thread of its
-own while training goes on; the newest `keep` are kept.
+A save is written into <round>.partial-<id>/ and renamed to <round>/ once every file is on
+disk (fsynced), so a directory named by a round is complete; partial ones left by a crash
+are removed at start. A save waits for no other host: it cannot hang on a peer. It is
+written by a thread of its own while training goes on; the newest `keep` are kept.
+
+Which round the hosts resume from, and how a host without one heals from a peer, is
+checkpoints/recovery.py; a checkpoint this host cannot read (a file whose sha256 is not
+the one meta.json records, say) is named in one line, never used, and moved to
+workdir/checkpoints_unreadable/ once the run has resumed (the policy: checkpoints/store.py).
+Checkpoints of format 1 (raw leaf bytes, before safetensors) are not read: refused, with
+the directory named.
 
 Why not orbax: orbax 0.12.8 inside a multi-process JAX job writes numpy leaves on process 0
 only and refuses arrays held by one process ("Cannot serialize host local jax.Array"), so
 per-process checkpoints are not possible with it; its experimental `emergency` manager
 needs a global mesh of replica slices. A shared workdir still uses orbax
-(checkpoints/shared_dir.py). Which round the hosts resume from, and how a host without one heals
-from a peer, is checkpoints/recovery.py.
+(checkpoints/shared_dir.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import shutil
 import threading
@@ -37,15 +45,13 @@ from typing import Callable
 import jax
 
 from diloco_jax.algo import state as state_lib
-from diloco_jax.checkpoints import store
+from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import recovery
-from diloco_jax.checkpoints import treebytes
+from diloco_jax.checkpoints import store
 from diloco_jax.wire import collective as collective_lib
 
-FORMAT = "diloco_jax.host_checkpoint/1"
-META = "meta.json"
 PARTIAL = ".partial-"
-
+ITEMS = ("shared", "own")
 
 
 def _fsync_dir(path: str) -> None:
@@ -56,19 +62,25 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
+def _line(e: BaseException) -> str:
+  """An error as one line: the message of a CheckpointError, else its type too."""
+  text = " ".join(str(e).split())[:400]
+  return text if isinstance(e, store.CheckpointError) else f"{type(e).__name__}: {text}"
+
+
 def present(workdir: str) -> bool:
   """Whether `workdir` holds host checkpoints (a run of one host resuming what hosts
   with their own disks wrote keeps that format)."""
   directory = os.path.join(workdir, store.CHECKPOINTS)
   return os.path.isdir(directory) and any(
-      os.path.exists(os.path.join(directory, n, META)) for n in os.listdir(directory)
+      os.path.exists(os.path.join(directory, n, files.META)) for n in os.listdir(directory)
       if n.isdigit())
 
 
-class LocalCheckpointer:
-  """This host's checkpoints under its own workdir/checkpoints (module docstring), with
-  the interface of `checkpoint.Checkpointer`; `restore` agrees with the other hosts on the
-  round to resume from and heals a host that holds none (checkpoints/recovery.py)."""
+class PerHostStore:
+  """This host's checkpoints under its own workdir/checkpoints (module docstring), a
+  `store.Store`; `restore` agrees with the other hosts on the round to resume from and
+  heals a host that holds none (checkpoints/recovery.py)."""
 
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
@@ -76,10 +88,10 @@ class LocalCheckpointer:
     self.keep, self.dispatcher, self.collective = keep, dispatcher, collective
     self.host = jax.process_index()
     self.write_seconds: float | None = None
-    self.recovered: recovery.Recovered | None = None  # what `restore` did, for the logs
+    self.recovered: store.Recovered | None = None  # what `restore` did, for the logs
     self.timeout = timeout  # config.checkpoint.timeout
     self._pending: tuple[int, concurrent.futures.Future] | None = None
-    self._unreadable: set[int] = set()  # rounds this process failed to read (kept on disk)
+    self._unreadable: set[int] = set()  # rounds this process failed to read (still on disk)
     os.makedirs(self.directory, exist_ok=True)
     for name in os.listdir(self.directory):
       if PARTIAL in name:  # a save cut short by a crash: never a usable checkpoint
@@ -111,16 +123,16 @@ class LocalCheckpointer:
     t = time.monotonic()
     store.check_space(self.directory, r, collective_lib.payload_bytes(shared)
                                + collective_lib.payload_bytes(own))
-    meta.update(format=FORMAT, shared_sha256=state_lib.fingerprint(shared),
-                items={"shared": treebytes.index(shared), "own": treebytes.index(own)})
     partial = os.path.join(self.directory, f"{r}{PARTIAL}{uuid.uuid4().hex[:8]}")
     os.makedirs(partial)
-    treebytes.write(os.path.join(partial, "shared.bin"), shared)
-    treebytes.write(os.path.join(partial, "own.bin"), own)
-    with open(os.path.join(partial, META), "w") as f:
-      json.dump(meta, f, default=str)
-      f.flush()
-      os.fsync(f.fileno())
+    written = {files.filename(item): files.write(os.path.join(partial, files.filename(item)),
+                                                 tree)
+               for item, tree in zip(ITEMS, (shared, own))}
+    # shared_sha256 hashes the tree, not the file: what the hosts compare does not depend
+    # on how a safetensors version lays out a file.
+    meta.update(format=files.FORMAT, shared_sha256=state_lib.fingerprint(shared),
+                files=written)
+    files.write_meta(os.path.join(partial, files.META), meta)
     _fsync_dir(partial)
     final = os.path.join(self.directory, str(r))
     replaced = None
@@ -172,35 +184,36 @@ class LocalCheckpointer:
     except FileNotFoundError:
       return []
     return sorted((int(n) for n in names if n.isdigit()
-                   and os.path.exists(os.path.join(self.directory, n, META))), reverse=True)
+                   and os.path.exists(os.path.join(self.directory, n, files.META))), reverse=True)
+
+  def path(self, r: int, name: str = "") -> str:
+    return os.path.join(self.directory, str(r), name)
+
+  def file_bytes(self, r: int, name: str) -> bytes:
+    """The bytes of one file of checkpoint r (a heal sends them as they are on disk)."""
+    with open(self.path(r, name), "rb") as f:
+      return f.read()
 
   def read_meta(self, r: int) -> dict:
-    with open(os.path.join(self.directory, str(r), META)) as f:
-      meta = json.load(f)
-    if meta.get("format") != FORMAT:
-      raise store.CheckpointError(f"{self.directory}/{r}/{META} is not a diloco_jax host "
-                            f"checkpoint (format {meta.get('format')!r})")
-    return meta
+    """Checkpoint r's meta.json, its format and own sha256 checked."""
+    return files.load_meta(self.file_bytes(r, files.META), self.path(r, files.META))
 
   def read(self, r: int, like: Callable[[dict], store.Snapshot]) -> store.Snapshot:
-    """Checkpoint r from this host's disk, its shared state checked against its hash."""
-    where = f"checkpoint {r} in {self.directory}"
+    """Checkpoint r from this host's disk; every file's sha256 is checked before a byte of
+    it is used, and the trees' leaves against `like(meta)`'s."""
     meta = self.read_meta(r)
     want = like(meta)
     trees = {}
-    for item in ("shared", "own"):
-      treebytes.check_layout(meta["items"][item], getattr(want, item), f"{where} ({item}.bin)")
-      with open(os.path.join(self.directory, str(r), f"{item}.bin"), "rb") as f:
-        trees[item] = treebytes.from_buffer(f.read(), getattr(want, item), f"{where} ({item}.bin)")
-    if state_lib.fingerprint(trees["shared"]) != meta["shared_sha256"]:
-      raise store.CheckpointError(f"{where}: shared.bin does not match the hash written with it "
-                            f"(the file changed on disk)")
+    for item in ITEMS:
+      path, record = self.path(r, files.filename(item)), meta["files"][files.filename(item)]
+      trees[item] = files.to_tree(files.read(path, record), getattr(want, item), record, path)
     return store.Snapshot(r, trees["shared"], trees["own"], meta)
 
   def held(self) -> list[recovery.Held]:
-    """What this host holds, newest first: rounds whose meta can be read (one that
-    cannot, or that failed to read before, is listed as unreadable instead)."""
-    out = []
+    """What this host holds, newest first: rounds whose meta.json can be read (one that
+    cannot, or that failed to read before, is listed as unreadable instead, and named
+    in one line; checkpoints of another format in one line for them all)."""
+    out, other_format = [], []
     for r in self.steps():
       if r in self._unreadable:
         continue
@@ -208,22 +221,39 @@ class LocalCheckpointer:
         meta = self.read_meta(r)
         out.append(recovery.Held(r, int(meta["host"]), meta["shared_sha256"],
                                  meta.get("run_id") or ""))
-      except (OSError, ValueError, KeyError, store.CheckpointError) as e:
-        print(f"host {self.host}: cannot read checkpoint {r} in {self.directory}: "
-              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", flush=True)
+      except (OSError, ValueError, KeyError, TypeError, store.CheckpointError) as e:
+        if isinstance(e, files.FormatError):
+          other_format.append((r, e))
+        else:
+          self.report_unreadable(r, e)
         self._unreadable.add(r)
+    if other_format:  # the same reason for each: one line
+      rounds = [r for r, _ in other_format]
+      reason = str(other_format[0][1]).split(f"{files.META}: ", 1)[-1]
+      print(f"host {self.host}: checkpoint(s) {rounds} in {self.directory} not used: "
+            f"{reason}", flush=True)
     return out
+
+  def report_unreadable(self, r: int, error: BaseException) -> None:
+    """The one line naming an unreadable checkpoint (the file and why)."""
+    print(f"host {self.host}: checkpoint {r} not used: {_line(error)}", flush=True)
 
   def restore(self, like: Callable[[dict], store.Snapshot],
               check_meta: Callable[[dict], None]) -> store.Snapshot | None:
     """The snapshot to resume from, agreed with every host (checkpoints/recovery.py); None when
     no host holds a checkpoint. A host that holds none gets the shared state from a peer
-    and `own` None."""
+    and `own` None. Then the checkpoints this host could not read are moved aside."""
     snap, self.recovered = recovery.resume(self, like, check_meta)
+    if self._unreadable:
+      moved = [store.move_aside(self.workdir, self.path(r), r) for r in self.unreadable()]
+      print(f"host {self.host}: unreadable checkpoint(s) {self.unreadable()} moved to "
+            f"{os.path.dirname(moved[0])}", flush=True)
+      self._unreadable.clear()
     return snap
 
-  def mark_unreadable(self, r: int) -> None:
-    """Round r failed to read: listed as unreadable from now on (it stays on disk)."""
+  def mark_unreadable(self, r: int, error: BaseException) -> None:
+    """Round r failed to read: named in one line, listed as unreadable from now on."""
+    self.report_unreadable(r, error)
     self._unreadable.add(r)
 
   def unreadable(self) -> list[int]:

@@ -15,9 +15,15 @@ of the run that wrote it. From that table every host computes the same `Plan`:
     from before the host count changed) heals rather than roll every other host back;
   - a host that does not hold that round (a new machine, a wiped or unreadable disk, or a
     host id the checkpoint's world did not have) heals: the lowest host that holds it
-    sends its metadata and shared state over the job's own collective (chunked sums in
-    which every other host adds zeros, so the bytes arrive unchanged), and the receiver
-    checks them against the hash in the table.
+    sends the bytes of its meta.json and shared.safetensors over the job's own collective
+    (chunked sums in which every other host adds zeros, so the bytes arrive unchanged),
+    and the receiver checks them before using them: meta.json's own sha256, the shared
+    file's sha256 against the one meta.json records, and the shared state's hash recorded
+    there against the table's.
+
+A checkpoint a host cannot read (its meta.json, or a file of the chosen round when read)
+counts as not held: it is named in one line on that host, the table is gathered again,
+and the plan is made again without it.
 
 A healed host has no replica state of its own: the round loop restarts its replicas from
 the anchor (`membership.rejoin`).
@@ -26,18 +32,15 @@ the anchor (`membership.rejoin`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import Callable
 
 import numpy as np
 
 from diloco_jax import units
-from diloco_jax.algo import state as state_lib
+from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import store
-from diloco_jax.checkpoints import treebytes
 
-SLOTS = 16  # checkpoints per host in the table (more than anyone keeps: config.checkpoint.keep)
 # Per checkpoint: round, writer, sha256 (8 words), run id (4 words). int32: the collective
 # carries what jax does, and jax without x64 would cut int64 words in half.
 WORDS = 14
@@ -66,16 +69,6 @@ class Plan:
   heal: tuple[int, ...] = ()  # hosts that do not hold `round`
 
 
-@dataclasses.dataclass(frozen=True)
-class Recovered:
-  """What `resume` did, for the start-up lines and run.json."""
-  round: int
-  source: int
-  healed: tuple[int, ...]
-  bytes: int = 0
-  seconds: float = 0.0
-
-
 def _words(hex_digits: str) -> np.ndarray:
   return np.frombuffer(bytes.fromhex(hex_digits), ">i4").astype(np.int32)
 
@@ -84,25 +77,29 @@ def _hex(words: np.ndarray) -> str:
   return np.asarray(words).astype(">i4").tobytes().hex()
 
 
-def encode(held: list[Held], unreadable: list[int]) -> np.ndarray:
-  """int32 [1 + SLOTS, WORDS]: row 0 the count and rounds of unreadable checkpoints, then
-  one row per held checkpoint (round -1: empty)."""
-  out = np.full((1 + SLOTS, WORDS), -1, np.int32)
-  bad = sorted(unreadable, reverse=True)[:WORDS - 1]
-  out[0, 0], out[0, 1:1 + len(bad)] = len(unreadable), bad
-  for row, h in zip(out[1:], held[:SLOTS]):
+def encode(held: list[Held], unreadable: list[int], rows: int | None = None) -> np.ndarray:
+  """int32 [1 + rows, WORDS]: row 0 the counts of held and unreadable checkpoints, then a
+  row per held checkpoint, then a row per unreadable one (its round), then empty rows
+  (-1). `rows` (at least the two counts' sum): the same on every host, so that the tables
+  can be gathered; no limit on how many checkpoints a host keeps."""
+  rows = len(held) + len(unreadable) if rows is None else rows
+  assert rows >= len(held) + len(unreadable), (rows, len(held), len(unreadable))
+  out = np.full((1 + rows, WORDS), -1, np.int32)
+  out[0, :2] = len(held), len(unreadable)
+  for row, h in zip(out[1:], held):
     row[0], row[1] = h.round, h.writer
     row[2:10] = _words(h.sha)
     row[10:14] = _words(h.run_id.ljust(32, "0"))
+  out[1 + len(held):1 + len(held) + len(unreadable), 0] = sorted(unreadable, reverse=True)
   return out
 
 
 def decode(table: np.ndarray) -> tuple[list[Held], list[int]]:
   table = np.asarray(table, np.int32)
-  bad = [int(r) for r in table[0, 1:] if r >= 0]
+  n_held, n_bad = int(table[0, 0]), int(table[0, 1])
   held = [Held(int(row[0]), int(row[1]), _hex(row[2:10]), _hex(row[10:14]))
-          for row in table[1:] if row[0] >= 0]
-  return held, bad
+          for row in table[1:1 + n_held]]
+  return held, [int(r) for r in table[1 + n_held:1 + n_held + n_bad, 0]]
 
 
 def _hosts(hosts) -> str:
@@ -187,7 +184,7 @@ def broadcast(payload: bytes | None, source: int, *, sum_: Callable, allgather: 
 
 def resume(checkpointer, like: Callable[[dict], store.Snapshot],
            check_meta: Callable[[dict], None]
-           ) -> tuple[store.Snapshot | None, Recovered | None]:
+           ) -> tuple[store.Snapshot | None, store.Recovered | None]:
   """The snapshot this host resumes from (`own` None: it heals) and what was done; (None,
   None) when no host holds a checkpoint. Every host calls it at the same time."""
   c = checkpointer
@@ -195,22 +192,26 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
   mine = np.frombuffer(c.directory.encode()[:PATH_BYTES].ljust(PATH_BYTES, b"\0"), np.uint8)
   paths = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in
            run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")]
+  shared_file = files.filename("shared")
   while True:
-    mine = encode(c.held(), c.unreadable())
-    tables = run(c.collective.allgather, mine, what="comparing the hosts' checkpoints")
+    held, bad = c.held(), c.unreadable()
+    rows = run(c.collective.allgather, np.array([len(held) + len(bad)], np.int32),
+               what="comparing the hosts' checkpoints").max()
+    tables = run(c.collective.allgather, encode(held, bad, int(rows)),
+                 what="comparing the hosts' checkpoints")
     p = plan([decode(t) for t in tables], paths)
     if p.round == 0:
       return None, None
-    snap, error = None, None
+    snap, error, sent = None, None, None
     if c.host not in p.heal:
       try:
         snap = c.read(p.round, like)
-      except Exception as e:  # noqa: BLE001 -- any read failure: that host heals instead
+        if p.heal and c.host == p.source:  # the bytes a heal sends, as on disk, checked
+          sent = c.file_bytes(p.round, files.META), c.file_bytes(p.round, shared_file)
+          files.check(sent[1], snap.meta["files"][shared_file], c.path(p.round, shared_file))
+      except Exception as e:  # noqa: BLE001 -- any read failure: the plan is made without it
         error = e
-        print(f"host {c.host}: cannot read checkpoint {p.round} in {c.directory}: "
-              f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (left where it is)",
-              flush=True)
-        c.mark_unreadable(p.round)
+        c.mark_unreadable(p.round, e)
     refused = None
     if snap is not None:
       try:
@@ -228,7 +229,7 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
     if flags[:, 0].all():
       break
   if not p.heal:
-    return snap, Recovered(p.round, p.source, ())
+    return snap, store.Recovered(p.round, p.source, ())
   if snap is not None:
     snap = dataclasses.replace(snap, missing=p.heal)
   t = time.perf_counter()
@@ -239,19 +240,22 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
                                  allgather=c.collective.allgather, host=c.host),
                what="healing a host")
 
-  meta = json.loads(bcast(json.dumps(snap.meta).encode() if send else None))
-  payload = bcast(treebytes.to_bytes(snap.shared) if send else None)
+  raw_meta = bcast(sent[0] if send else None)
+  payload = bcast(sent[1] if send else None)
   seconds = time.perf_counter() - t
   if c.host in p.heal:
+    where = f"checkpoint {p.round} received from host {p.source}"
+    meta = files.load_meta(raw_meta, f"{where} ({files.META})")
+    if meta["shared_sha256"] != p.sha:
+      raise store.CheckpointError(f"host {c.host}: {where}: its shared state's hash is not "
+                                  f"the one the hosts agreed on: not used")
+    files.check(payload, meta["files"][shared_file], f"host {c.host}: {where} ({shared_file})")
     check_meta(meta)
-    shared = treebytes.from_buffer(payload, like(meta).shared,
-                                   f"the shared state sent by host {p.source}")
-    if state_lib.fingerprint(shared) != p.sha:
-      raise store.CheckpointError(f"host {c.host}: the shared state of round {p.round} received "
-                            f"from host {p.source} does not match its hash: not used")
+    shared = files.to_tree(payload, like(meta).shared, meta["files"][shared_file],
+                           f"{where} ({shared_file})")
     snap = store.Snapshot(p.round, shared, None, meta, p.heal)
     print(f"host {c.host} healed from host {p.source}: outer state "
           f"{units.format_bytes(len(payload))} in {seconds:.1f} s at round {p.round}",
           flush=True)
-  return snap, Recovered(p.round, p.source, p.heal, len(payload), seconds)
+  return snap, store.Recovered(p.round, p.source, p.heal, len(payload), seconds)
 

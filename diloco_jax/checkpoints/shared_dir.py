@@ -19,11 +19,12 @@ orbax call runs on the dispatch thread (the one that issues cross-host collectiv
 never interleave with a cross-host sum.
 
 Restoring tries the newest checkpoint first. Every host reads its part, and the hosts
-agree (an all-gather of ok flags) before anyone uses it; when a checkpoint that any host
-cannot read is followed by an older readable one, it is moved to
-workdir/checkpoints_unreadable/ with a warning naming it. When none can be read, they all
-stay where they are and the run is refused, on this attempt and every later one: a run
-never starts over from round 1 while checkpoints it could not read exist.
+agree (an all-gather of ok flags) before anyone uses it; a host that cannot read it says
+so in one line (orbax's error). When an older checkpoint is then read, every newer one
+that some host could not read is moved to workdir/checkpoints_unreadable/ by host 0, with
+a warning naming it. When none can be read, they all stay where they are and the run is
+refused, on this attempt and every later one: a run never starts over from round 1 while
+checkpoints it could not read exist (the policy of every store: checkpoints/store.py).
 """
 
 from __future__ import annotations
@@ -63,14 +64,16 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     return None, e
 
 
-class Checkpointer:
-  """Saves and restores `Snapshot`s under workdir/checkpoints, keeping the newest `keep`.
+class SharedDirStore:
+  """Saves and restores `Snapshot`s under workdir/checkpoints, keeping the newest `keep`
+  (a `store.Store`).
 
   Orbax deletes an old checkpoint only after a newer one is complete, so a crash during a
   save never leaves the run without a good one.
   """
 
-  recovered = None  # a shared workdir never heals a host from a peer (per_host does)
+  # A shared workdir never heals a host from a peer (per_host does): always None.
+  recovered: store.Recovered | None = None
 
   def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
                save_timeout: int | None = None, timeout: int = 900):
@@ -285,9 +288,7 @@ class Checkpointer:
     """Moves an unreadable checkpoint newer than the one resumed from out of orbax's way
     (kept for inspection), on every host's view, with a warning naming it."""
     if self.host == 0:
-      target = os.path.join(self.workdir, store.UNREADABLE, f"{step}-{int(time.time())}")
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      shutil.move(os.path.join(self.directory, str(step)), target)
+      target = store.move_aside(self.workdir, os.path.join(self.directory, str(step)), step)
       print(f"WARNING: checkpoint {step} in {self.directory} is incomplete or corrupt "
             f"(unreadable on host(s) {bad_hosts}); moved to {target}; resuming from "
             f"checkpoint {resumed}", file=sys.stderr, flush=True)

@@ -1,9 +1,21 @@
-"""What every checkpoint store shares: the `Snapshot` a round boundary is saved as, the
-error a store raises, the checks made before writing or using a checkpoint, and the JSON
-rows a data iterator's state is kept in.
+"""What every checkpoint store shares: the `Store` protocol the loop uses, the `Snapshot` a
+round boundary is saved as, the error a store raises, the checks made before writing or
+using a checkpoint, and the JSON rows a data iterator's state is kept in.
 
-The stores: `shared_dir` (one workdir every host shares, orbax) and `per_host` (a workdir
-per host, each host's own disk).
+The stores: `shared_dir.SharedDirStore` (one workdir every host shares, orbax) and
+`per_host.PerHostStore` (a workdir per host, each host's own disk, safetensors).
+
+One policy for a checkpoint that cannot be read, in both stores:
+  - the run resumes from the newest checkpoint that every host which needs one can read
+    (per host: or heals a host without one from a peer, checkpoints/recovery.py);
+  - a checkpoint some host cannot read is named on that host in one line (its path and
+    why: a sha256 mismatch, a file cut short, orbax's error) and never used;
+  - once the run has resumed from another, an unreadable checkpoint is moved to
+    workdir/checkpoints_unreadable/<round>-<time>/ with a line saying where (a shared
+    workdir: by host 0; per host: by each host that could not read it);
+  - when none can be read, the run is refused with one line, on this attempt and every
+    later one, and everything stays where it is;
+  - nothing is deleted: `--restart_from_scratch` moves the old run aside.
 """
 
 from __future__ import annotations
@@ -12,8 +24,11 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 import uuid
 from typing import Any
+from typing import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -51,6 +66,62 @@ class Snapshot:
   own: Any
   meta: dict[str, Any]
   missing: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovered:
+  """What a per-host restore did (checkpoints/recovery.py), for the start-up lines and
+  run.json: the round, the host whose shared state was taken, the hosts healed, and the
+  bytes and seconds the heal took."""
+  round: int
+  source: int
+  healed: tuple[int, ...]
+  bytes: int = 0
+  seconds: float = 0.0
+
+
+class Store(Protocol):
+  """A checkpoint store, as the round loop uses it (the policy for an unreadable
+  checkpoint: the module docstring).
+
+  Attributes:
+    directory: workdir/checkpoints, this host's view of it.
+    write_seconds: how long the last save that finished took on disk (None: none yet).
+    recovered: what `restore` did to heal hosts (per host; None: no heal, and always on
+      a shared workdir, where every host reads the checkpoint itself).
+  """
+  directory: str
+  write_seconds: float | None
+  recovered: Recovered | None
+
+  def save(self, snapshot: Snapshot, last: bool = False) -> float:
+    """Starts writing `snapshot` in the background; returns the seconds the caller was
+    blocked. `last`: nothing will change its arrays any more (no private copy)."""
+
+  def wait(self) -> None:
+    """Until the saves started are complete on disk; raises if one failed."""
+
+  def close(self) -> None:
+    """Finishes the save in flight and lets go of the directory."""
+
+  def restore(self, like: Callable[[dict], Snapshot],
+              check_meta: Callable[[dict], None]) -> Snapshot | None:
+    """The snapshot to resume from, agreed by every host; None when there is no
+    checkpoint. `like(meta)`: the structure, shapes and dtypes to read into;
+    `check_meta(meta)` raises a CheckpointError when the checkpoint does not fit this run
+    (a refusal, not an unreadable checkpoint). Every host calls it at the same time."""
+
+
+def move_aside(workdir: str, path: str, r: int) -> str:
+  """Moves the unreadable checkpoint of round r at `path` to
+  workdir/checkpoints_unreadable/ (kept for inspection, out of the stores' listings);
+  returns where it went."""
+  target = os.path.join(workdir, UNREADABLE, f"{r}-{int(time.time())}")
+  if os.path.exists(target):  # the same round set aside twice in a second
+    target += f"-{uuid.uuid4().hex[:6]}"
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  shutil.move(path, target)
+  return target
 
 
 def encode_json(items: list[Any]) -> np.ndarray:

@@ -168,11 +168,11 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   # for only `elastic_timeout` seconds): it comes right after the lock's agreement, before
   # the compiles that finish at different times on different hosts.
   if shared_storage:
-    store = shared_dir.Checkpointer(
+    store = shared_dir.SharedDirStore(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher, collective=collective,
         save_timeout=membership.save_timeout, timeout=config.checkpoint.timeout)
   else:
-    store = per_host.LocalCheckpointer(
+    store = per_host.PerHostStore(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher, collective=collective,
         timeout=config.checkpoint.timeout)
   train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=mesh,
