@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import statistics
@@ -157,6 +158,21 @@ def plot(rows: list[dict], path: str) -> None:
                       title="What each method learns per byte (K = 4, same tokens)")
 
 
+
+def outer_steps(rows: list[dict]) -> dict[str, dict]:
+  """Each config's outer step as its file has it now (lr, momentum; SparseLoCo's top-k of a
+  chunk): the performance page labels the rows with it, since a config may change later."""
+  out = {}
+  for path in sorted({r["config"] for r in rows}):
+    spec = importlib.util.spec_from_file_location("config_of_row", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    outer = module.get_config().outer
+    out[path] = {"lr": outer.lr, "momentum": outer.momentum}
+    if outer.compression == "chunk_topk":
+      out[path]["topk"] = round(outer.topk_fraction * outer.topk_chunk)
+  return out
+
 def main():
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
@@ -207,7 +223,7 @@ def main():
     result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
               "rounds": args.rounds, "inner_steps": args.inner_steps, "corpus": corpus,
               "smoke": args.smoke, "complete": len(rows) == len(names),
-              **_smoke.provenance("quality")}
+              "outer_steps": outer_steps(rows), **_smoke.provenance("quality")}
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
     print(f"done: {name} (written to {args.out})", flush=True)
