@@ -55,7 +55,7 @@ def bytes_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,kv_heads,module", [("gpt", 0, ""), ("llama", 2, ""),
-                                                    ("gpt", 0, "diloco_jax.gpt:GPT")])
+                                                    ("gpt", 0, "diloco_jax.models.gpt:GPT")])
 def test_cache_equals_recompute(family, kv_heads, module):
   """Greedy decoding with the KV cache = recomputing the window every step, token for
   token (a module of your own, here the gpt family by name, always recomputes)."""
