@@ -26,6 +26,6 @@ __all__ = ["simulate", "SimulateResult", "__version__"]
 def __getattr__(name: str):
   # `simulate` imports jax: only when it is asked for, so that `--help` starts fast.
   if name in ("simulate", "SimulateResult"):
-    from diloco_jax.algo import simulate  # pylint: disable=import-outside-toplevel
+    from diloco_jax.modes import simulate  # pylint: disable=import-outside-toplevel
     return getattr(simulate, name)
   raise AttributeError(f"module 'diloco_jax' has no attribute {name!r}")

@@ -265,10 +265,3 @@ class Eager:
                                 prev_deltas=own["prev_deltas"], prev_mean=shared["prev_mean"],
                                 step=shared["step"])
 
-
-RULES = {"sync": Sync, "delayed": Delayed, "eager": Eager}
-
-
-def make_rule(mode: str, outer_optimizer: optax.GradientTransformation, num_replicas: int):
-  """The rule of `mode` ('sync', 'delayed' or 'eager') for K = `num_replicas`."""
-  return RULES[mode](outer_optimizer, num_replicas)

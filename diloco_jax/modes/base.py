@@ -77,12 +77,48 @@ class PseudoGradientHook(Protocol):
     ...
 
 
+class Trait(NamedTuple):
+  """A yes or no about a mode, with the reason its errors give (`why`: for a yes or a
+  no, whichever is the exception). Truthy when yes."""
+  yes: bool
+  why: str = ""
+
+  def __bool__(self) -> bool:
+    return self.yes
+
+
 class Driver(Protocol):
   """A mode's outer step on one host, and what the mode says before a run exists.
 
+  The traits are class attributes, read before a run exists by those that must not ask a
+  mode by its name: config validation, the planner, `simulate`, the resume of a checkpoint
+  written by other hosts, and the loop's build.
+
   Attributes:
+    asynchronous: a round's mean is applied one round late, its sum hidden behind the
+      next inner phase (delayed, eager).
+    per_step: the hosts sum gradients at every inner step: one set of params, no
+      pseudo-gradients, nothing encoded on the wire (ddp).
+    fragments: it syncs fragments of the model mid-round (streaming); config.outer's
+      fragment fields apply to it alone.
+    carries_pace: one sum per round, which can carry each host's inner steps and seconds
+      (balance 'speed'); `why` says why not.
+    needs_own_rows: a replica cannot start from the anchor, so a checkpoint resumes only
+      with the rows of the hosts that wrote it; `why` says why.
+    needs_mean: refuses robust aggregation; `why` says why.
+    elastic_ok: may take part in live membership (config.elastic).
+    departure: how far its math departs from plain (sync) DiLoCo: 0 the same or a
+      baseline, more for applying means later (the planner's recommendation keeps it small).
     param_sets: the sets of params the inner step holds on this host (R; ddp: 1).
   """
+  asynchronous: bool
+  per_step: bool
+  fragments: bool
+  carries_pace: Trait
+  needs_own_rows: Trait
+  needs_mean: Trait
+  elastic_ok: bool
+  departure: int
   param_sets: int
 
   # The mode, before a run: looked up on the class.

@@ -34,7 +34,9 @@ Params = Any
 
 
 class OuterStep(host_lib.HostSide):
-  """The outer step of sync, delayed and eager: one driver, the mode is its `rule`."""
+  """The outer step of sync, delayed and eager: one driver, the mode is its `rule`
+  (`rule_class`, with the mode's traits, on `SyncStep`, `DelayedStep` and `EagerStep`)."""
+  rule_class: type[diloco.Sync | diloco.Delayed | diloco.Eager]
 
   def __init__(self, rule, *, mesh: Mesh, exchange: exchange_lib.Exchange,
                max_skipped_rounds: int,
@@ -50,8 +52,7 @@ class OuterStep(host_lib.HostSide):
                   exchange: exchange_lib.Exchange, params: Params,
                   pseudo_gradient_hook: base.PseudoGradientHook | None = None) -> OuterStep:
     del params  # a rule's state takes its shapes from the anchor in `init`
-    rule = diloco.make_rule(config.mode, optim.outer_optimizer(config.outer),
-                            exchange.num_replicas)
+    rule = cls.rule_class(optim.outer_optimizer(config.outer), exchange.num_replicas)
     return cls(rule, mesh=mesh, exchange=exchange,
                max_skipped_rounds=config.outer.max_skipped_rounds,
                pseudo_gradient_hook=pseudo_gradient_hook)
@@ -62,7 +63,7 @@ class OuterStep(host_lib.HostSide):
     """The anchor; in eager mode host 0's first replica during the run, and once the run
     has finished the mean of all K replicas with the last mean applied."""
     num_replicas = meta["num_hosts"] * meta["replicas_per_host"]
-    rule = diloco.make_rule(meta["mode"], optim.outer_optimizer(config.outer), num_replicas)
+    rule = cls.rule_class(optim.outer_optimizer(config.outer), num_replicas)
     like = jax.eval_shape(lambda anchor: rule.init(anchor, num_replicas), template)
     state = cls.restored_state(rule, like, read)
     if rule.per_replica and meta["finished"]:
@@ -116,3 +117,33 @@ class OuterStep(host_lib.HostSide):
       replicas, _ = self._to_replicas(replicas, state)
       outer = outer._replace(state=state)
     return base.Update(outer, replicas, {}, synced)
+
+
+
+# The modes over a rule: the rule and the traits (`base.Driver`) are all that differ.
+
+class SyncStep(OuterStep):
+  """sync: this round's mean, waited for (docs/algorithms.md §2)."""
+  rule_class = diloco.Sync
+  asynchronous, per_step, fragments, elastic_ok, departure = False, False, False, True, 0
+  carries_pace = base.Trait(True)
+  needs_own_rows = base.Trait(False)
+  needs_mean = base.Trait(False)
+
+
+class DelayedStep(OuterStep):
+  """delayed: the previous round's mean, its sum behind this inner phase (§3)."""
+  rule_class = diloco.Delayed
+  asynchronous, per_step, fragments, elastic_ok, departure = True, False, False, False, 2
+  carries_pace = base.Trait(True)
+  needs_own_rows = base.Trait(False)
+  needs_mean = base.Trait(False)
+
+
+class EagerStep(OuterStep):
+  """eager: a replica's own Δ at once, the others' one round late (Kale et al., §4)."""
+  rule_class = diloco.Eager
+  asynchronous, per_step, fragments, elastic_ok, departure = True, False, False, False, 1
+  carries_pace = base.Trait(True)
+  needs_own_rows = base.Trait(True, "keeps an outer state per replica")
+  needs_mean = base.Trait(True, "each replica subtracts its own Δ/K from it")

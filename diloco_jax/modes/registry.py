@@ -1,10 +1,18 @@
-"""Every mode by name: `config.mode` -> its driver (`base.Driver`).
+"""Every mode by name: `config.mode` -> its driver (`base.Driver`), and the modes that have
+a trait.
 
-Adding a mode: its driver in one module of this folder, one line in `DRIVERS`, and its
-name in `config.MODES` (the config layer, below this one, validates the name).
+The mode list is this registry's: whatever must know a mode (config validation, the
+planner, `simulate`, the resume) asks its driver's traits here rather than naming it, and
+builds the names its messages list from `names`. Adding a mode: its driver in one module of
+this folder, one line in `DRIVERS`, and its name in `config.MODES` (the config's accepted
+values, which tests/test_modes.py keeps equal to these).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
 
 from diloco_jax.modes import base
 from diloco_jax.modes import ddp
@@ -12,9 +20,9 @@ from diloco_jax.modes import outer
 from diloco_jax.modes import streaming
 
 DRIVERS: dict[str, type[base.Driver]] = {
-    "sync": outer.OuterStep,  # sync, delayed, eager: one driver, the mode picks its rule
-    "delayed": outer.OuterStep,
-    "eager": outer.OuterStep,
+    "sync": outer.SyncStep,
+    "delayed": outer.DelayedStep,
+    "eager": outer.EagerStep,
     "streaming": streaming.StreamingOuterStep,
     "ddp": ddp.DDPRound,
 }
@@ -26,3 +34,20 @@ def driver(mode: str) -> type[base.Driver]:
     return DRIVERS[mode]
   except KeyError:
     raise KeyError(f"mode {mode!r}: one of {tuple(DRIVERS)}") from None
+
+
+def rule(mode: str) -> type | None:
+  """The `algo.diloco` rule whose round is `mode` (None: streaming's fragments, ddp's steps)."""
+  found = driver(mode)
+  return found.rule_class if issubclass(found, outer.OuterStep) else None
+
+
+def names(where: Callable[[type[base.Driver]], Any] = lambda d: True) -> tuple[str, ...]:
+  """The modes whose driver `where` holds true of, in this registry's order."""
+  return tuple(mode for mode, d in DRIVERS.items() if where(d))
+
+
+def listed(modes: Sequence[str], last: str = "or", quoted: bool = True) -> str:
+  """"'sync', 'delayed' or 'eager'": modes as an error message lists them."""
+  words = [repr(m) if quoted else m for m in modes] or ["none"]
+  return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from diloco_jax import config as config_lib
+from diloco_jax import errors
 from diloco_jax.algo import diloco
 from diloco_jax.algo import fragments
 from diloco_jax.algo import optim
@@ -39,7 +39,7 @@ def fragments_of(params: Params, num_fragments: int,
   try:
     ids = fragments.model_fragment_ids(params, num_fragments, layout)
   except ValueError as e:  # your own module, with fewer blocks than fragments
-    raise config_lib.ConfigError(f"config.outer.fragments = {num_fragments}: {e}") from None
+    raise errors.ConfigError(f"config.outer.fragments = {num_fragments}: {e}") from None
   ids = jax.tree.leaves(ids)
   return ids, fragments.Fragments(tuple(ids), jax.tree.structure(params))
 
@@ -48,6 +48,10 @@ class StreamingOuterStep(host_lib.HostSide):
   """The streaming driver: `base.Driver` with events instead of a rule's round.
 
   `params`: the model's param shapes, which fix the fragments."""
+  asynchronous, per_step, fragments, elastic_ok, departure = False, False, True, False, 0
+  carries_pace = base.Trait(False, "streaming's fragments sync at the same step on every host")
+  needs_own_rows = base.Trait(False)
+  needs_mean = base.Trait(False)
 
   def __init__(self, optimizer, *, params: Params, num_fragments: int, layout: str,
                overlap_steps: int, merge_alpha: float, num_rounds: int, inner_steps: int,

@@ -3,7 +3,8 @@
 It runs exactly the math of the trainer, under one `jax.jit` with the replicas vmapped:
 `step.make_train_step` for the inner steps, a `diloco` rule for the outer step (the rule
 the host driver calls too), and for streaming the schedule of `fragments.events` (the
-table the host driver follows).
+table the host driver follows). Which of them a mode is, its driver says (`registry`):
+every mode but ddp, whose per-step all-reduce is plain data parallelism.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from diloco_jax.algo import diloco
 from diloco_jax.algo import fragments
 from diloco_jax.algo import state as state_lib
 from diloco_jax.algo import step as step_lib
+from diloco_jax.modes import registry
 
 Params = Any
-MODES = (*diloco.RULES, "streaming")
+MODES = registry.names(lambda d: not d.per_step)
 
 
 class SimulateResult(NamedTuple):
@@ -62,7 +64,7 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
       0..H: replica k trains the first steps[t, k] of its H batches in round t (unequal
       hosts), and the outer step weights each replica by its tokens, i.e. by its steps
       (docs/algorithms.md §9; sync, delayed, eager). A round's losses after a replica's
-      last step are NaN.
+      last step are NaN. H everywhere runs the program of None: the same bits.
   """
   if mode not in MODES:
     raise ValueError(f"simulate: mode={mode!r} is not one of {MODES}")
@@ -74,7 +76,8 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
     raise ValueError("simulate: the leaves of `batches` disagree on [T, K, H]: "
                      f"{[x.shape[:3] for x in leaves]}")
 
-  weights = None if steps is None else _weights(steps, mode, t, k, h)
+  driver = registry.driver(mode)
+  weights = None if steps is None else _weights(steps, driver, t, k, h)
   train_step = jax.vmap(step_lib.make_train_step(loss_fn, inner_optimizer))
 
   def inner_steps(replicas, batches_KxH, start=0, stop=None, steps_K=None):
@@ -104,20 +107,21 @@ def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, b
   @jax.jit
   def run(init_params, batches):
     replicas = state_lib.init_replica_state(inner_optimizer, init_params, k)
-    if mode == "streaming":
+    if driver.fragments:
       return _streaming(inner_steps, outer_optimizer, init_params, replicas, batches,
                         fragment_ids, overlap_steps, merge_alpha, t, k, h)
-    return _rounds(diloco.make_rule(mode, outer_optimizer, k), inner_steps, init_params,
+    return _rounds(registry.rule(mode)(outer_optimizer, k), inner_steps, init_params,
                    replicas, batches, k, weights)
 
   return run(init_params, batches)
 
 
-def _weights(steps: Any, mode: str, t: int, k: int, h: int) -> jax.Array:
-  """`steps` checked: int32 [T, K] in 0..H, every round with some step."""
-  if mode == "streaming":
-    raise ValueError("simulate: steps= is for sync, delayed and eager; streaming's fragment "
-                     "schedule needs every replica at the same inner step")
+def _weights(steps: Any, driver, t: int, k: int, h: int) -> jax.Array | None:
+  """`steps` checked: int32 [T, K] in 0..H, every round with some step; None when every
+  replica trains all H steps of every round: the unweighted program, bit for bit."""
+  if not driver.carries_pace:
+    modes = registry.listed(registry.names(lambda d: d.carries_pace), "and", quoted=False)
+    raise ValueError(f"simulate: steps= is for {modes}; {driver.carries_pace.why}")
   steps = np.asarray(steps)
   if steps.shape != (t, k) or not np.issubdtype(steps.dtype, np.integer):
     raise ValueError(f"simulate: steps must be integers of shape [T, K] = {(t, k)}, got "
@@ -128,6 +132,8 @@ def _weights(steps: Any, mode: str, t: int, k: int, h: int) -> jax.Array:
   if idle.size:
     raise ValueError(f"simulate: no replica trains in round(s) {(idle + 1).tolist()}: the "
                      f"weights of that round's mean are all zero")
+  if (steps == h).all():  # the weighted program is another XLA program, which may fuse
+    return None  # and round differently (an ulp apart was seen): the plain one keeps the bits
   return jnp.asarray(steps, jnp.int32)
 
 
