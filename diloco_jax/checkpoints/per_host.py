@@ -235,8 +235,11 @@ class PerHostStore:
     return out
 
   def report_unreadable(self, r: int, error: BaseException) -> None:
-    """The one line naming an unreadable checkpoint (the file and why)."""
-    print(f"host {self.host}: checkpoint {r} not used: {_line(error)}", flush=True)
+    """The one line naming an unreadable checkpoint (the file, or its directory, and why)."""
+    line, where = _line(error), os.path.join(self.directory, str(r))
+    if where not in line:  # an error that names no file (a key missing from meta.json)
+      line = f"{where}: {line}"
+    print(f"host {self.host}: checkpoint {r} not used: {line}", flush=True)
 
   def restore(self, like: Callable[[dict], store.Snapshot],
               check_meta: Callable[[dict], None]) -> store.Snapshot | None:
