@@ -5,16 +5,17 @@
   VENV/bin/python bench/_peer_torch.py --spec=SPEC.json --check=PARAMS.npz --out=RESULT.json
 
 The PyTorch twin of diloco_jax's `gpt` family with `use_bias=False` (the same shapes,
-tanh GELU, LayerNorm eps 1e-6, N(0, 0.02) init, residual projections scaled by depth),
-trained by torchft's `DiLoCo` (one fragment: plain DiLoCo) under a `Manager` with a
-`ProcessGroupGloo`; this process is a replica group of one. The inner loop is AdamW
+tanh GELU, LayerNorm eps from the spec's `norm_eps`, N(0, 0.02) init, residual projections
+scaled by depth), trained by torchft's `DiLoCo` (one fragment: plain DiLoCo) under a
+`Manager` with a `ProcessGroupGloo`; this process is a replica group of one. The inner loop is AdamW
 (decay on matrices and embeddings only, global-norm clipping, as optim.py), fed random
 windows of seq_len + 1 bytes from the first 1 − eval_fraction of the data (the part
 diloco_jax trains on). Writes, as JSON: per-round times and losses, the time spent in
 DiLoCo's step hook on sync steps (quorum, allreduce of the pseudo-gradients, outer step,
 commit), the time of the first inner step, the params and the peak RSS. Imports nothing
 from diloco_jax: it runs where jax is not installed. With --check it only compares its
-logits with diloco_jax's for the same params (bench/peer.py does, before timing anything).
+logits with diloco_jax's for the same params (bench/peer.py does, before timing anything),
+and needs torch only.
 """
 
 from __future__ import annotations
@@ -29,21 +30,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchft import Manager
-from torchft import ProcessGroupGloo
-from torchft.local_sgd import DiLoCo
 
 
 class Block(nn.Module):
   """Pre-norm: x + attn(ln(x)), then x + mlp(ln(x)); no biases."""
 
-  def __init__(self, d: int, heads: int, mlp: int, layers: int):
+  def __init__(self, d: int, heads: int, mlp: int, layers: int, eps: float):
     super().__init__()
     self.heads = heads
-    self.ln_attn = nn.LayerNorm(d, eps=1e-6, bias=False)
+    self.ln_attn = nn.LayerNorm(d, eps=eps, bias=False)
     self.qkv = nn.Linear(d, 3 * d, bias=False)
     self.attn_out = nn.Linear(d, d, bias=False)
-    self.ln_mlp = nn.LayerNorm(d, eps=1e-6, bias=False)
+    self.ln_mlp = nn.LayerNorm(d, eps=eps, bias=False)
     self.mlp_in = nn.Linear(d, mlp, bias=False)
     self.mlp_out = nn.Linear(mlp, d, bias=False)
     for lin, std in ((self.qkv, 0.02), (self.mlp_in, 0.02),
@@ -64,12 +62,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
   """Token + learned position embeddings, blocks, final LayerNorm, untied head."""
 
-  def __init__(self, vocab: int, seq_len: int, d: int, heads: int, mlp: int, layers: int):
+  def __init__(self, vocab: int, seq_len: int, d: int, heads: int, mlp: int, layers: int,
+               eps: float):
     super().__init__()
     self.embed = nn.Embedding(vocab, d)
     self.pos_embed = nn.Parameter(torch.randn(seq_len, d) * 0.02)
-    self.blocks = nn.ModuleList(Block(d, heads, mlp, layers) for _ in range(layers))
-    self.ln_final = nn.LayerNorm(d, eps=1e-6, bias=False)
+    self.blocks = nn.ModuleList(Block(d, heads, mlp, layers, eps) for _ in range(layers))
+    self.ln_final = nn.LayerNorm(d, eps=eps, bias=False)
     self.head = nn.Linear(d, vocab, bias=False)
     nn.init.normal_(self.embed.weight, std=0.02)
     nn.init.normal_(self.head.weight, std=0.02)
@@ -101,7 +100,8 @@ def check_logits(s: dict, path: str) -> dict:
   params and tokens) and this model's with the same params."""
   arrays = dict(np.load(path))
   tokens, logits = arrays.pop("tokens"), arrays.pop("logits")
-  model = GPT(256, s["seq_len"], s["d_model"], s["num_heads"], s["mlp_dim"], s["num_layers"])
+  model = GPT(256, s["seq_len"], s["d_model"], s["num_heads"], s["mlp_dim"], s["num_layers"],
+              s["norm_eps"])
   from_flax(model, arrays)
   with torch.no_grad():
     ours = model(torch.from_numpy(tokens.astype(np.int64))).numpy()
@@ -138,6 +138,11 @@ def main() -> None:
       json.dump(check_logits(s, args.check), f)
     return
 
+  # torchft only here: --check runs with torch alone (the test suite's, tests/test_bench.py).
+  from torchft import Manager  # noqa: PLC0415
+  from torchft import ProcessGroupGloo  # noqa: PLC0415
+  from torchft.local_sgd import DiLoCo  # noqa: PLC0415
+
   data = read_bytes(s["data_path"])
   num_windows = (len(data) - 1) // s["seq_len"]
   train_end = (num_windows - int(num_windows * s["eval_fraction"])) * s["seq_len"]
@@ -149,7 +154,8 @@ def main() -> None:
     return torch.from_numpy(windows.astype(np.int64))
 
   torch.manual_seed(s["seed"])  # the same initial params on every replica
-  model = GPT(256, s["seq_len"], s["d_model"], s["num_heads"], s["mlp_dim"], s["num_layers"])
+  model = GPT(256, s["seq_len"], s["d_model"], s["num_heads"], s["mlp_dim"], s["num_layers"],
+              s["norm_eps"])
   num_params = sum(p.numel() for p in model.parameters())
   decay = [p for p in model.parameters() if p.ndim >= 2]
   no_decay = [p for p in model.parameters() if p.ndim < 2]

@@ -266,7 +266,8 @@ def write_spec(args, data: str, directory: str) -> str:
   spec = {"data_path": data, "eval_fraction": c.data.eval_fraction, "seed": c.seed,
           "batch_size": args.batch_size, "inner_steps": args.inner_steps,
           "rounds": args.rounds, **{k: getattr(args, k) for k in SHAPE},
-          "lr": c.inner.lr, "b1": c.inner.b1, "b2": c.inner.b2, "eps": c.inner.eps,
+          "norm_eps": c.model.norm_eps, "lr": c.inner.lr, "b1": c.inner.b1, "b2": c.inner.b2,
+          "eps": c.inner.eps,
           "weight_decay": c.inner.weight_decay, "clip_norm": c.inner.clip_norm,
           "outer_lr": c.outer.lr, "outer_momentum": c.outer.momentum,
           "nesterov": c.outer.nesterov}

@@ -6,6 +6,7 @@ tiny sizes, in seconds; it must exit 0, write the JSON keys a full run writes (t
 bench, these tests say so.
 """
 
+import argparse
 import glob
 import hashlib
 import json
@@ -340,6 +341,20 @@ def test_smoke(name, tmp_path):
   else:
     CHECKS[name](result)
   assert results_digest() == before, "a smoke run changed bench/results/"
+
+
+def test_peer_torch_model_gives_diloco_jax_logits():
+  """bench/peer.py's check before it times anything, run for real (test_smoke's peer run
+  has no torchft venv and skips it): diloco_jax's initial params at --smoke's shapes,
+  loaded into bench/_peer_torch.py's torch model, give diloco_jax's logits up to float32
+  rounding. The torch of the [hf] extra stands in for the venv: --check needs no torchft."""
+  pytest.importorskip("torch", reason="torch comes with the [hf] extra")
+  sys.path.insert(0, REPO)
+  from bench import peer  # pylint: disable=import-outside-toplevel
+  args = argparse.Namespace(config=peer.peer_config.get_config(), **peer.SMOKE)
+  check = peer.check_same_model(args, sys.executable)  # raises past 1e-4
+  # Measured 9e-8 on logits up to 0.5; a LayerNorm eps of 1e-6 against 1e-5 gives 3e-3.
+  assert check["max_abs_logit_diff"] <= 1e-5 and check["max_abs_logit"] > 0.1, check
 
 
 def test_quality_variant_replaces_the_methods_own_flag():
