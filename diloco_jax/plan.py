@@ -125,6 +125,14 @@ def step_time(config, n: int) -> tuple[float, ...]:
   raise ValueError("the step time: give --step_time, --device_tflops or --measure")
 
 
+def _syncs_fragments(mode: str) -> bool:
+  """Whether `mode`'s driver syncs fragments (streaming; an unknown mode: no, and the
+  planner names the modes)."""
+  from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
+  driver = registry.DRIVERS.get(mode)
+  return bool(driver and driver.fragments)
+
+
 def setting_of(config, n: int, hosts: int, times: tuple[float, ...]):
   from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
   up = _UP.value or _BANDWIDTH.value
@@ -135,19 +143,23 @@ def setting_of(config, n: int, hosts: int, times: tuple[float, ...]):
   return plan_model.Setting(
       num_params=n, hosts=hosts, step_time=times, up_mbit=up, down_mbit=down,
       rtt_ms=_RTT.value, mode=config.mode, inner_steps=config.inner_steps,
-      compression=o.compression, fragments=o.fragments if config.mode == "streaming" else 1,
+      compression=o.compression, fragments=o.fragments if _syncs_fragments(config.mode) else 1,
       overlap_steps=o.get("overlap_steps", 0), replicas_per_host=config.replicas_per_host,
-      balance=config.balance, balance_max_factor=config.balance_max_factor,
+      balance=config.balance, balance_tolerance=config.balance_tolerance,
+      balance_max_factor=config.balance_max_factor,
       num_rounds=config.num_rounds, topk_fraction=o.topk_fraction, topk_chunk=o.topk_chunk,
       topk_value_bits=o.topk_value_bits)
 
 
 def sweep(base, constants) -> list[tuple]:
   """(setting, prediction) for every valid combination of the sweep flags."""
-  from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from diloco_jax.modes import registry
+  from diloco_jax.planning import model as plan_model
+  # pylint: enable=import-outside-toplevel
   rows = []
   hs = sorted(set(_ints(_SWEEP_H.value, "sweep_inner_steps")) | {base.inner_steps})
-  for name, values, known in (("sweep_modes", _SWEEP_MODES.value, plan_model.MODES),
+  for name, values, known in (("sweep_modes", _SWEEP_MODES.value, registry.names()),
                               ("sweep_formats", _SWEEP_FORMATS.value, plan_model.FORMAT_RANK)):
     unknown = [v for v in values.split(",") if v not in known]
     if unknown:
@@ -157,7 +169,7 @@ def sweep(base, constants) -> list[tuple]:
       for fmt in _SWEEP_FORMATS.value.split(","):
         for h in hs:
           s = dataclasses.replace(base, hosts=hosts, mode=mode, compression=fmt,
-                                  inner_steps=h, fragments=2 if mode == "streaming" else 1,
+                                  inner_steps=h, fragments=2 if _syncs_fragments(mode) else 1,
                                   overlap_steps=0, step_time=base.step_time[:1]
                                   if len(base.step_time) != hosts else base.step_time)
           try:
@@ -175,7 +187,7 @@ def recommend(rows: list[tuple], target: float) -> dict[int, tuple]:
 
 
 def describe(s) -> str:
-  fragments = f", P={s.fragments}" if s.mode == "streaming" else ""
+  fragments = f", P={s.fragments}" if _syncs_fragments(s.mode) else ""
   return f"{s.hosts} hosts, {s.mode}{fragments}, H={s.inner_steps}, {s.compression}"
 
 

@@ -260,7 +260,7 @@ def main(argv):
       elastic.return_and_wait()
       _exit(elastic.EXIT_RESTART)
     # Before validation: hosts that disagree must all stop, not wait for each other.
-    cluster.check_same_config(config, timeout_s=_INIT_TIMEOUT.value)
+    cluster.check_same_config(config_lib.flatten(config), timeout_s=_INIT_TIMEOUT.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
     if multi_host_elastic:
       elastic.finish()

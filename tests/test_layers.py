@@ -25,11 +25,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("diloco_jax", "train", "prepare", "sample", "export", "plan"),  # entry points, the root
     ("loop", "readback"),
     ("checkpoints", "reporting"),
+    ("config", "planning"),  # a run judged before it exists, by its mode's traits
     ("modes",),
     ("wire", "data", "device"),
     ("runtime",),
-    ("config",),
-    ("planning",),
     ("algo", "models", "corpus"),
     ("errors", "units", "digest", "_version"),
 )

@@ -18,7 +18,8 @@ one host does not carry over to another:
     had not reached yet is not read before the new pass reaches it.
 
 Modes whose outer state is partly per replica (eager) or whose model lives only in the
-replicas (ddp) cannot start a replica without a row: they are refused.
+replicas (ddp) cannot start a replica without a row: their drivers say so
+(`needs_own_rows`), and they are refused.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ import dataclasses
 from typing import Any
 
 from diloco_jax.checkpoints import store
-
-NEEDS_OWN_ROWS = {"eager": "keeps an outer state per replica", "ddp": "keeps its model only in "
-                  "the replicas"}
+from diloco_jax.modes import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +74,14 @@ class World:
 
 
 def check_mode(world: World, mode: str, where: str) -> None:
-  if world.partial and mode in NEEDS_OWN_ROWS:
+  """A CheckpointError if `world` leaves a replica without its row and `mode`'s replicas
+  cannot start from the anchor."""
+  needs_own_rows = registry.driver(mode).needs_own_rows
+  if world.partial and needs_own_rows:
     who = (f"host(s) {list(world.missing)} have no row of their own in it" if world.missing
            else f"it was written by {world.saved_hosts} host(s), this run has {world.hosts}")
     raise store.CheckpointError(
-        f"{where}: {who}, and mode {mode!r} {NEEDS_OWN_ROWS[mode]}, so those replicas "
+        f"{where}: {who}, and mode {mode!r} {needs_own_rows.why}, so those replicas "
         f"cannot start from the anchor. Resume with the hosts and disks that wrote it. "
         f"Nothing was changed")
 

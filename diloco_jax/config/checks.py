@@ -1,6 +1,11 @@
 """`validate(config, ...)`: runs before anything is compiled and rejects every bad value with
 a `ConfigError` that names the field and the values it accepts (`mesh.check_memory` adds
-whether the model and replicas fit in memory)."""
+whether the model and replicas fit in memory).
+
+What a mode allows is its driver's to say: the rules that depend on the mode read the
+traits of config.mode's driver (`modes.base.Driver`), and the modes an error lists are the
+registry's that have the trait. So this layer sits above `modes`.
+"""
 
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
 
   c, m, d, i, o = config, config.model, config.data, config.inner, config.outer
   check("config.mode", c.mode in MODES, f"must be one of {MODES}")
+  mode = _driver(c.mode)
   check("config.num_rounds", c.num_rounds >= 0, "must be >= 0 (0: the initial model only)")
   for key in ("inner_steps", "replicas_per_host", "batch_size",
               "grad_accum_steps", "eval_every", "eval_batches"):
@@ -77,8 +83,8 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     check("config.mesh.replicas", c.replicas_per_host % mesh.replicas == 0,
           f"must divide config.replicas_per_host = {c.replicas_per_host} (each device group "
           f"trains the same number of replicas)")
-    check("config.mesh.replicas", mesh.replicas == 1 or c.mode != "ddp",
-          "must be 1 in mode 'ddp' (one set of params; use mesh.fsdp to shard it)")
+    check("config.mesh.replicas", mesh.replicas == 1 or not (mode and mode.per_step),
+          f"must be 1 in mode {c.mode!r} (one set of params; use mesh.fsdp to shard it)")
     group = max(num_local_devices // mesh.replicas, 1)
   if c.batch_size >= 1 and c.grad_accum_steps >= 1:
     split = c.grad_accum_steps * group
@@ -155,26 +161,41 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
         "must be >= 0 (0: checkpoints only at preemption and at the end)")
   check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
   check("config.checkpoint.timeout", c.checkpoint.timeout >= 1, "must be >= 1")
-  _check_streaming(c, check)
+  _check_streaming(c, check, mode)
   _check_reporting(c, check)
-  _check_wire(c, check, num_replicas=num_hosts * c.replicas_per_host)
-  _check_balance(c, check)
+  _check_wire(c, check, mode, num_replicas=num_hosts * c.replicas_per_host)
+  _check_balance(c, check, mode)
   check("config.elastic_timeout", c.elastic_timeout >= 1, "must be >= 1")
-  check("config.elastic", not c.elastic or c.mode == "sync",
-        f"elastic mode is available for config.mode = 'sync' only (not {c.mode!r})")
+  check("config.elastic", not c.elastic or not mode or mode.elastic_ok,
+        f"elastic mode is available for config.mode = {_modes(lambda d: d.elastic_ok)} only "
+        f"(not {c.mode!r})")
   if errors:
     raise ConfigError("\n".join(errors))
 
 
-def _check_balance(c: ml_collections.ConfigDict, check) -> None:
+def _driver(mode: str):
+  """The driver class of `mode`, whose traits say what the mode allows (None: no mode of
+  that name, which config.mode's own check reports)."""
+  # Here, not at the top: the drivers import jax, which `--help` and `--print_config` do
+  # not need.
+  from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
+  return registry.DRIVERS.get(mode)
+
+
+def _modes(where, last: str = "or", quoted: bool = True) -> str:
+  """The modes whose driver `where` holds true of, as an error lists them."""
+  from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
+  return registry.listed(registry.names(where), last, quoted)
+
+
+def _check_balance(c: ml_collections.ConfigDict, check, mode) -> None:
   check("config.balance", c.balance in BALANCES,
         f"must be one of {BALANCES} ('window', a wall-clock window per round, is not "
         f"built: its steps could not be replayed on resume)")
   if c.balance == "speed":
-    check("config.balance", c.mode in ("sync", "delayed", "eager"),
-          f"'speed' needs mode 'sync', 'delayed' or 'eager' (not {c.mode!r}): "
-          + ("ddp's hosts all-reduce every step, so every host trains every step" if c.mode
-             == "ddp" else "streaming's fragments sync at the same step on every host"))
+    check("config.balance", not mode or mode.carries_pace,
+          f"'speed' needs mode {_modes(lambda d: d.carries_pace)} (not {c.mode!r}): "
+          + (mode.carries_pace.why if mode else ""))
     check("config.balance", c.outer.aggregation == "mean",
           f"'speed' weights the mean by tokens; outer.aggregation = "
           f"{c.outer.aggregation!r} has no token-weighted form")
@@ -225,15 +246,15 @@ def _check_model_family(m: ml_collections.ConfigDict, check, errors: list[str]) 
             f"must divide config.model.num_heads = {m.num_heads}")
 
 
-def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
+def _check_streaming(c: ml_collections.ConfigDict, check, mode) -> None:
   # Here, not at the top: algo imports jax, which `--help` and `--print_config` do not need.
   from diloco_jax.algo import fragments  # pylint: disable=import-outside-toplevel
   o = c.outer
-  if c.mode != "streaming":
+  if not (mode and mode.fragments):
     for key, default in (("fragments", 1), ("overlap_steps", 0), ("merge_alpha", 0.0)):
       check(f"config.outer.{key}", o[key] == default,
-            f"applies to config.mode = 'streaming' only (mode is {c.mode!r}); leave it "
-            f"at {default}")
+            f"applies to config.mode = {_modes(lambda d: d.fragments)} only (mode is "
+            f"{c.mode!r}); leave it at {default}")
     return
   check("config.outer.fragment_layout", o.fragment_layout in fragments.LAYOUTS,
         f"must be one of {fragments.LAYOUTS}")
@@ -250,7 +271,7 @@ def _check_streaming(c: ml_collections.ConfigDict, check) -> None:
           "fragment in flight at a time")
 
 
-def _check_wire(c: ml_collections.ConfigDict, check, num_replicas: int) -> None:
+def _check_wire(c: ml_collections.ConfigDict, check, mode, num_replicas: int) -> None:
   from diloco_jax.algo import aggregate  # pylint: disable=import-outside-toplevel
   from diloco_jax.algo import compress  # pylint: disable=import-outside-toplevel
   o = c.outer
@@ -276,9 +297,9 @@ def _check_wire(c: ml_collections.ConfigDict, check, num_replicas: int) -> None:
     except ValueError as e:
       check("config.outer.aggregation", False, f"{e} (K = hosts x replicas_per_host)")
   wire = o.compression != "none" or o.aggregation != "mean"
-  if wire and (c.mode == "ddp" or c.elastic):
+  if wire and ((mode and mode.per_step) or c.elastic):
     check("config.outer.compression" if o.compression != "none" else "config.outer.aggregation",
-          False, "applies to the DiLoCo modes without elastic (ddp and elastic send "
-          "plain sums)")
-  check("config.outer.aggregation", o.aggregation == "mean" or c.mode != "eager",
-        "eager mode needs the mean (each replica subtracts its own Δ/K from it)")
+          False, f"applies to the DiLoCo modes without elastic "
+          f"({_modes(lambda d: d.per_step, 'and', quoted=False)} and elastic send plain sums)")
+  check("config.outer.aggregation", o.aggregation == "mean" or not (mode and mode.needs_mean),
+        f"{c.mode} mode needs the mean ({mode.needs_mean.why if mode else ''})")

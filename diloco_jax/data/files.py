@@ -9,7 +9,7 @@ import os
 import ml_collections
 import numpy as np
 
-from diloco_jax import config as config_lib
+from diloco_jax import errors
 
 
 class WindowSource:
@@ -78,13 +78,13 @@ def _read_text(path: str) -> np.ndarray:
 
 def flat_tokens(config: ml_collections.ConfigDict) -> np.ndarray:
   if not os.path.exists(config.path):
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"config.data.path = {config.path!r}: no such file or directory")
   if config.source == "text":
     return _read_text(config.path)
   tokens = np.memmap(config.path, dtype=np.dtype(config.token_dtype), mode="r")
   if tokens.size and int(tokens.max()) >= config.vocab_size:
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"config.data.path = {config.path!r}: token id {int(tokens.max())} is >= "
         f"config.data.vocab_size = {config.vocab_size}")
   return tokens
@@ -115,7 +115,7 @@ def check_file_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_si
   alone, before anything is read."""
   path = config.path
   if not os.path.exists(path):
-    raise config_lib.ConfigError(f"config.data.path = {path!r}: no such file or directory")
+    raise errors.ConfigError(f"config.data.path = {path!r}: no such file or directory")
   if config.source == "text":
     files, skipped = text_files(path)
     if not files:
@@ -124,7 +124,7 @@ def check_file_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_si
         names = [os.path.relpath(f, path) for f in skipped]
         found = (f"found only {', '.join(names[:5])}" + (f" and {len(names) - 5} more"
                                                          if len(names) > 5 else ""))
-      raise config_lib.ConfigError(
+      raise errors.ConfigError(
           f"config.data.path = {path!r}: a directory with no text files to read ({found}; "
           "hidden files and directories, __pycache__ and binary files are skipped)")
     size = sum(os.path.getsize(f) for f in files)
@@ -136,7 +136,7 @@ def check_file_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_si
   else:
     size, itemsize = os.path.getsize(path), np.dtype(config.token_dtype).itemsize
     if size % itemsize:
-      raise config_lib.ConfigError(
+      raise errors.ConfigError(
           f"config.data.path = {path!r}: {size:,} bytes is not a whole number of "
           f"{config.token_dtype} tokens ({itemsize} bytes each); is config.data.token_dtype "
           "right?")
@@ -146,7 +146,7 @@ def check_file_data(config: ml_collections.ConfigDict, *, seq_len: int, batch_si
   windows = min_windows(num_train, num_eval, config.eval_fraction)
   need = windows * seq_len + 1
   if num_tokens < need:
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"config.data.path = {path!r}: {held}; needs at least {need:,} tokens: {windows:,} "
         f"windows of config.model.seq_len = {seq_len} (+1), config.data.eval_fraction = "
         f"{config.eval_fraction} of them giving {num_eval:,} held-out sequences "

@@ -27,7 +27,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from diloco_jax import config as config_lib
+from diloco_jax import errors
 
 FORMAT = "diloco_jax.prepared/1"
 MANIFEST = "manifest.json"
@@ -42,8 +42,8 @@ UNIGRAM_CHUNKS = 64
 READ_CHUNK = 2 ** 16
 
 
-def _error(path: str, message: str) -> config_lib.ConfigError:
-  return config_lib.ConfigError(f"config.data.path = {path!r}: {message}")
+def _error(path: str, message: str) -> errors.ConfigError:
+  return errors.ConfigError(f"config.data.path = {path!r}: {message}")
 
 
 class Shards:
@@ -197,7 +197,7 @@ def open_corpus(path: str) -> Corpus:
                  f"reads {FORMAT!r}: prepare the corpus again with this version")
   try:
     _check_manifest(path, manifest)
-  except config_lib.ConfigError:
+  except errors.ConfigError:
     raise
   except (KeyError, TypeError, ValueError) as e:
     raise _error(path, f"{manifest_path} is malformed ({type(e).__name__}: {e}); "
@@ -245,7 +245,7 @@ def check_sizes(corpus: Corpus, *, vocab_size: int, seq_len: int, batch_size: in
   one batch, or an eval split without one window; the same on every host."""
   path, manifest = corpus.path, os.path.join(corpus.path, MANIFEST)
   if vocab_size != corpus.vocab_size:
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"config.data.vocab_size = {vocab_size}, but {manifest} says the tokenizer has "
         f"{corpus.vocab_size} tokens; set --config.data.vocab_size={corpus.vocab_size}")
   window = f"windows of config.model.seq_len = {seq_len} (+1) tokens"
@@ -275,7 +275,7 @@ def resolved(config: ml_collections.ConfigDict, announce: bool = True
     return config
   try:
     vocab = open_corpus(config.data.path).vocab_size
-  except config_lib.ConfigError:
+  except errors.ConfigError:
     return config
   if vocab == config.data.vocab_size:
     return config

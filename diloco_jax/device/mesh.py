@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import config as config_lib
+from diloco_jax import errors
 from diloco_jax import units
 from diloco_jax.algo import state as state_lib
 from diloco_jax.models import family
@@ -51,7 +51,7 @@ def local_mesh(replicas: int = 1, fsdp: int = 1) -> Mesh:
   `jax.local_devices()` order."""
   devices = np.array(jax.local_devices())
   if devices.size % (replicas * fsdp):
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"config.mesh: replicas x fsdp = {replicas} x {fsdp} must divide the "
         f"{devices.size} local devices")
   return Mesh(devices.reshape(replicas, devices.size // (replicas * fsdp), fsdp),
@@ -253,7 +253,7 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
   if device_limit is None:  # CPU devices: their memory is the host's
     need = per_device * num_local_devices + on_host
     if need > host_available:
-      raise config_lib.ConfigError(error(
+      raise errors.ConfigError(error(
           {**{k: v * num_local_devices for k, v in device.items()}, **host},
           f"{units.format_bytes(need)} of memory ({num_local_devices} CPU "
           f"device{'s' * (num_local_devices > 1)} x {units.format_bytes(per_device)} + host "
@@ -267,4 +267,4 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
     errors.append(error(host, f"{units.format_bytes(on_host)} of host memory",
                         f"{units.format_bytes(host_available)} available"))
   if errors:
-    raise config_lib.ConfigError("\n".join(errors))
+    raise errors.ConfigError("\n".join(errors))

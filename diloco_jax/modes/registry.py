@@ -26,6 +26,7 @@ DRIVERS: dict[str, type[base.Driver]] = {
     "streaming": streaming.StreamingOuterStep,
     "ddp": ddp.DDPRound,
 }
+PLAIN = "sync"  # plain DiLoCo: the reference every other mode departs from
 
 
 def driver(mode: str) -> type[base.Driver]:

@@ -26,7 +26,9 @@ what it takes, C_h + f over the round, averaged over hosts (bench/wan.py's measu
 same hosts as independent jobs, against the run). W is the pseudo-gradient's bytes as the
 wire code counts them (`bytes_per_host`; the round's few small sums besides, tens of bytes,
 are left out); the constants (`Constants`) are fitted to measured runs (bench/plan.py,
-bench/results/plan_fit.json).
+bench/results/plan_fit.json). Which formula is a mode's, its driver's traits say
+(`modes.base.Driver`: per_step, fragments, asynchronous), and the steps each host trains
+under balance 'speed' are the trainer's own decision (`algo.balance.speed_steps`).
 """
 
 from __future__ import annotations
@@ -38,18 +40,18 @@ import math
 import numpy as np
 
 from diloco_jax import errors
+from diloco_jax.algo import balance as balance_lib
 from diloco_jax.algo import compress
+from diloco_jax.modes import registry
 
-MODES = ("sync", "streaming", "eager", "delayed", "ddp")
 BALANCES = ("fixed", "speed")
 # How far a setting departs from plain DiLoCo (float32, sync, the smallest H), which a
 # recommendation keeps small: a step per format coarser than bf16 (bf16 loses nothing the
-# outer step feels), one for async modes, one per doubling of H.
+# outer step feels), the mode's own (its driver's `departure`: one for eager, two for
+# delayed), one per doubling of H.
 FORMAT_RANK = ("none", "bf16", "int8", "4bit", "2bit", "topk", "chunk_topk")
 FORMAT_COST = {"none": 0, "bf16": 0, "int8": 1, "4bit": 2, "2bit": 3, "topk": 3,
                "chunk_topk": 4}
-MODE_RANK = ("sync", "streaming", "eager", "delayed", "ddp")
-MODE_COST = {"sync": 0, "streaming": 0, "ddp": 0, "eager": 1, "delayed": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +75,14 @@ class Setting:
   up_mbit: float
   down_mbit: float
   rtt_ms: float = 0.0
-  mode: str = "sync"
+  mode: str = registry.PLAIN
   inner_steps: int = 25
   compression: str = "none"
   fragments: int = 1
   overlap_steps: int = 0
   replicas_per_host: int = 1
   balance: str = "fixed"
+  balance_tolerance: float = 0.1
   balance_max_factor: int = 4
   num_rounds: int = 1
   topk_fraction: float = 0.01
@@ -108,6 +111,7 @@ class PlanError(errors.DilocoError, ValueError):
 
 def check(s: Setting) -> None:
   """A PlanError naming the first impossible input."""
+  mode = registry.DRIVERS.get(s.mode)  # None: not a mode (the rule below names them)
   rules = [
       (s.hosts >= 1, f"hosts = {s.hosts}: must be >= 1"),
       (s.num_params >= 1, f"params = {s.num_params}: must be >= 1"),
@@ -118,13 +122,14 @@ def check(s: Setting) -> None:
       (all(t > 0 for t in s.step_time), f"step_time = {list(s.step_time)}: must be > 0"),
       (len(s.step_time) in (1, s.hosts),
        f"step_time: {len(s.step_time)} values for {s.hosts} hosts (give 1 or {s.hosts})"),
-      (s.mode in MODES, f"mode = {s.mode!r}: one of {', '.join(MODES)}"),
+      (mode is not None, f"mode = {s.mode!r}: one of {', '.join(registry.names())}"),
       (s.compression in compress.FORMATS,
        f"compression = {s.compression!r}: one of {', '.join(compress.FORMATS)}"),
-      (s.compression == "none" or s.mode != "ddp",
-       f"compression = {s.compression!r}: mode 'ddp' sums float32 gradients"),
-      (s.fragments == 1 or s.mode == "streaming",
-       f"fragments = {s.fragments}: only mode 'streaming' syncs fragments"),
+      (s.compression == "none" or not (mode and mode.per_step),
+       f"compression = {s.compression!r}: mode {s.mode!r} sums float32 gradients"),
+      (s.fragments == 1 or (mode and mode.fragments),
+       f"fragments = {s.fragments}: only mode "
+       f"{registry.listed(registry.names(lambda d: d.fragments))} syncs fragments"),
       (s.fragments >= 1 and s.inner_steps % max(s.fragments, 1) == 0,
        f"fragments = {s.fragments}: must divide inner_steps = {s.inner_steps}"),
       (s.balance in BALANCES, f"balance = {s.balance!r}: one of {', '.join(BALANCES)}"),
@@ -166,14 +171,13 @@ def bytes_per_host(s: Setting, num_params: int | None = None) -> float:
 
 
 def host_steps(s: Setting) -> tuple[int, ...]:
-  """Inner steps per host and round: H each ('fixed'), or in proportion to speed
-  ('speed': the slowest host H, the others H x t_slowest / t_h, at most max_factor x H)."""
-  times = s.times()
+  """Inner steps per host and round: H each ('fixed'), or the trainer's decision for these
+  speeds ('speed', `algo.balance.speed_steps`: the slowest host and those within the
+  tolerance H, the others H x t_slowest / t_h, at most max_factor x H)."""
   if s.balance == "fixed":
     return (s.inner_steps,) * s.hosts
-  slowest = max(times)
-  return tuple(min(s.balance_max_factor * s.inner_steps,
-                   math.floor(s.inner_steps * slowest / t + 1e-9)) for t in times)
+  return tuple(balance_lib.speed_steps(s.times(), s.inner_steps, tolerance=s.balance_tolerance,
+                                       max_factor=s.balance_max_factor))
 
 
 def predict(s: Setting, c: Constants) -> Prediction:
@@ -195,25 +199,26 @@ def predict(s: Setting, c: Constants) -> Prediction:
   else:
     sync = c.overhead_s + transfer(w) + (codec + c.outer_s_per_param) * n
   f = c.round_overhead_s
-  if s.mode == "sync":
-    round_s = compute + sync
-  elif s.mode == "streaming":
+  mode = registry.driver(s.mode)
+  if mode.per_step:
+    grad = 2 * (s.hosts - 1) / s.hosts * 4 * n
+    per_step = (c.overhead_s + transfer(grad)) if s.hosts > 1 else 0.0
+    round_s = s.inner_steps * (max(times) + per_step)
+  elif mode.fragments:
     p, t = s.fragments, max(times)
     part = (c.overhead_s + transfer(w / p) + (codec + c.outer_s_per_param) * n / p
             if s.hosts > 1 else c.outer_s_per_param * n / p)
     round_s = compute + p * max(0.0, part - s.overlap_steps * t)
-  elif s.mode == "ddp":
-    grad = 2 * (s.hosts - 1) / s.hosts * 4 * n
-    per_step = (c.overhead_s + transfer(grad)) if s.hosts > 1 else 0.0
-    round_s = s.inner_steps * (max(times) + per_step)
-  else:  # eager, delayed: the sum overlaps the next inner phase
+  elif mode.asynchronous:  # eager, delayed: the sum overlaps the next inner phase
     hidden = transfer(w) + codec * n if s.hosts > 1 else 0.0
     extra = c.overhead_s + c.async_overhead_s if s.hosts > 1 else 0.0
     round_s = max(compute, hidden) + extra + c.outer_s_per_param * n
+  else:  # sync: the round waits for its sum
+    round_s = compute + sync
   round_s += f
   utilization = float(np.mean([(p + f) / round_s for p in phases]))
   return Prediction(round_s=round_s, compute_s=compute, wait_share=1 - (compute + f) / round_s,
-                    utilization=utilization, bytes_per_host=w if s.mode != "ddp" else
+                    utilization=utilization, bytes_per_host=w if not mode.per_step else
                     s.inner_steps * 2 * (s.hosts - 1) / s.hosts * 4 * n,
                     wall_s=s.num_rounds * round_s, host_steps=steps)
 
@@ -221,9 +226,9 @@ def predict(s: Setting, c: Constants) -> Prediction:
 def recommend(rows: list[tuple[Setting, Prediction]], target: float
               ) -> tuple[Setting, Prediction, bool]:
   """Of `rows`, the setting that reaches `target` utilization with the least departure
-  from plain DiLoCo (FORMAT_COST + MODE_COST + log2 of H over the smallest H tried; ties:
-  the less compressed, then sync first, then the smaller H), and True; if none does, the
-  one that comes closest, and False."""
+  from plain DiLoCo (FORMAT_COST + the mode's departure + log2 of H over the smallest H
+  tried; ties: the less compressed, then `mode_order`, then the smaller H), and True; if
+  none does, the one that comes closest, and False."""
   reaching = [(s, p) for s, p in rows if p.utilization >= target]
   if not reaching:
     return (*max(rows, key=lambda row: row[1].utilization), False)
@@ -231,8 +236,17 @@ def recommend(rows: list[tuple[Setting, Prediction]], target: float
 
   def departure(row):
     s = row[0]
-    return (FORMAT_COST[s.compression] + MODE_COST[s.mode] + math.log2(s.inner_steps / smallest),
-            FORMAT_RANK.index(s.compression), MODE_RANK.index(s.mode), s.inner_steps)
+    return (FORMAT_COST[s.compression] + registry.driver(s.mode).departure
+            + math.log2(s.inner_steps / smallest),
+            FORMAT_RANK.index(s.compression), mode_order(s.mode), s.inner_steps)
 
   s, p = min(reaching, key=departure)
   return s, p, True
+
+
+def mode_order(mode: str) -> tuple[bool, int, bool]:
+  """The order of modes among equal departures: DiLoCo before the per-step baseline, the
+  nearer to plain DiLoCo first, the whole model before fragments (sync, streaming, eager,
+  delayed, ddp)."""
+  d = registry.driver(mode)
+  return (d.per_step, d.departure, d.fragments)

@@ -25,9 +25,7 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 
-from diloco_jax import config as config_lib
 from diloco_jax import errors
 from diloco_jax._version import __version__
 from diloco_jax.runtime import coordination
@@ -251,10 +249,10 @@ def _missing_hosts(where: str, c: Cluster) -> None:
   os._exit(1)
 
 
-def describe(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """What every host must agree on: the flattened config and the software versions."""
-  return {"diloco_jax": __version__, "jax": jax.__version__,
-          **config_lib.flatten(config)}
+def describe(fields: dict[str, Any]) -> dict[str, Any]:
+  """What every host must agree on: the config's fields ({"config.a.b": value}, as
+  `config.flatten` gives them) and the software versions."""
+  return {"diloco_jax": __version__, "jax": jax.__version__, **fields}
 
 
 def differing_fields(described: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -264,13 +262,14 @@ def differing_fields(described: list[dict[str, Any]]) -> dict[str, list[Any]]:
           if len({json.dumps(d.get(f, "<missing>"), default=str) for d in described}) > 1}
 
 
-def check_same_config(config: ml_collections.ConfigDict, timeout_s: int) -> None:
-  """Stops every host with a StartupError if any two hosts resolved different configs."""
+def check_same_config(fields: dict[str, Any], timeout_s: int) -> None:
+  """Stops every host with a StartupError if any two hosts resolved different configs
+  (`fields`: this host's, flattened)."""
   if jax.process_count() == 1:
     return
   client = coordination.coordination_client()
   me, n = jax.process_index(), jax.process_count()
-  client.key_value_set(f"diloco_jax/config/{me}", json.dumps(describe(config), default=str))
+  client.key_value_set(f"diloco_jax/config/{me}", json.dumps(describe(fields), default=str))
   try:
     described = [json.loads(client.blocking_key_value_get(f"diloco_jax/config/{h}",
                                                           timeout_s * 1000)) for h in range(n)]
