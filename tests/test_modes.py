@@ -1,5 +1,7 @@
 """The modes' one protocol (`modes.base.Driver`), their registry and the pseudo-gradient hook."""
 
+import pathlib
+import re
 import types
 
 import jax
@@ -33,6 +35,17 @@ def test_every_driver_has_every_member_of_the_protocol(mode):
   assert {"init", "end_round", "join", "trained_params", "param_sets"} <= set(MEMBERS)
   missing = [name for name in MEMBERS if not hasattr(driver, name)]
   assert not missing, f"{driver.__name__} lacks {missing}"
+
+
+def test_no_mode_is_named_outside_modes():
+  """The mode list is the registry's: only modes/ and the config's schema (the accepted
+  values and the defaults) name a mode; the rest asks a driver for its traits."""
+  package = pathlib.Path(registry.__file__).parent.parent
+  quoted = re.compile("[\"'](" + "|".join(registry.DRIVERS) + ")[\"']")
+  named = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py"))
+           if path.parent.name != "modes" and path != package / "config" / "schema.py"
+           for n, line in enumerate(path.read_text().splitlines(), 1) if quoted.search(line)]
+  assert named == []
 
 
 def test_memory_profiles():

@@ -182,10 +182,11 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   exchange = exchange_lib.Exchange(
       config.outer, collective=collective, dispatcher=dispatcher,
       replicas_per_host=replicas_per_host, steps_finished=train_step.steps_finished,
-      extra=membership.sum_extra,
-      # every host's steps and seconds ride on the round's sum: not on streaming's
-      # fragments, nor in elastic mode, whose sums leave out the hosts that are away
-      pace=pacer if config.mode in pacing.MODES and not config.elastic else None)
+      # every host's steps and seconds ride on the round's sum where the mode has one
+      # sum per round (not streaming's fragments, not ddp's steps), and not in elastic
+      # mode, whose sums leave out the hosts that are away
+      riders=(*membership.riders,
+              *((pacer,) if driver.carries_pace and not config.elastic else ())))
   param_shapes = family.param_shapes(model_cfg)
   outer_step = driver.from_config(config, mesh=mesh, exchange=exchange, params=param_shapes,
                                   pseudo_gradient_hook=pacing.weighted(pacer,

@@ -6,7 +6,9 @@ the background with orbax's own timeout. `Elastic` (config.elastic, experimental
 training when a host dies: its collective sums over the live hosts, the hashes travel
 with them, every save finishes within its job and may fail without stopping the run,
 and a host that returns asks to rejoin, which ends the round with a checkpoint and a
-restart of every host (runtime/elastic.py has why).
+restart of every host (runtime/elastic.py has why). What it needs summed with each
+round's Δ (the replicas taking part, the rejoin requests) rides the sum as `Members`, a
+rider of the exchange (`wire.exchange.Rider`), and comes back as the round's figures.
 
 The round loop never asks which kind it has: it calls the same methods on both.
 """
@@ -14,6 +16,7 @@ The round loop never asks which kind it has: it calls the same methods on both.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import Protocol
 
@@ -27,8 +30,9 @@ from diloco_jax.runtime import coordination
 from diloco_jax.runtime import elastic
 from diloco_jax.wire import collective as collective_lib
 from diloco_jax.wire import dispatch
-from diloco_jax.wire import elastic as wire_elastic
+from diloco_jax.wire import exchange as exchange_lib
 from diloco_jax.wire import integrity
+from diloco_jax.wire import live
 
 
 class Membership(Protocol):
@@ -39,9 +43,11 @@ class Membership(Protocol):
     save_timeout: None: a checkpoint save runs in the background and a failure stops the
       run; seconds: each save finishes within its dispatch job, gives up after this long
       and is reported and skipped (a host may have gone).
+    riders: what every sum of pseudo-gradients carries for it (`wire.exchange.Rider`).
   """
   collective: Any
   save_timeout: int | None
+  riders: tuple[exchange_lib.Rider, ...]
 
   def connect(self, dispatcher: dispatch.Dispatcher) -> None:
     """Opens the collective's connections (every host, at start-up)."""
@@ -49,8 +55,8 @@ class Membership(Protocol):
   def hash_exchange(self, dispatcher: dispatch.Dispatcher) -> integrity.HashExchange | None:
     """How hosts compare the outer state's hash (None: one host, nothing to compare)."""
 
-  def sum_extra(self) -> dict[str, np.float32] | None:
-    """Words every cross-host sum carries besides Δ (None: none)."""
+  def figures(self, riders: Mapping[str, exchange_lib.Words]) -> dict[str, Any]:
+    """A round's figures from the words its sum brought back (`Arrived.riders`)."""
 
   def started(self) -> None:
     """Training begins (after resume, before round 1 of this process)."""
@@ -62,6 +68,7 @@ class Membership(Protocol):
 class Fixed:
   """Every host for the whole run; one that dies stops the job (the launcher restarts it)."""
   save_timeout = None
+  riders = ()
 
   def __init__(self):
     self.collective = collective_lib.make_collective()
@@ -78,8 +85,10 @@ class Fixed:
     return integrity.StoreExchange(coordination.coordination_client(), self.host,
                                    self.num_hosts)
 
-  def sum_extra(self) -> None:
-    return None
+  @staticmethod
+  def figures(riders: Mapping[str, exchange_lib.Words]) -> dict[str, Any]:
+    del riders  # a fixed job's sums carry nothing for it
+    return {}
 
   def started(self) -> None:
     pass
@@ -92,10 +101,10 @@ class Elastic:
   """The live hosts (config.elastic): survivors of a dead host keep training."""
 
   def __init__(self, timeout_s: int, replicas_per_host: int):
-    self.collective = wire_elastic.ElasticCollective(timeout_s)
+    self.collective = live.LiveCollective(timeout_s)
     self.save_timeout = timeout_s
     self.host = jax.process_index()
-    self.replicas_per_host = replicas_per_host
+    self.riders = (Members(self.host, replicas_per_host),)
 
   def connect(self, dispatcher: dispatch.Dispatcher) -> None:
     pass  # the live hosts meet at a barrier before each collective instead
@@ -105,10 +114,14 @@ class Elastic:
     return integrity.CollectiveExchange(lambda words: dispatcher.run(
         self.collective.allgather, words, what="comparing the outer state's hash"), self.host)
 
-  def sum_extra(self) -> dict[str, np.float32]:
-    """The mean divides by the live replicas; host 0 relays returning hosts."""
-    return {"replicas": np.float32(self.replicas_per_host),
-            "rejoin": np.float32(self.host == 0 and bool(elastic.rejoin_requested()))}
+  @staticmethod
+  def figures(riders: Mapping[str, exchange_lib.Words]) -> dict[str, Any]:
+    """The replicas in the round's mean and whether a host asks to rejoin (the round
+    loop restarts every host then)."""
+    words = riders.get(Members.name)
+    if words is None:
+      return {}
+    return {"replicas": int(words["replicas"]), "rejoin": bool(words["rejoin"])}
 
   def started(self) -> None:
     if self.host == 0:  # a host that connects from now on is a returning one
@@ -116,6 +129,24 @@ class Elastic:
 
   def signal_restart(self) -> None:
     elastic.signal_restart()
+
+
+class Members:
+  """Elastic's rider of every sum (`wire.exchange.Rider`): each host's replicas, summed
+  into the count of the live ones that the mean divides by, and host 0's relay of the
+  returning hosts' requests to rejoin."""
+  name, keep, divisor = "members", False, "replicas"
+
+  def __init__(self, host: int, replicas_per_host: int):
+    self.host, self.replicas_per_host = host, replicas_per_host
+
+  def words(self, round_: int) -> exchange_lib.Words:
+    del round_  # the same every round
+    return {"replicas": np.float32(self.replicas_per_host),
+            "rejoin": np.float32(self.host == 0 and bool(elastic.rejoin_requested()))}
+
+  def like(self) -> exchange_lib.Words:
+    return {"replicas": np.float32(0), "rejoin": np.float32(0)}
 
 
 def of(config: ml_collections.ConfigDict) -> Membership:

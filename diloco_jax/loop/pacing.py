@@ -6,10 +6,10 @@ and the outer step weights each replica by the tokens it trained (docs/algorithm
 this host's Δ is scaled by s = K·w_host / Σw before anything judges or sends it
 (`weighted`), exactly 1.0 when the steps are equal.
 
-The speeds travel with the round's sum of pseudo-gradients (in modes sync, delayed and
-eager, under 'fixed' too, for the records; not in elastic mode, whose sums leave out the
-hosts that are away), so measuring them costs no collective and
-every host reads the same numbers: each host puts into the sum its
+The speeds ride the round's sum of pseudo-gradients (the `Pacer` is the exchange's rider
+"pace", in the modes whose driver `carries_pace`, under 'fixed' too, for the records; not
+in elastic mode, whose sums leave out the hosts that are away), so measuring them costs no
+collective and every host reads the same numbers: each host puts into the sum its
 replicas' steps ([K] words, one per replica: tokens = steps × batch × seq_len) and its
 seconds of inner phase ([hosts] words; 0: not measured, a round that compiled). When the
 sum of a round r with r % balance_every == 0 arrives, every host decides the same steps
@@ -32,8 +32,6 @@ import numpy as np
 from diloco_jax import errors
 from diloco_jax.algo import balance
 
-MODES = ("sync", "delayed", "eager")  # whose round sums carry the hosts' steps and seconds
-
 
 class BalanceError(errors.DilocoError, RuntimeError):
   """The hosts disagree on the steps of a round: their configs or code differ."""
@@ -46,11 +44,15 @@ class Decision(NamedTuple):
 
 
 class Pacer:
-  """This host's side of `config.balance`; every host holds the same decisions."""
+  """This host's side of `config.balance`; every host holds the same decisions. A rider
+  of the round's sum (`wire.exchange.Rider`): under 'speed' its words decide the steps, so
+  a sum in flight keeps them and a resumed run sends the same ones."""
+  name = "pace"
+  divisor = None
 
   def __init__(self, config: ml_collections.ConfigDict, *, host: int, num_hosts: int,
                replicas_per_host: int):
-    self.speed = config.balance == "speed"
+    self.speed = self.keep = config.balance == "speed"
     self.h, self.num_rounds = config.inner_steps, config.num_rounds
     self.every, self.tolerance = config.balance_every, config.balance_tolerance
     self.max_factor = config.balance_max_factor
@@ -117,7 +119,7 @@ class Pacer:
     busy_hosts[self.host] = busy
     return {"steps": steps_K, "busy": busy_hosts}
 
-  def words_like(self) -> dict[str, np.ndarray]:
+  def like(self) -> dict[str, np.ndarray]:
     """The structure of `words`, for restoring a sum in flight."""
     return {"steps": np.zeros(self.num_hosts * self.replicas_per_host, np.float32),
             "busy": np.zeros(self.num_hosts, np.float32)}

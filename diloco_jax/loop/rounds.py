@@ -42,7 +42,7 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
       replicas = state.replicas
     parts.bar.update(step, f"round {r}/{parts.num_rounds}")
   state = state.replace(replicas=replicas)
-  if parts.exchange.pace is not None:  # this host's speed: its inner phase, if not compiled
+  if pacer in parts.exchange.riders:  # this host's speed: its inner phase, if not compiled
     jax.block_until_ready(replicas)  # (the outer step waits for it first thing)
     pacer.measured(r, 0.0 if state.compiles else time.perf_counter() - t)
     state = state.replace(compiles=False)
@@ -78,9 +78,10 @@ def take(parts, state: state_lib.RunState, r: int,
   state = state.replace(outer=update.outer, replicas=update.replicas)
   parts.log.add_times(r, update.times)
   parts.log.add_synced(update.synced)
-  for s in update.synced:
-    if s.arrived.pace is not None:
-      figures = parts.pacer.arrived(s.arrived.round, s.arrived.pace, now=r)
+  for s in update.synced:  # what rode the sums comes back as the round's figures
+    parts.log.add_if_open(s.arrived.round, **parts.membership.figures(s.arrived.riders))
+    if (pace := s.arrived.riders.get(parts.pacer.name)) is not None:
+      figures = parts.pacer.arrived(s.arrived.round, pace, now=r)
       parts.log.add_if_open(s.arrived.round, **figures, hosts_tokens=[
           n * parts.replicas_per_host * parts.tokens_per_replica_step
           for n in figures["hosts_steps"]])

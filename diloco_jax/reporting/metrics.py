@@ -241,8 +241,6 @@ class RoundLog:
       if s.bad_replicas:
         record["bad_replicas"] = ", ".join(filter(None, (record.get("bad_replicas"),
                                                          s.bad_replicas)))
-      if a.live_replicas is not None:
-        record.update(replicas=a.live_replicas, rejoin=a.rejoin)
 
   def complete(self, r: int) -> bool:
     return "loss_sum" in self._open.get(r, {})

@@ -11,7 +11,7 @@ What JAX allows on CPU (checked with jax 0.10.2; see docs/fault-tolerance.md):
   again, which resumes from that checkpoint with the returning host's replicas restarted
   from the anchor.
 
-`wire.elastic.ElasticCollective` is the cross-host sum for this mode: the live hosts meet at a
+`wire.live.LiveCollective` is the cross-host sum for this mode: the live hosts meet at a
 coordination-service barrier before each collective, and after a failure agree on the
 new set of live hosts and do it again. (`multihost_utils.live_devices` would count a
 returning host as live and wait for it.) The job still dies with host 0 (the coordinator).

@@ -178,7 +178,7 @@ class HostCollective:
     self._use(mesh)
 
   def _use(self, mesh: Mesh) -> None:
-    """Collectives over `mesh`'s hosts (all of them; elastic mode: the live ones)."""
+    """Collectives over `mesh`'s hosts (all of them, or the live ones: `live.LiveCollective`)."""
     self.mesh = mesh
     self._rows = NamedSharding(mesh, P(HOSTS_AXIS))  # [hosts, N]: one row per host
     replicated = NamedSharding(mesh, P())  # the result: a full copy on every host

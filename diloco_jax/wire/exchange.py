@@ -6,6 +6,11 @@ it runs and later waits for the `Arrived` value: the mean Δ̄ over all K replic
 replicas had NaN/Inf in their Δ (a [K] flag vector summed with Δ, so every host sees the
 same flags), the round's loss summed over hosts, timings and bytes.
 
+The wire names no feature. What a feature of the loop needs summed over the hosts in the
+same collective (each host's steps and seconds, the replicas taking part) rides along as a
+`Rider`: a name and small arrays of words, summed with Δ and given back by name in
+`Arrived.riders`; a rider may also say which of its words counts the replicas in the mean.
+
 On the wire (docs/algorithms.md §7). With `outer.compression = 'none'` and
 `outer.aggregation = 'mean'` a host sends the Σ of its replicas' Δ through the
 collective's plain all-reduce. Otherwise it hands `collective.reduce_encoded` rows of
@@ -26,9 +31,13 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
+import types
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +49,32 @@ from diloco_jax.algo import diloco
 from diloco_jax.wire import collective as collective_lib
 
 Params = Any
+Words = dict[str, np.ndarray]
+_SAVED = ("deltas", "loss", "finite", "round", "key")  # a checkpointed sum's own entries
+
+
+class Rider(Protocol):
+  """Words a feature adds to every sum of pseudo-gradients: summed over the hosts with Δ,
+  given back by name (`Arrived.riders`). The wire never reads them, except the count of
+  `divisor`.
+
+  Attributes:
+    name: its key in `Arrived.riders` and, if `keep`, in a checkpointed sum in flight.
+    keep: a sum in flight keeps its words, so that a resumed run sends the same ones (they
+      decide something) rather than new ones.
+    divisor: the word whose sum counts the replicas in the mean (None: the mean is over
+      all K).
+  """
+  name: str
+  keep: bool
+  divisor: str | None
+
+  def words(self, round_: int) -> Words | None:
+    """This host's words for the sum of round `round_` (None: none). Every host gives the
+    same names and shapes."""
+
+  def like(self) -> Words:
+    """Arrays shaped as `words` gives them, to restore a checkpointed sum in flight."""
 
 
 class Pending(NamedTuple):
@@ -51,7 +86,7 @@ class Pending(NamedTuple):
   finite_R: np.ndarray  # [R] bool: which of this host's Δ_m were finite
   residual: np.ndarray | None  # the error feedback that went into the send
   future: concurrent.futures.Future
-  pace: dict[str, np.ndarray] | None = None  # balance 'speed': its steps and seconds, kept
+  riders: Mapping[str, Words] = types.MappingProxyType({})  # the words of riders that keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +95,7 @@ class Arrived:
 
   Attributes:
     round, key: the round in which it was sent, and the fragment.
-    mean: Δ̄ over all K replicas (elastic mode: over the live ones), in host memory.
+    mean: Δ̄ over all K replicas (or over those a rider's `divisor` counts), in host memory.
     bad_K: [K] bool, the replicas whose Δ had NaN or Inf.
     loss_sum: the round's inner losses summed over every replica of every host.
     residual: this host's error feedback after the send (None without feedback).
@@ -68,12 +103,9 @@ class Arrived:
     bytes_sent: what this host put on the wire.
     overlap_steps: inner steps the devices finished while the collective ran.
     wait: seconds the main thread waited for it.
-    live_replicas: elastic mode, the replicas summed over (None otherwise).
-    rejoin: elastic mode, whether a returned host asks to rejoin.
     diagnostics: a future of [hosts, R, 3] per replica ‖Δ_m‖, cos(Δ_m, Δ̄), ‖Δ_m − Δ̄‖²
       (gathered on the dispatch thread, read when the round is logged), or None.
-    pace: balance 'speed': every replica's inner steps ([K]) and every host's seconds of
-      inner phase ([hosts]) in that round, summed over hosts (loop/pacing.py); or None.
+    riders: each rider's words summed over the hosts, by the rider's name (numpy).
   """
   round: int
   key: int
@@ -85,10 +117,8 @@ class Arrived:
   bytes_sent: int
   overlap_steps: int
   wait: float = 0.0
-  live_replicas: int | None = None
-  rejoin: bool = False
   diagnostics: concurrent.futures.Future | None = None
-  pace: dict[str, np.ndarray] | None = None
+  riders: Mapping[str, Words] = dataclasses.field(default_factory=dict)
 
 
 def entries(tree: Params) -> int:
@@ -111,22 +141,24 @@ class Exchange:
   """This host's side of the cross-host mean of pseudo-gradients.
 
   `steps_finished`: how many inner steps the devices have finished (read on the dispatch
-  thread around each collective, for `overlap_steps`); `extra`: words each sum carries
-  besides Δ, from the job's membership (elastic: this host's replicas, so that the mean
-  divides by the live ones, and host 0's rejoin requests; None: nothing); `pace`: the
-  `pacing.Pacer` whose words for the round (each host's steps and seconds) each sum
-  carries, or None. Under balance 'speed' they decide the steps, so a sum in flight keeps
-  them and a resumed run sends the same ones.
+  thread around each collective, for `overlap_steps`); `riders`: what every sum carries
+  besides Δ (`Rider`), whatever features they serve.
   """
 
   def __init__(self, outer: ml_collections.ConfigDict, *, collective, dispatcher,
                replicas_per_host: int, steps_finished: Callable[[], int] = lambda: 0,
-               extra: Callable[[], dict[str, np.float32] | None] = lambda: None,
-               pace=None):
+               riders: Sequence[Rider] = ()):
     self.collective, self.dispatcher = collective, dispatcher
     self.replicas_per_host = replicas_per_host
     self.num_replicas = replicas_per_host * collective.num_hosts  # K
-    self.steps_finished, self.extra, self.pace = steps_finished, extra, pace
+    self.steps_finished, self.riders = steps_finished, tuple(riders)
+    names = [r.name for r in self.riders]
+    if len(set(names)) < len(names) or set(names) & set(_SAVED):
+      raise ValueError(f"riders {names}: each needs its own name, none of {_SAVED}")
+    divisors = [r for r in self.riders if r.divisor is not None]
+    if len(divisors) > 1:
+      raise ValueError(f"riders {names}: only one may count the replicas in the mean")
+    self.divisor = divisors[0] if divisors else None
     self.compression, self.aggregation = outer.compression, outer.aggregation
     self.trim = outer.trim
     self.wire_options = dict(topk_fraction=outer.topk_fraction, topk_chunk=outer.topk_chunk,
@@ -140,7 +172,7 @@ class Exchange:
                         or jax.local_devices(backend="cpu")[0])
     self._sum_R = jax.jit(diloco.replica_sum)
     self._mean = jax.jit(lambda total: diloco.divide(total, self.num_replicas))
-    self._mean_by = jax.jit(diloco.divide)  # elastic: by the live replicas
+    self._mean_by = jax.jit(diloco.divide)  # by the replicas a rider counts
     self._stats = jax.jit(_delta_stats)
 
   def init_residuals(self, sizes: dict[int, int]) -> dict[int, np.ndarray]:
@@ -152,9 +184,9 @@ class Exchange:
 
   def submit(self, deltas_R: Params, loss_sum, finite_R: np.ndarray, *, round_: int,
              key: int = 0, residual: np.ndarray | None = None,
-             pace: dict[str, np.ndarray] | None = None) -> Pending:
-    """Queues the sum over hosts of this host's Δ_m (with the loss and the bad flags, and
-    the pacer's words: `pace`, else the pacer's for `round_`)."""
+             kept: Mapping[str, Words] | None = None) -> Pending:
+    """Queues the sum over hosts of this host's Δ_m, with the loss, the bad flags and every
+    rider's words (`kept`: words a checkpointed sum kept, sent again instead of asking)."""
     host, r = self.collective.host_index, self.replicas_per_host
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * r:(host + 1) * r] = ~np.asarray(finite_R, bool)
@@ -166,18 +198,17 @@ class Exchange:
       payload["delta"] = self._sum_R(deltas_R)
     else:
       rows = jax.tree.map(lambda x: x[None], self._sum_R(deltas_R))
-    if (extra := self.extra()) is not None:
-      payload["extra"] = extra
-    if pace is None and self.pace is not None:
-      pace = self.pace.words(round_)
-    if pace is not None:
-      payload["pace"] = pace
+    kept = kept or {}
+    words = {r.name: kept[r.name] if r.name in kept else r.words(round_) for r in self.riders}
+    words = {name: w for name, w in words.items() if w is not None}
+    if words:
+      payload["riders"] = words
     job = functools.partial(self._job, payload, rows, residual, round_, key)
     future = self.dispatcher.submit(job, round_=round_,
                                     what="cross-host sum of pseudo-gradients")
-    kept = pace if self.pace is not None and self.pace.speed else None
+    keep = {r.name: words[r.name] for r in self.riders if r.keep and r.name in words}
     return Pending(round_, key, deltas_R, loss_sum, np.asarray(finite_R, bool), residual,
-                   future, kept)
+                   future, types.MappingProxyType(keep))
 
   def _job(self, payload, rows, residual, round_: int, key: int) -> Arrived:
     """On the dispatch thread: the collective, then the mean."""
@@ -187,19 +218,18 @@ class Exchange:
       total["delta"], residual = self._reduce_rows(rows, residual)
     jax.block_until_ready(total)
     collective_time, overlap_steps = time.perf_counter() - t, self.steps_finished() - done
-    extra = total.get("extra", {})
+    riders = {name: {word: np.asarray(x) for word, x in words.items()}
+              for name, words in total.get("riders", {}).items()}
     if self.aggregates:
       mean = jax.device_put(total["delta"], self.host_device)
-    elif "replicas" in extra:
-      mean = self._mean_by(total["delta"], extra["replicas"])
+    elif self.divisor is not None and self.divisor.name in riders:
+      mean = self._mean_by(total["delta"], riders[self.divisor.name][self.divisor.divisor])
     else:
       mean = self._mean(total["delta"])
     return Arrived(round_, key, jax.block_until_ready(mean), np.asarray(total["bad"]) > 0,
                    float(np.asarray(total["loss"])), residual, collective_time,
                    self.collective.bytes_sent - sent, overlap_steps,
-                   live_replicas=int(extra["replicas"]) if "replicas" in extra else None,
-                   rejoin=bool(extra.get("rejoin", 0)),
-                   pace=jax.tree.map(np.asarray, total["pace"]) if "pace" in total else None)
+                   riders=types.MappingProxyType(riders))
 
   def _reduce_rows(self, rows: Params, residual: np.ndarray | None):
     """Σ over all K replicas (mean) or Δ̄ (robust aggregation) of `rows`, sent encoded;
@@ -246,11 +276,12 @@ class Exchange:
 
   @staticmethod
   def inflight(pending: Pending) -> dict[str, Any]:
+    """What a checkpoint holds of a sum in flight: what this host put into it, and beside
+    it, each under its name, the words of the riders that keep theirs."""
     saved = {"deltas": pending.deltas_R, "loss": np.float32(pending.loss_sum),
              "finite": pending.finite_R, "round": np.int32(pending.round),
              "key": np.int32(pending.key)}
-    if pending.pace is not None:
-      saved["pace"] = pending.pace
+    saved.update(pending.riders)
     return saved
 
   def inflight_like(self, deltas_R: Params) -> dict[str, Any]:
@@ -258,8 +289,7 @@ class Exchange:
     like = {"deltas": deltas_R, "loss": np.zeros((), np.float32),
             "finite": np.ones(self.replicas_per_host, bool), "round": np.int32(0),
             "key": np.int32(0)}
-    if self.pace is not None and self.pace.speed:
-      like["pace"] = self.pace.words_like()
+    like.update({r.name: r.like() for r in self.riders if r.keep})
     return like
 
   def resubmit(self, saved: dict[str, Any], residuals: dict[int, np.ndarray]) -> Pending:
@@ -267,8 +297,9 @@ class Exchange:
     residual that went into it is still `residuals[key]` (residuals move on only when a
     sum arrives)."""
     key = int(saved["key"])
+    kept = {r.name: {word: np.asarray(saved[r.name][word], x.dtype)
+                     for word, x in r.like().items()}
+            for r in self.riders if r.keep and r.name in saved}
     return self.submit(jax.device_put(saved["deltas"], self.host_device), saved["loss"],
                        np.asarray(saved["finite"]), round_=int(saved["round"]), key=key,
-                       residual=residuals.get(key),
-                       pace=({k: np.asarray(v, np.float32) for k, v in saved["pace"].items()}
-                             if "pace" in saved else None))
+                       residual=residuals.get(key), kept=kept)

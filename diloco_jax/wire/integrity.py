@@ -100,9 +100,9 @@ class StoreExchange:
 
 
 class CollectiveExchange:
-  """With a collective (`allgather`: [live hosts, *x.shape]), for elastic mode, where the
-  store cannot tell which hosts are still in the job: each row is a host's id and its
-  hash's words."""
+  """With a collective (`allgather`: [live hosts, *x.shape]), for a job that outlives a
+  host, where the store cannot tell which hosts are still in the job: each row is a
+  host's id and its hash's words."""
   deferred = False
 
   def __init__(self, allgather: Callable[[np.ndarray], np.ndarray], host: int):

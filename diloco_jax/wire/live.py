@@ -1,5 +1,5 @@
-"""The cross-host sum of elastic mode: over the hosts still alive, regrouping after a loss
-(runtime/elastic.py has the mode's protocol)."""
+"""Cross-host sums over the hosts still alive: after a host is lost, the others regroup and
+sum among themselves (`loop.membership` uses it for a job that outlives a host)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _client():
   return coordination.coordination_client()
 
 
-class ElasticCollective(collective_lib.HostCollective):
+class LiveCollective(collective_lib.HostCollective):
   """`HostCollective` over the hosts still alive. `num_hosts` stays the world's size
   (replica flags keep their places); `live` lists the hosts summed over."""
 
@@ -54,12 +54,12 @@ class ElasticCollective(collective_lib.HostCollective):
         if live != self.live:
           self._regroup(live)
         self._ops += 1
-        _client().wait_at_barrier(f"diloco/elastic/g{self._generation}/op{self._ops}",
+        _client().wait_at_barrier(f"diloco/live/g{self._generation}/op{self._ops}",
                                   self.timeout_s * 1000, self.live)
         return op()
       except Exception as e:  # noqa: BLE001 -- a peer is gone or late: look again
         if time.monotonic() > deadline:
-          raise RuntimeError(f"elastic: the hosts {self.live} could not complete a "
+          raise RuntimeError(f"live hosts: the hosts {self.live} could not complete a "
                              f"collective within {20 * self.timeout_s}s") from e
         sys.stderr.write(f"host {self.host_index}: collective failed ({type(e).__name__}: "
                          f"{str(e)[:160]}); checking which hosts are live\n")
@@ -69,9 +69,9 @@ class ElasticCollective(collective_lib.HostCollective):
     """Moves to `live` once every host in it sees the same set (else the barrier, whose
     name holds the set, times out and the caller looks again)."""
     if 0 not in live:
-      raise RuntimeError("elastic: host 0 (the coordinator) is gone")
+      raise RuntimeError("live hosts: host 0 (the coordinator) is gone")
     key = "-".join(map(str, live))
-    _client().wait_at_barrier(f"diloco/elastic/g{self._generation}/regroup{key}",
+    _client().wait_at_barrier(f"diloco/live/g{self._generation}/regroup{key}",
                               self.timeout_s * 1000, live)
     lost = sorted(set(self.live) - set(live))
     if self.host_index == 0:
@@ -83,8 +83,8 @@ class ElasticCollective(collective_lib.HostCollective):
     self._use(Mesh(np.array([self._first_cpu[h] for h in live]), (collective_lib.HOSTS_AXIS,)))
 
   def sum(self, tree: Any) -> Any:
-    return self._run(lambda: super(ElasticCollective, self).sum(tree))
+    return self._run(lambda: super(LiveCollective, self).sum(tree))
 
   def allgather(self, x: np.ndarray) -> np.ndarray:
     """[live hosts, *x.shape], in host order."""
-    return self._run(lambda: super(ElasticCollective, self).allgather(x))
+    return self._run(lambda: super(LiveCollective, self).allgather(x))
