@@ -90,8 +90,8 @@ def num_params(config) -> int:
   # pylint: disable=import-outside-toplevel
   from diloco_jax.models import family
   from diloco_jax.models import model as model_lib
-  from diloco_jax.models import pretrained
-  config = pretrained.resolved(config, announce=False)
+  from diloco_jax.data import resolve
+  config = resolve.resolved(config)
   return model_lib.num_params_of(family.ModelConfig.from_config(config.model,
                                                                   config.data.vocab_size))
 

@@ -287,12 +287,9 @@ def _check_init_from(config: ml_collections.ConfigDict, given: frozenset[str]) -
   config.json stops the run here, in one line (every host reads the same directory)."""
   if not config.model.init_from:
     return
-  # pylint: disable=import-outside-toplevel
-  from diloco_jax.data import prepared
-  from diloco_jax.models import pretrained
-  # pylint: enable=import-outside-toplevel
+  from diloco_jax.data import resolve  # pylint: disable=import-outside-toplevel
   try:
-    pretrained.resolved(prepared.resolved(config, announce=False), given, announce=False)
+    resolve.resolved(config, given)
   except config_lib.ConfigError as e:
     sys.exit(f"Invalid config: {e}")
 
