@@ -235,16 +235,23 @@ def test_trainer_trains_on_prepared_data(prepared, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_preempted_run_resumes_bit_identically(prepared, tmp_path, monkeypatch):
+def test_preempted_run_resumes_bit_identically(prepared, tmp_path, monkeypatch, capsys):
   """Stop after round 2 of 4, run again: the same params and records as a run never
-  stopped (the data iterators' state is in the checkpoint)."""
+  stopped (the data iterators' state is in the checkpoint). The second run resumed from
+  checkpoint 2: a silent start from round 1 would reproduce the reference too."""
   config = train_config(prepared, num_rounds=4, **{"checkpoint.every": 0})
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
   with monkeypatch.context() as m:
     m.setattr(preemption.Preemption, "reached", lambda self, r: r == 2)
     first = trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert first.preempted_at == 2
+  capsys.readouterr()
   resumed = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  out = capsys.readouterr().out
+  assert "resumed from checkpoint 2 (" in out and "continuing at round 3 of 4" in out, out
+  assert re.findall(r"^round +(\d+)/4 ", out, re.M) == ["3", "4"], out  # not 1 and 2 again
+  with open(tmp_path / "run" / "run.json") as f:
+    assert json.load(f)["start"]["round"] == 2
   for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference.params),
                   strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
