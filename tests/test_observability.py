@@ -113,7 +113,7 @@ def test_eta_counts_steady_rounds_only(observed_run):
     clock[0] = end
     log.open(r)
     log.timed(r, seconds, steady=r != 4)
-  records = log._open  # noqa: SLF001 -- the figures as the rounds ended
+  records = {r: log.figures(r) for r in range(1, 6)}  # the figures as the rounds ended
   assert "eta" not in records[1]
   assert records[2]["eta"] == pytest.approx(2.0 * 8 + 0.5)
   assert records[3]["eta"] == pytest.approx(3.0 * 7 + 0.5)

@@ -287,7 +287,7 @@ def test_round_line_reports_mfu_against_the_peak_table():
                          flops_per_token=1e9, peak_flops=4e12)
   log.open(1, inner_step=10, tokens=1000, train_loss=1.0, outer_time=0.01)
   log.timed(1, 0.5)  # 2,000 tokens/s x 1 GFLOP = 2 TFLOP/s of a 4 TFLOP/s peak
-  record = log._open[1]  # noqa: SLF001 -- the record as it will be written
+  record = log.figures(1)  # the record as it will be written
   assert record["mfu"] == pytest.approx(0.5)
   assert "2.0k tok/s (MFU 50.0%)" in metrics.round_line(record, 1, 10)
   del record["mfu"]

@@ -66,9 +66,9 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
 def open_record(parts, r: int, **figures) -> None:
   """Round r's record; with unequal steps, the losses its train loss averages."""
   steps = parts.pacer.steps(r)
-  if steps != (parts.h,) * parts.num_hosts:
-    figures["_loss_terms"] = sum(steps) * parts.replicas_per_host
-  parts.log.open(r, inner_step=r * parts.h,
+  loss_terms = (None if steps == (parts.h,) * parts.num_hosts
+                else sum(steps) * parts.replicas_per_host)
+  parts.log.open(r, loss_terms=loss_terms, inner_step=r * parts.h,
                  tokens=parts.pacer.tokens_through(r, parts.tokens_per_replica_step), **figures)
 
 

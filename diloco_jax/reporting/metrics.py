@@ -11,6 +11,7 @@ loss) never stalls the devices.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -152,6 +153,25 @@ def save_figure(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str) -> 
   plt.close(fig)
 
 
+@dataclasses.dataclass
+class OpenRound:
+  """A round whose record is not written yet.
+
+  Attributes:
+    figures: the record's fields so far, as they will be written (`writers.GROUPS` says
+      under which group each is plotted).
+    arrived: the round's sums that arrived (`wire.exchange.Arrived`; streaming: one per
+      fragment), which give the record its bytes, times and overlap.
+    diagnostics: fragment 0's per-replica statistics of Δ (a future), or None.
+    loss_terms: how many inner losses the round's loss sum adds up (balance 'speed':
+      Σ steps × R); None: every replica's H.
+  """
+  figures: dict[str, Any]
+  arrived: list[Any] = dataclasses.field(default_factory=list)
+  diagnostics: Any = None
+  loss_terms: int | None = None
+
+
 class RoundLog:
   """The open records of rounds not yet written, by round; `write_through(r)` writes, in
   order, every record up to round r whose figures are all in (its loss-carrying sum,
@@ -169,7 +189,7 @@ class RoundLog:
     # Model FLOPs per token, and the peak of every device of every host together (None:
     # devices without a known peak, such as CPUs: FLOP/s only, no MFU).
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-    self._open: dict[int, dict[str, Any]] = {}
+    self._open: dict[int, OpenRound] = {}
     self._round_times: list[float] = []
     self._steady_times: list[float] = []  # what the ETA counts
     self._clock = clock
@@ -207,19 +227,23 @@ class RoundLog:
       if self.peak_flops:
         self.add(r, mfu=speed * self.flops_per_token / self.peak_flops)
 
-  def open(self, r: int, **figures) -> None:
-    self._open[r] = {"round": r, **figures}
+  def open(self, r: int, loss_terms: int | None = None, **figures) -> None:
+    self._open[r] = OpenRound({"round": r, **figures}, loss_terms=loss_terms)
+
+  def figures(self, r: int) -> dict[str, Any]:
+    """Round r's record so far, as it will be written (the log's own dict)."""
+    return self._open[r].figures
 
   def add(self, r: int, **figures) -> None:
-    self._open[r].update(figures)
+    self._open[r].figures.update(figures)
 
   def add_if_open(self, r: int, **figures) -> None:
     """Round r's figures, unless its record was written before a resume."""
     if r in self._open:
-      self._open[r].update(figures)
+      self._open[r].figures.update(figures)
 
   def add_times(self, r: int, times: Mapping[str, float]) -> None:
-    record = self._open[r]
+    record = self._open[r].figures
     for key, seconds in times.items():
       record[key] = record.get(key, 0.0) + seconds
 
@@ -227,14 +251,14 @@ class RoundLog:
     """The sums that arrived (`skips.Synced`), each into the record of the round that sent
     it. A round with several (streaming's fragments) sums their bytes and times."""
     for s in synced:
-      a, record = s.arrived, self._open.get(s.arrived.round)
-      if record is None:  # logged before a resume: this is the drain of a finished run
+      a, open_round = s.arrived, self._open.get(s.arrived.round)
+      if open_round is None:  # logged before a resume: this is the drain of a finished run
         continue
-      syncs = record.setdefault("_syncs", [])
-      syncs.append(a)
+      record = open_round.figures
+      open_round.arrived.append(a)
       if a.key == 0:
         record["loss_sum"] = a.loss_sum
-        record["_diagnostics"] = a.diagnostics
+        open_round.diagnostics = a.diagnostics
       record["skipped_rounds"] = s.skipped_rounds
       if not s.applied:
         record["skipped"] = record.get("skipped", 0) + 1
@@ -243,10 +267,10 @@ class RoundLog:
                                                          s.bad_replicas)))
 
   def complete(self, r: int) -> bool:
-    return "loss_sum" in self._open.get(r, {})
+    return r in self._open and "loss_sum" in self._open[r].figures
 
   def rejoin_requested(self, r: int) -> bool:
-    return bool(self._open.get(r, {}).get("rejoin"))
+    return r in self._open and bool(self._open[r].figures.get("rejoin"))
 
   def write_through(self, r: int) -> None:
     for q in sorted(self._open):
@@ -254,12 +278,11 @@ class RoundLog:
         return
       self._write(self._open.pop(q))
 
-  def _write(self, record: dict[str, Any]) -> None:
-    arrived = record.pop("_syncs", [])
+  def _write(self, open_round: OpenRound) -> None:
+    record, arrived, diagnostics = open_round.figures, open_round.arrived, open_round.diagnostics
     syncs = [a for a in arrived if a.collective_time is not None]
-    diagnostics = record.pop("_diagnostics", None)
     live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
-    terms = record.pop("_loss_terms", live * self.h)  # balance 'speed': Σ steps × R
+    terms = open_round.loss_terms or live * self.h
     record["train_loss"] = float(record.pop("loss_sum")) / terms
     if "eval_loss" in record:
       record["eval_loss"] = float(record["eval_loss"])
