@@ -185,3 +185,23 @@ def test_importing_the_package_starts_nothing():
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         check=True, cwd=PACKAGE.parent)
   assert done.stdout.split() == ["before", "False"]
+
+
+def test_the_architecture_page_names_every_room_and_module():
+  """docs/architecture.md's table has a row for every layer, naming each of its folders
+  (`loop/`) or modules (`train.py`), and every module of a folder by its name (`build`)."""
+  page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+  rows = [line for line in page.splitlines() if line.startswith("| ")]
+  for layer in LAYERS:
+    for unit in layer:
+      if unit == PACKAGE.name:
+        continue
+      folder = PACKAGE / unit
+      where = f"`{unit}/`" if folder.is_dir() else f"`{unit}.py`"
+      row = next((r for r in rows if where in r.split(" | ")[1]), None)
+      assert row is not None, f"docs/architecture.md: no row names {where}"
+      if folder.is_dir():
+        for module in sorted(folder.glob("*.py")):
+          if module.stem != "__init__":
+            assert f"`{module.stem}`" in row or f"`{module.stem} (" in row or (
+                f"`{module.stem}." in row), f"docs/architecture.md: {unit}/{module.name}"
