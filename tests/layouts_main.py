@@ -37,10 +37,11 @@ def main(out_dir):
   from diloco_jax.loop import trainer
   from diloco_jax.wire import dispatch
   assert jax.local_device_count() == 4, jax.devices()
-  out = {}
+  out, trained = {}, {}
   for mode, replicas, fsdp in LAYOUTS:
     workdir = os.path.join(out_dir, f"{mode}_{replicas}x{fsdp}")
     result = trainer.train_and_evaluate(config_for(mode, replicas, fsdp), workdir)
+    trained[mode, replicas, fsdp] = result
     with open(os.path.join(workdir, "run.json")) as f:
       run = json.load(f)
     leaf = max(jax.tree.leaves(result.replicas.params), key=lambda x: x.size)
@@ -50,19 +51,25 @@ def main(out_dir):
         "traces": result.traces, "leaf_shape": list(leaf.shape),
         "shard_shape": list(leaf.addressable_shards[0].data.shape)}
 
-  # A checkpoint written under one layout resumes under another: the same numbers.
+  # A checkpoint written under one layout resumes under another: the same numbers, and
+  # those the run ended with (both resumes holding the initial state would also agree).
   with dispatch.Dispatcher() as d:
     t = trainer.Trainer(config_for("sync", 2, 2), os.path.join(out_dir, "sync_1x1"), d)
-    t.resume()
+    resumed_round = t.resume()
     saved = trainer.Trainer(config_for("sync", 1, 1), os.path.join(out_dir, "sync_1x1"), d)
     saved.resume()
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
         jax.tree.leaves((t.state.replicas, t.state.outer.state)),
         jax.tree.leaves((saved.state.replicas, saved.state.outer.state))))
+    end = trained["sync", 1, 1]
+    restored = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+        jax.tree.leaves((t.state.replicas, t.state.outer.state)),
+        jax.tree.leaves((end.replicas, end.outer_state)), strict=True))
     specs = {str(x.sharding.spec) for x in jax.tree.leaves(t.state.replicas.params)}
     t.parts.store.close()
     saved.parts.store.close()
-  out["resumed under 2x2"] = {"same_numbers": same, "specs": sorted(specs)}
+  out["resumed under 2x2"] = {"same_numbers": same, "specs": sorted(specs),
+                              "restored_the_end": restored, "round": resumed_round}
   with open(os.path.join(out_dir, "layouts.json"), "w") as f:
     json.dump(out, f, indent=1)
 

@@ -55,6 +55,8 @@ def test_fsdp_shards_the_state_and_cuts_memory_per_device(layouts):
 def test_a_checkpoint_resumes_under_another_layout(layouts):
   resumed = layouts["resumed under 2x2"]
   assert resumed["same_numbers"]
+  # What was restored is the state the run ended with, not the initial one twice.
+  assert resumed["round"] == 2 and resumed["restored_the_end"]
   assert "P('replica', None, 'fsdp')" in resumed["specs"]
 
 
