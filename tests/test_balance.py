@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import time
 
@@ -136,10 +137,17 @@ def test_speed_decides_weights_and_resumes_bit_identically_after_sigkill(tmp_pat
     assert time.monotonic() < wait and hosts[0].poll() is None, "no checkpoint 4"
     time.sleep(0.05)
   time.sleep(random.uniform(0, 0.3))
+  assert hosts[0].poll() is None, "host 0 ended before the SIGKILL"
   hosts[0].send_signal(signal.SIGKILL)
-  multihost.finish(hosts, timeout=120)  # host 1 stops: its peer is gone
+  (killed, _), _ = multihost.finish(hosts, timeout=120)  # host 1 stops: its peer is gone
+  assert killed == -signal.SIGKILL, killed
   resumed = multihost.run_hosts(tmp_path / "b", 2, **run)
   assert "resumed from checkpoint" in resumed[0]["output"], resumed[0]["output"][-3000:]
+  # The SIGKILL hit mid-run: the restart resumed a round before the last (a run that had
+  # finished resumes too, and ends the same), with round 8 still to train.
+  line = re.search(r"resumed from checkpoint (\d+) .*; continuing at round \d+ of 8",
+                   resumed[0]["output"])
+  assert line and 4 <= int(line.group(1)) < 8, resumed[0]["output"][-3000:]
   got = metrics(tmp_path / "b" / "work")
   for key in ("round", "anchor_hash", "train_loss", "eval_loss", "hosts_steps", "tokens"):
     assert [r.get(key) for r in got] == [r.get(key) for r in want], key
