@@ -150,6 +150,12 @@ class JoinToken:
       return cls(os.environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}")
     return None
 
+  def derive_key(self, context: str) -> bytes:
+    """A 32-byte key for one use (`context` names it, e.g. one epoch of the wire's frames):
+    HMAC-SHA256(token, "diloco_jax key|" + context). Keys of different contexts are
+    independent, and none reveals the token."""
+    return hmac.new(self._key, f"diloco_jax key|{context}".encode(), "sha256").digest()
+
   def proof(self, host: int, num_hosts: int, nonces: list[str]) -> str:
     message = f"diloco_jax join v1|host {host}|{num_hosts} hosts|{','.join(nonces)}"
     return hmac.new(self._key, message.encode(), "sha256").hexdigest()
