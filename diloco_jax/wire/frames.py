@@ -16,6 +16,10 @@ another epoch or another receiver, comes from a host that is not a member, fails
 or carries a sequence number this pair has already used (a replay) or skipped. Sequence
 numbers start at 0 on every pair in every epoch; the key changes with the epoch, so a frame
 of an earlier epoch fails its MAC even where its number would fit.
+
+HELLO frames (`peers.Peers`' start of an epoch) carry no sequence number: a member resends
+one until the peer says it heard it, so duplicates are expected and harmless (each says only
+"I am in this epoch; I have / have not heard you").
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ HEADER = struct.Struct("!4sBB2xQIIQQQ")  # magic, version, kind, epoch, sender, 
 #                                          seq, total bytes, offset
 MAC_BYTES = hashlib.sha256().digest_size
 MAX_CHUNK = 4 << 20  # bytes of payload in one frame, at most
-SCATTER, GATHER, ALL_TO_ALL, POINT = 1, 2, 3, 4
+SCATTER, GATHER, ALL_TO_ALL, POINT, HELLO = 1, 2, 3, 4, 5
 KINDS = {SCATTER: "sum (reduce-scatter)", GATHER: "all-gather", ALL_TO_ALL: "all-to-all",
-         POINT: "point-to-point"}
+         POINT: "point-to-point", HELLO: "hello"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +78,6 @@ def check(parts: list, *, key: bytes | None, epoch: int, me: int, members: set[i
           expected_seq: dict[int, int]) -> tuple[Header, memoryview]:
   """The header and payload of a received message (`parts`: its frames' buffers), or
   Dropped naming why. Advances `expected_seq[sender]` on success."""
-  if len(parts) != (2 if key is None else 3):
-    raise Dropped(f"{len(parts)} frames where a message has {2 if key is None else 3}"
-                  + (" (no MAC: the sender has no join token?)" if key is not None
-                     and len(parts) == 2 else ""))
   raw = bytes(parts[0])
   if len(raw) != HEADER.size:
     raise Dropped(f"a header of {len(raw)} bytes, not {HEADER.size}")
@@ -85,6 +85,10 @@ def check(parts: list, *, key: bytes | None, epoch: int, me: int, members: set[i
   if magic != MAGIC or version != VERSION:
     raise Dropped(f"not a diloco_jax wire v{VERSION} frame")
   h = Header(*fields)
+  if len(parts) != (2 if key is None else 3):
+    raise Dropped(f"{len(parts)} frames where a message has {2 if key is None else 3}"
+                  + (" (no MAC: the sender has no join token?)" if key is not None
+                     and len(parts) == 2 else ""), h.sender)
   payload = memoryview(parts[1])
   if h.epoch != epoch:
     raise Dropped(f"it belongs to epoch {h.epoch}, not {epoch}", h.sender)
@@ -97,6 +101,8 @@ def check(parts: list, *, key: bytes | None, epoch: int, me: int, members: set[i
                   f"{h.offset} of {h.total})", h.sender)
   if key is not None and not hmac.compare_digest(mac(key, raw, payload), bytes(parts[2])):
     raise Dropped("bad MAC (another join token, or altered)", h.sender)
+  if h.kind == HELLO:  # outside the sequence: resent until answered, idempotent
+    return h, payload
   want = expected_seq.get(h.sender, 0)
   if h.seq < want:
     raise Dropped(f"a replay: sequence number {h.seq} was already used (next is {want})",

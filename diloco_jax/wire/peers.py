@@ -22,6 +22,12 @@ Collectives (every member issues the same ones in the same order, as on today's 
 Large buffers go zero-copy (zmq `copy=False`) in chunks of `chunk_bytes`; a collective
 returns once zmq has released every buffer it was given (the caller may then reuse them).
 
+Start of an epoch: a PUSH socket may first connect to the peer's listener of the last epoch
+(same port, not yet closed), and whatever it sends there is lost with it. So before the
+first collective, every member resends a HELLO to each peer (every `HELLO_EVERY_S`) until
+that peer answers that it heard one: from then on the connection is the peer's listener of
+this epoch, and frames on it arrive in order. Construction itself waits for nobody.
+
 Failure: every wait for a peer's frame has a deadline, `timeout_s` of silence from that
 peer; past it, `PeerError` names the peer, its address and the epoch (a membership layer
 drops it and opens the next epoch). After any failure the epoch is broken: every later
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import re
 import time
 from typing import Any
 from typing import Callable
@@ -48,6 +55,7 @@ from diloco_jax.wire.epoch import epoch_key
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK = 1 << 20
+HELLO_EVERY_S = 0.05
 BIND_RETRY_S = 5.0  # the last epoch's listener on the same port may still be closing
 
 
@@ -82,6 +90,10 @@ class Peers:
     self._inbox: dict[int, collections.deque] = {h: collections.deque() for h in epoch.hosts}
     self._trackers: list[tuple[int, zmq.MessageTracker]] = []
     self._broken: WireError | None = None
+    self._ready = epoch.size == 1
+    self._heard: set[int] = set()  # peers whose HELLO arrived
+    self._answered: set[int] = set()  # peers that said they heard ours
+    self._logged: set[tuple] = set()
     self.bytes_sent = 0  # payload bytes this host put on the wire in this epoch
     self.frame_bytes = 0  # the same with headers and MACs
     self.dropped = 0  # frames refused
@@ -146,11 +158,50 @@ class Peers:
                                      members=self._members, expected_seq=self._seq_in)
     except frames.Dropped as d:
       self.dropped += 1
-      who = "" if d.sender is None else f" (claims host {d.sender})"
-      self._log(f"wire: epoch {self.epoch.number}, host {self.host}: dropped a frame from "
-                f"{msg[0].get('Peer-Address')}{who}: {d}")
+      try:
+        address = msg[0].get("Peer-Address")
+      except zmq.ZMQError:
+        address = "an unknown address"
+      what = (address, d.sender, re.sub(r"\d+", "#", str(d)))
+      if what not in self._logged:  # one line per sender and reason, however many frames
+        self._logged.add(what)
+        who = "" if d.sender is None else f" (claims host {d.sender})"
+        self._log(f"wire: epoch {self.epoch.number}, host {self.host}: dropped a frame "
+                  f"from {address}{who}: {d}")
+      return
+    if header.kind == frames.HELLO:
+      self._heard.add(header.sender)
+      if bytes(payload) == b"\1":
+        self._answered.add(header.sender)
       return
     self._inbox[header.sender].append((header, payload))
+
+  def _hello(self, dst: int) -> None:
+    header = frames.Header(frames.HELLO, self.epoch.number, self.host, dst, 0, 1, 0)
+    answer = b"\1" if dst in self._heard else b"\0"
+    self._push[dst].send_multipart(frames.seal(header, answer, self._key))
+
+  def _handshake(self) -> None:
+    """HELLOs until every peer has heard this host (module docstring)."""
+    deadline, resend = time.monotonic() + self.timeout_s, 0.0
+    while self._answered != set(self._push):
+      now = time.monotonic()
+      if now >= deadline:
+        late = [h for h in self.epoch.hosts if h in self._push and h not in self._answered]
+        raise PeerError(
+            f"epoch {self.epoch.number}: host {late[0]} ({self.epoch.address(late[0])}) did "
+            f"not answer for {self.timeout_s:g} s at the epoch's start: it died, is not "
+            f"there yet, or holds another join token (seen from host {self.host})",
+            epoch=self.epoch.number, host=late[0])
+      if now >= resend:
+        for dst in self._push:
+          self._hello(dst)
+        resend = now + HELLO_EVERY_S
+      if self._pull.poll(max(1, int(1000 * (min(resend, deadline) - now)))):
+        self._accept(self._pull.recv_multipart(copy=False))
+    for dst in self._push:  # the answer each peer may still wait for; it arrives now
+      self._hello(dst)
+    self._ready = True
 
   def _next(self, src: int, kind: int, what: str) -> tuple[frames.Header, memoryview]:
     """src's next accepted frame, waiting at most `timeout_s` of silence."""
@@ -206,6 +257,8 @@ class Peers:
     if self._broken is not None:
       raise WireError(f"{what}: epoch {self.epoch.number} is unusable after: {self._broken}")
     try:
+      if not self._ready:
+        self._handshake()
       out = fn(*args)
       self._settle(what)
       return out

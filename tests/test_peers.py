@@ -1,0 +1,325 @@
+"""The epoch wire (wire/peers.py): sums, gathers and transfers among an epoch's members over
+zmq on localhost, every frame authenticated with a key from the join token.
+
+Members run as threads of this process (each with its own sockets, as a host would have);
+the killed peer is a process. Exact invariants: the same bits on every member, equal to
+numpy's sum in the epoch's host order; bytes sent equal to the planner's ring formula; one
+log line per dropped frame, and the sum unchanged by it.
+"""
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from diloco_jax.algo import compress
+from diloco_jax.runtime.security import JoinToken
+from diloco_jax.wire import collective
+from diloco_jax.wire import frames
+from diloco_jax.wire.epoch import Epoch
+from diloco_jax.wire.epoch import PeerError
+from diloco_jax.wire.epoch import WireError
+from diloco_jax.wire.epoch import epoch_key
+from diloco_jax.wire.peers import Peers
+from diloco_jax.wire.peers import Wire
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = JoinToken("a-join-token-for-the-tests", "test")
+OTHER = JoinToken("another-token-entirely-here", "test")
+
+
+def free_ports(n: int) -> list[int]:
+  socks = [socket.socket() for _ in range(n)]
+  for s in socks:
+    s.bind(("127.0.0.1", 0))
+  ports = [s.getsockname()[1] for s in socks]
+  for s in socks:
+    s.close()
+  return ports
+
+
+def make_epoch(hosts, number=1) -> Epoch:
+  return Epoch(number, tuple(hosts), tuple(f"127.0.0.1:{p}" for p in free_ports(len(hosts))))
+
+
+def run_all(fns, timeout=20.0) -> list:
+  """Runs each fn in its own thread; returns their results (an exception is a result)."""
+  out = [None] * len(fns)
+
+  def call(i):
+    try:
+      out[i] = fns[i]()
+    except BaseException as e:  # noqa: BLE001 -- the test inspects it
+      out[i] = e
+
+  threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout)
+  assert not any(t.is_alive() for t in threads), "a member hung"
+  return out
+
+
+def deltas(host: int, size: int) -> np.ndarray:
+  rng = np.random.default_rng(host)  # magnitudes that differ by entry: rounding shows order
+  return (rng.standard_normal(size) * np.exp(rng.uniform(-8, 8, size))).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_sum_is_the_same_bits_on_every_member_in_host_order(n):
+  hosts = [7, 2, 5, 0, 3][:n]  # the epoch's order, not the ids', is the reduction order
+  epoch, size = make_epoch(hosts), 2 * 3 * 5 * 7 * 1000  # whole chunks for every n
+  xs = {h: deltas(h, size) for h in hosts}
+
+  def member(h):
+    with Peers(epoch, h, token=TOKEN, timeout_s=10, chunk_bytes=64 << 10) as p:
+      return p.allreduce_sum(xs[h].reshape(210, -1)), p.bytes_sent
+
+  results = run_all([functools.partial(member, h) for h in hosts])
+  want = functools.reduce(np.add, [xs[h] for h in hosts]).reshape(210, -1)
+  for got, sent in results:
+    assert got.tobytes() == want.tobytes()
+    assert sent == 2 * (n - 1) * 4 * size // n  # planning/model.py: a float32 ring
+  if n >= 3:  # the order is real: another order rounds differently somewhere
+    other = functools.reduce(np.add, [xs[h] for h in reversed(hosts)]).reshape(210, -1)
+    assert other.tobytes() != want.tobytes()
+
+
+def test_allgather_all_to_all_and_point_to_point():
+  epoch = make_epoch([0, 1, 2])
+  state = os.urandom(3 << 20)  # several chunks
+
+  def member(h):
+    with Peers(epoch, h, token=TOKEN, timeout_s=10) as p:
+      gathered = p.allgather(np.array([h, 10 * h], np.uint32))
+      exchanged = p.all_to_all(np.arange(6, dtype=np.int16).reshape(3, 2) + 100 * h)
+      empty = p.allgather(np.zeros((0, 4), np.float32))
+      received = None
+      if h == 0:
+        p.send(2, state)
+      if h == 2:
+        received = bytes(p.recv(0))
+      return gathered, exchanged, empty, received
+
+  results = run_all([functools.partial(member, h) for h in range(3)])
+  for h, (gathered, exchanged, empty, received) in enumerate(results):
+    np.testing.assert_array_equal(gathered, [[0, 0], [1, 10], [2, 20]])
+    np.testing.assert_array_equal(exchanged, [[2 * h, 2 * h + 1], [100 + 2 * h, 101 + 2 * h],
+                                              [200 + 2 * h, 201 + 2 * h]])
+    assert empty.shape == (3, 0, 4)
+    assert received == (state if h == 2 else None)
+
+
+def test_reduce_encoded_over_the_wire_is_the_protocols_result():
+  """collective.reduce_encoded with this wire's all_to_all and allgather: int8 (reduced
+  chunk by chunk on the way) and chunk_topk (all-gathered), restated in numpy; with one
+  member, LocalCollective's result."""
+  n, size = 3, 1000
+  epoch = make_epoch(range(n))
+  xs = [np.random.default_rng(10 + h).normal(size=size).astype(np.float32) for h in range(n)]
+  topk = dict(topk_fraction=0.05, topk_chunk=256, value_bits=2)
+
+  def member(h):
+    with Peers(epoch, h, token=TOKEN, timeout_s=10) as p:
+      return p.reduce_encoded(xs[h][None], "int8"), p.reduce_encoded(xs[h][None],
+                                                                     "chunk_topk", **topk)
+
+  results = run_all([functools.partial(member, h) for h in range(n)])
+  chunk = 512  # ceil(1000 / 3) = 334, rounded up to whole 256-entry blocks
+  padded = [np.pad(x, (0, n * chunk - size)).reshape(n, chunk) for x in xs]
+  rt = lambda v: compress.decode(compress.encode(v, "int8"))
+  int8 = np.concatenate([rt(collective.sum_rows(np.stack([rt(p[i]) for p in padded])))
+                         for i in range(n)])[:size]
+  rt_topk = lambda v: compress.decode(compress.encode(v, "chunk_topk", **topk), **topk)
+  sparse = collective.sum_rows(np.stack([rt_topk(x) for x in xs]))
+  for h, ((got8, carried8), (got_topk, carried_topk)) in enumerate(results):
+    np.testing.assert_array_equal(got8, int8)
+    np.testing.assert_array_equal(carried8[0], rt(padded[h].ravel())[:size])
+    np.testing.assert_array_equal(got_topk, sparse)
+    np.testing.assert_array_equal(carried_topk[0], rt_topk(xs[h]))
+  with Peers(make_epoch([4]), 4, token=TOKEN) as alone:
+    for fmt, options in (("int8", {}), ("chunk_topk", topk)):
+      want = collective.LocalCollective().reduce_encoded(xs[0][None], fmt, **options)
+      got = alone.reduce_encoded(xs[0][None], fmt, **options)
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_next_epoch_closes_the_last_and_only_grows():
+  first = make_epoch([0, 1, 2])
+  second = first.without(2)  # the same addresses: each survivor listens again on its port
+  assert (second.number, second.hosts) == (2, (0, 1))
+
+  def member(h):
+    wire = Wire(h, token=TOKEN, timeout_s=10)
+    a = wire.open(first).allreduce_sum(np.full(4, h + 1, np.float32))
+    if h == 2:
+      wire.close()
+      return a, None
+    old = wire.peers
+    b = wire.open(second).allreduce_sum(np.full(4, h + 1, np.float32))
+    with pytest.raises(WireError, match="epoch 1 is unusable"):
+      old.allgather(np.zeros(1))
+    with pytest.raises(WireError, match="epoch numbers only grow"):
+      wire.open(first)
+    wire.close()
+    return a, b
+
+  results = run_all([functools.partial(member, h) for h in range(3)])
+  for h, (a, b) in enumerate(results):
+    np.testing.assert_array_equal(a, np.full(4, 6, np.float32))
+    if h < 2:
+      np.testing.assert_array_equal(b, np.full(4, 3, np.float32))
+
+
+def test_a_host_with_another_token_cannot_join_a_sum():
+  """Host 2 of three holds another token: hosts 0 and 1 drop its frames (one line each,
+  however many it resends) and name it within the timeout; without it, they sum right."""
+  epoch, timeout = make_epoch([0, 1, 2]), 1.5
+  lines = {0: [], 1: []}
+
+  def member(h):
+    wire = Wire(h, token=OTHER if h == 2 else TOKEN, timeout_s=timeout,
+                log=lines[h].append if h < 2 else lambda _: None)
+    try:
+      try:
+        wire.open(epoch).allreduce_sum(np.full(4, 1e6 if h == 2 else h + 1, np.float32))
+      except PeerError as e:
+        refused = e
+      if h == 2:
+        return refused, None
+      return refused, wire.open(epoch.without(2)).allreduce_sum(np.full(4, h + 1, np.float32))
+    finally:
+      wire.close()
+
+  results = run_all([functools.partial(member, h) for h in range(3)])
+  for h in (0, 1):
+    refused, got = results[h]
+    assert (refused.host, refused.epoch) == (2, 1) and "did not answer for 1.5 s" in str(refused)
+    np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
+    assert len(lines[h]) == 1, lines[h]
+    assert lines[h][0].startswith(f"wire: epoch 1, host {h}: dropped a frame from 127.0.0.1 "
+                                  "(claims host 2): bad MAC")
+  assert isinstance(results[2][0], PeerError)  # the impostor hears nobody either
+
+
+def raw_push(address: str) -> zmq.Socket:
+  s = zmq.Context.instance().socket(zmq.PUSH)
+  s.setsockopt(zmq.LINGER, 1000)
+  s.connect(f"tcp://{address}")
+  return s
+
+
+def test_forged_and_replayed_frames_are_dropped_with_one_line_each(monkeypatch):
+  """A raw client sends a well-formed frame without the key, and one with a MAC under no
+  key of ours; then a frame recorded from a sum of epoch 1 is replayed into epoch 2. Each
+  is dropped with one line naming the sender's address and why; the sums are exact."""
+  lines, sealed = [], []
+  first = make_epoch([0, 1])
+
+  def recording(header, payload, key):  # what host 1 put on the wire in epoch 1
+    parts = seal(header, payload, key)
+    sealed.append([bytes(p) for p in parts])
+    return parts
+
+  seal = frames.seal
+  monkeypatch.setattr(frames, "seal", recording)
+  with Peers(first, 0, token=TOKEN, timeout_s=10) as p0, \
+       Peers(first, 1, token=TOKEN, timeout_s=10) as p1:
+    run_all([lambda: p0.allreduce_sum(np.ones(8, np.float32)),
+             lambda: p1.allreduce_sum(np.ones(8, np.float32))])
+  monkeypatch.setattr(frames, "seal", seal)
+  recorded = next(m for m in sealed if frames.HEADER.unpack(m[0])[2:6] == (
+      frames.SCATTER, 1, 1, 0))
+  second = Epoch(2, first.hosts, first.addresses)
+  header = frames.Header(frames.SCATTER, 2, 1, 0, 0, 16, 0).pack()
+  forged = [[header, b"\0" * 16], [header, b"\0" * 16, b"\1" * frames.MAC_BYTES], recorded]
+  p0 = Peers(second, 0, token=TOKEN, timeout_s=10, log=lines.append)
+  attacker = raw_push(second.addresses[0])
+  try:
+    for message in forged:
+      attacker.send_multipart(message)
+    time.sleep(0.3)
+    with Peers(second, 1, token=TOKEN, timeout_s=10) as p1:
+      got = run_all([lambda: p0.allreduce_sum(np.ones(8, np.float32)),
+                     lambda: p1.allreduce_sum(np.full(8, 2, np.float32))])
+  finally:
+    attacker.close()
+    p0.close()
+  for g in got:
+    np.testing.assert_array_equal(g, np.full(8, 3, np.float32))
+  assert len(lines) == 3 and p0.dropped == 3, lines
+  assert all("dropped a frame from 127.0.0.1 (claims host 1)" in line for line in lines), lines
+  reasons = sorted(line.split("(claims host 1): ", 1)[1] for line in lines)
+  assert reasons == sorted(["2 frames where a message has 3 (no MAC: the sender has no join "
+                            "token?)", "bad MAC (another join token, or altered)",
+                            "it belongs to epoch 1, not 2"]), lines
+
+
+def test_a_replay_within_the_epoch_is_refused_by_its_sequence_number():
+  key = epoch_key(TOKEN, 3)
+  message = frames.seal(frames.Header(frames.GATHER, 3, 1, 0, 0, 4, 0), b"abcd", key)
+  seen: dict[int, int] = {}
+  check = functools.partial(frames.check, key=key, epoch=3, me=0, members={0, 1},
+                            expected_seq=seen)
+  header, payload = check(message)
+  assert (header.seq, bytes(payload), seen) == (0, b"abcd", {1: 1})
+  with pytest.raises(frames.Dropped, match="a replay: sequence number 0 was already used"):
+    check(message)
+  assert epoch_key(TOKEN, 3) != epoch_key(TOKEN, 4) != epoch_key(OTHER, 4)
+  assert epoch_key(None, 3) is None
+
+
+MEMBER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from diloco_jax.runtime.security import JoinToken
+    from diloco_jax.wire.epoch import Epoch
+    from diloco_jax.wire.peers import Peers
+    epoch = Epoch(1, (0, 1, 2), tuple(sys.argv[1].split(",")))
+    p = Peers(epoch, 2, token=JoinToken("a-join-token-for-the-tests", "test"), timeout_s=10)
+    p.allreduce_sum(np.full(4, 3, np.float32))
+    print("summed", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_peer_is_named_within_the_timeout_and_the_survivors_go_on():
+  epoch, timeout = make_epoch([0, 1, 2]), 2.0
+  proc = subprocess.Popen([sys.executable, "-c", MEMBER, ",".join(epoch.addresses)],
+                          cwd=REPO, stdout=subprocess.PIPE, text=True)
+  wires = [Wire(h, token=TOKEN, timeout_s=timeout) for h in (0, 1)]
+  try:
+    first = run_all([lambda w=w: w.open(epoch).allreduce_sum(np.full(4, w.host + 1, np.float32))
+                     for w in wires])
+    assert proc.stdout.readline() == "summed\n"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    start = time.monotonic()
+    errors = run_all([lambda w=w: w.peers.allreduce_sum(np.ones(4, np.float32))
+                      for w in wires])
+    waited = time.monotonic() - start
+    survivors = run_all([lambda w=w: w.open(epoch.without(2)).allreduce_sum(
+        np.full(4, w.host + 1, np.float32)) for w in wires])
+  finally:
+    proc.kill()
+    for w in wires:
+      w.close()
+  for got in first:
+    np.testing.assert_array_equal(got, np.full(4, 6, np.float32))
+  for e in errors:
+    assert isinstance(e, PeerError) and (e.host, e.epoch) == (2, 1), e
+    assert f"host 2 ({epoch.addresses[2]}) sent nothing for 2 s" in str(e)
+  assert timeout <= waited < timeout + 3
+  for got in survivors:
+    np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
