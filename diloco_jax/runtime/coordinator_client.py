@@ -1,0 +1,129 @@
+"""A host's side of the membership coordinator (runtime/coordinator.py): register for a lease,
+heartbeat within it to learn the current epoch, leave.
+
+One blocking request at a time over a zmq REQ socket; a request with no answer within
+`timeout_s` raises `CoordinatorLost` (one line naming the coordinator) and the next request
+opens a fresh socket, so a host can carry on and register again once the coordinator is back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+
+import zmq
+
+from diloco_jax.runtime import security
+from diloco_jax.runtime.coordinator import C2S, S2C, CoordinatorError, Dropped, Epoch, key_for
+from diloco_jax.runtime.coordinator import seal, unseal
+
+
+class CoordinatorLost(CoordinatorError):
+  """No answer from the coordinator within the timeout."""
+  prefix = "Coordinator lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+  host: int
+  incarnation: str
+  lease_s: float  # heartbeat well within it (a third, say)
+  epoch: Epoch
+
+
+class Client:
+  """Talks to the coordinator at `address` ('host:port'). `last_epoch`: the highest epoch
+  number this host has seen; it is reported when registering, so that a restarted coordinator
+  numbers its epochs above it."""
+
+  def __init__(self, address: str, token: security.JoinToken | None, timeout_s: float = 5.0):
+    host, port = security.split_address(address)
+    self.address, self.timeout_s = address, timeout_s
+    self._endpoint = f"tcp://{host}:{port}"
+    self._key = key_for(token)
+    self._ctx = zmq.Context()
+    self._sock: zmq.Socket | None = None
+    self._seq = 0
+    self.last_epoch = 0
+    self.registration: Registration | None = None
+
+  def _ask(self, body: dict, what: str) -> dict:
+    if self._sock is None:
+      self._sock = self._ctx.socket(zmq.REQ)
+      self._sock.setsockopt(zmq.LINGER, 0)
+      self._sock.connect(self._endpoint)
+    self._sock.send_multipart(seal(self._key, C2S, body))
+    if not self._sock.poll(int(self.timeout_s * 1000)):
+      self._sock.close(linger=0)
+      self._sock = None  # a REQ socket waits for its answer forever: start over next time
+      raise CoordinatorLost(f"no answer from the coordinator at {self.address} within "
+                            f"{self.timeout_s:g} s ({what}): it is down or unreachable")
+    frames = self._sock.recv_multipart()
+    try:
+      return unseal(self._key, S2C, frames)
+    except Dropped as e:
+      try:
+        said = json.loads(frames[0]).get("why", "") if len(frames) == 2 and not frames[1] else ""
+      except ValueError:
+        said = ""
+      if said:  # the coordinator's unauthenticated refusal: a hint, trusted for nothing else
+        raise CoordinatorError(f"the coordinator at {self.address} dropped our {what}: {said}")
+      raise CoordinatorError(f"the coordinator at {self.address} answered our {what} with a "
+                             f"frame we dropped: {e}") from None
+
+  def _expect(self, answer: dict, op: str, **echo) -> dict:
+    if answer["op"] == "refused" and op == "registered":
+      raise CoordinatorError(f"the coordinator at {self.address} refused us: {answer['why']}")
+    if answer["op"] != op or any(answer.get(k) != v for k, v in echo.items()):
+      raise CoordinatorError(f"the coordinator at {self.address} answered {answer['op']!r} to "
+                             f"another request (a replayed answer?); expected {op!r}")
+    return answer
+
+  def _seen(self, epoch: Epoch) -> Epoch:
+    if epoch.number < self.last_epoch:
+      raise CoordinatorError(f"the coordinator at {self.address} went back from epoch "
+                             f"{self.last_epoch} to {epoch.number}")
+    self.last_epoch = epoch.number
+    return epoch
+
+  def register(self, address: str, host: int | None = None) -> Registration:
+    """Joins as `host` (None: the lowest free id), reachable by peers at `address`. A host
+    that registers again is a new incarnation."""
+    nonce = secrets.token_hex(16)
+    hello = self._expect(self._ask({"op": "hello", "nonce": nonce}, "hello"), "challenge",
+                         nonce=nonce)
+    challenge = hello["challenge"]
+    answer = self._expect(self._ask({"op": "register", "challenge": challenge, "host": host,
+                                     "address": address, "last_epoch": self.last_epoch},
+                                    "register"), "registered", challenge=challenge)
+    self._seq = 0
+    self.registration = Registration(int(answer["host"]), answer["incarnation"],
+                                     float(answer["lease_s"]),
+                                     self._seen(Epoch.from_json(answer["epoch"])))
+    return self.registration
+
+  def _renew(self, op: str) -> dict:
+    if self.registration is None:
+      raise CoordinatorError(f"{op} before register (or after the lease was lost)")
+    self._seq += 1
+    echo = {"incarnation": self.registration.incarnation, "seq": self._seq}
+    answer = self._ask({"op": op, "host": self.registration.host, **echo}, op)
+    if answer["op"] == "unknown":
+      self._expect(answer, "unknown", **echo)
+      self.registration = None
+      return answer
+    return self._expect(answer, "left" if op == "leave" else "epoch", **echo)
+
+  def heartbeat(self) -> Epoch | None:
+    """Renews the lease; the current epoch, or None when the coordinator no longer knows this
+    incarnation (its lease ran out, or the coordinator restarted): register again."""
+    answer = self._renew("heartbeat")
+    return None if answer["op"] == "unknown" else self._seen(Epoch.from_json(answer["epoch"]))
+
+  def leave(self) -> None:
+    self._renew("leave")
+    self.registration = None
+
+  def close(self) -> None:
+    self._ctx.destroy(linger=0)
