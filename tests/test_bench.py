@@ -21,11 +21,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
-           "stragglers", "wan")
+           "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
 MULTIHOST = {"chaos", "gpu_check", "linkdrop", "outer_step", "peer", "quality", "stragglers",
-             "wan"}
+             "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
 # The keys a full run writes: at the top of the JSON, in "config", in every row.
@@ -263,6 +263,20 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
+def check_wire(result: dict) -> None:
+  """--smoke: 2 hosts, gloo and the epoch wire (with and without HMAC) side by side; the
+  wire's payload per host is the planner's float32 ring formula exactly, its sum the same
+  bits as gloo's (a + b either way on 2 hosts), the MACs 32 bytes + a 48-byte header per
+  frame on top."""
+  assert result["hosts"] == 2 and [r["size"] for r in result["rows"]] == [1000, 100000]
+  for row in result["rows"]:
+    assert all(row["seconds"][side] > 0 for side in ("gloo", "wire", "wire_hmac"))
+    assert row["payload_bytes_per_host"] == row["planner_bytes_per_host"] == 4 * row["size"]
+    assert row["same_bits_as_gloo"] == {"wire": True, "wire_hmac": True}
+    assert row["framed_bytes_per_host"]["wire_hmac"] == 4 * row["size"] + 2 * (48 + 32)
+    assert row["ratio_gloo_over_wire"] > 0 and row["ratio_gloo_over_wire_hmac"] > 0
+
+
 def check_plan(result: dict) -> None:
   """--smoke: the fit from the committed measured runs, which gives back the constants
   diloco_jax.plan ships (the fit is deterministic), every run predicted, the at-scale
@@ -285,7 +299,7 @@ CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_da
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
           "plan": check_plan,
           "poison": check_poison, "quality": check_quality, "restart": check_restart,
-          "stragglers": check_stragglers, "wan": check_wan}
+          "stragglers": check_stragglers, "wan": check_wan, "wire": check_wire}
 
 
 def run_bench(name: str, *flags: str) -> tuple[int, str]:
