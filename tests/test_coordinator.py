@@ -172,12 +172,23 @@ def test_the_number_only_grows_across_a_restart_of_the_coordinator():
     with pytest.raises(CoordinatorLost, match=rf"^no answer from the coordinator at "
                        rf"127\.0\.0\.1:{port} within 1 s \(heartbeat\)"):
       a.heartbeat()
-    with coordinator(port) as log:  # it kept nothing: hosts tell it what they saw
+    with coordinator(port) as log, clients(port, 1) as (newcomer,):
+      # it kept nothing: the hosts tell it their ids and the numbers they saw; a newcomer
+      # that asks for any id gets one only after a lease, when the others are back
+      joined = []
+      started = time.monotonic()
+      thread = threading.Thread(target=lambda: joined.append(newcomer.register("tcp://c")))
+      thread.start()
       assert a.heartbeat() is None
       epoch = a.register("tcp://a").epoch
       assert (epoch.number, epoch.hosts) == (4, (0,)) and epoch.boot != first.boot
-      assert b.register("tcp://b").epoch.number == 5
-      assert any("epoch 4: hosts 0" in line for line in log)
+      assert b.register("tcp://b").epoch.number == 5  # under its old id, 1
+      thread.join(5)
+      assert joined[0].host == 2 and joined[0].epoch.number == 6
+      assert time.monotonic() - started >= LEASE_S
+      assert [line.split(": ", 1)[1] for line in log if ": epoch " in line] == [
+          "epoch 4: hosts 0 (host 0 joined)", "epoch 5: hosts 0,1 (host 1 joined)",
+          "epoch 6: hosts 0,1,2 (host 2 joined)"]
 
 
 def test_as_a_process_it_stops_on_sigterm_and_its_loss_is_one_line_on_a_host():

@@ -12,11 +12,10 @@ lease run out. The number only grows, across a restart of the coordinator too: i
 on disk, a host it does not know is told so and registers again with the highest number it has
 seen, and the next epoch is numbered above every number reported.
 
-Why our own and not JAX's coordination service, torchft's Lighthouse or etcd: the spike measured
-for issue 45 (docs: the note on the membership coordinator). In short: JAX's service takes an
-exact host count at start and its loss aborts every host; the Lighthouse restarts its number at
-1 and authenticates nothing; etcd needs a system binary and a data dir, and the epoch logic
-would still be ours.
+Why our own and not JAX's coordination service, torchft's Lighthouse or etcd (each run and
+measured for issue 45): JAX's service takes an exact host count at start and its loss aborts
+every host; the Lighthouse restarts its number at 1 and authenticates nothing; etcd needs a
+system binary and a data dir, and the epoch logic would still be ours.
 
 Frames: [body, mac]; body is canonical JSON, mac = HMAC-SHA256(key, direction | body), the key
 derived from the join token (without a token: a fixed, public key, which checks integrity only).
@@ -117,7 +116,8 @@ class Ledger:
   """The coordinator's state, without sockets or clocks: `handle` a request at time `now`,
   `expire` the leases that ran out. Everything in it is rebuilt from the hosts' registrations."""
 
-  def __init__(self, max_hosts: int, lease_s: float, log: Callable[[str], None]):
+  def __init__(self, max_hosts: int, lease_s: float, log: Callable[[str], None],
+               now: float = 0.0):
     if max_hosts < 1 or lease_s <= 0:
       raise CoordinatorError(f"max_hosts={max_hosts}, lease_s={lease_s}: expected >= 1 and > 0")
     self.max_hosts, self.lease_s, self._log = max_hosts, lease_s, log
@@ -125,6 +125,10 @@ class Ledger:
     self._deadline: dict[int, float] = {}  # host -> when its lease runs out
     self._seq: dict[str, int] = {}  # incarnation -> the last counter it sent
     self._challenges: dict[str, float] = {}  # outstanding challenge -> when it expires
+    # For one lease after a start, every host that was a member before has heard `unknown`
+    # and registered again under its own id; until then no free id is given out, so that a
+    # newcomer cannot take the id of a host that is still coming back.
+    self._rebuilt_at = now + lease_s
 
   def _open(self, members: dict[int, Member], at_least: int, why: str) -> None:
     number = max(self.epoch.number, at_least) + 1
@@ -168,6 +172,8 @@ class Ledger:
     members = self._members()
     host, last_epoch = req["host"], int(req["last_epoch"])
     why = ""
+    if host is None and now < self._rebuilt_at:
+      return {"op": "retry", "challenge": challenge, "after_s": self._rebuilt_at - now}
     if host is None:  # the lowest free id
       host = next((h for h in range(self.max_hosts) if h not in members), None)
       why = "" if host is not None else f"all {self.max_hosts} host ids are taken (--max_hosts)"
@@ -214,7 +220,7 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
           stop: threading.Event | None = None, log: Callable[[str], None] = _log) -> None:
   """Answers hosts on tcp://bind:port until `stop` is set."""
   stop = stop or threading.Event()
-  ledger = Ledger(max_hosts, lease_s, log)
+  ledger = Ledger(max_hosts, lease_s, log, time.monotonic())
   ctx = zmq.Context()
   sock = ctx.socket(zmq.ROUTER)
   sock.setsockopt(zmq.LINGER, 0)

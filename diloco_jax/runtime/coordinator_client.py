@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import time
 
 import zmq
 
@@ -46,6 +47,7 @@ class Client:
     self._sock: zmq.Socket | None = None
     self._seq = 0
     self.last_epoch = 0
+    self.host: int | None = None  # the id this host had: it registers again under it
     self.registration: Registration | None = None
 
   def _ask(self, body: dict, what: str) -> dict:
@@ -88,15 +90,24 @@ class Client:
     return epoch
 
   def register(self, address: str, host: int | None = None) -> Registration:
-    """Joins as `host` (None: the lowest free id), reachable by peers at `address`. A host
-    that registers again is a new incarnation."""
-    nonce = secrets.token_hex(16)
-    hello = self._expect(self._ask({"op": "hello", "nonce": nonce}, "hello"), "challenge",
-                         nonce=nonce)
-    challenge = hello["challenge"]
-    answer = self._expect(self._ask({"op": "register", "challenge": challenge, "host": host,
-                                     "address": address, "last_epoch": self.last_epoch},
-                                    "register"), "registered", challenge=challenge)
+    """Joins as `host` (None: the id it had before, else the lowest free one), reachable by
+    peers at `address`. A host that registers again is a new incarnation: under an id that
+    is taken, it replaces the holder (a restarted host). A coordinator that has just started
+    gives out free ids only after one lease: this waits for it."""
+    host = self.host if host is None else host
+    while True:
+      nonce = secrets.token_hex(16)
+      hello = self._expect(self._ask({"op": "hello", "nonce": nonce}, "hello"), "challenge",
+                           nonce=nonce)
+      challenge = hello["challenge"]
+      answer = self._ask({"op": "register", "challenge": challenge, "host": host,
+                          "address": address, "last_epoch": self.last_epoch}, "register")
+      if answer["op"] != "retry":
+        break
+      self._expect(answer, "retry", challenge=challenge)
+      time.sleep(min(float(answer["after_s"]), self.timeout_s))
+    self._expect(answer, "registered", challenge=challenge)
+    self.host = int(answer["host"])
     self._seq = 0
     self.registration = Registration(int(answer["host"]), answer["incarnation"],
                                      float(answer["lease_s"]),
