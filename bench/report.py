@@ -46,7 +46,7 @@ TEMPLATE = "performance.md.j2"  # in bench/
 # The template's name for each section's figures -> the function that reads them.
 SECTIONS = {
     "overhead": training.overhead, "overhead_peer": training.overhead_peer,
-    "outer_step": training.outer_step, "checkpoint": training.checkpoint,
+    "outer_step": training.outer_step, "wire": training.wire, "checkpoint": training.checkpoint,
     "wan": link.wan, "wan_wire": link.wan_wire, "wan_sparseloco": link.wan_sparseloco,
     "quality": quality.quality, "quality_sweep": quality.sweep, "quality_long": quality.long,
     "quality_tree": quality.tree,

@@ -36,6 +36,20 @@ def outer_step(results: Results) -> dict:
   return {**d, "table": rows, "worst": max(d["rows"], key=lambda r: r["check_share_of_round"])}
 
 
+def wire(results: Results) -> dict:
+  """The epoch wire's sum against gloo's (bench/wire.py), one row per size."""
+  d = results("wire")
+  rows = []
+  for r in d["rows"]:
+    s = r["seconds"]
+    rows.append([f"{r['size']:,}", f"{r['mb']:g}", f"{1e3 * s['gloo']:.1f}",
+                 f"{1e3 * s['wire']:.1f}", f"{1e3 * s['wire_hmac']:.1f}",
+                 f"{r['ratio_gloo_over_wire']:.2f}", f"{r['ratio_gloo_over_wire_hmac']:.2f}"])
+  same = all(all(r["same_bits_as_gloo"].values()) for r in d["rows"])
+  planner = all(r["payload_bytes_per_host"] == r["planner_bytes_per_host"] for r in d["rows"])
+  return {**d, "table": rows, "same_bits": same, "planner_bytes": planner}
+
+
 def checkpoint(results: Results) -> dict:
   d = results("checkpoint")
   seconds = [r["seconds"] for r in d["rounds"]]
