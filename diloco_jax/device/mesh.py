@@ -259,12 +259,12 @@ def check_memory(config: ml_collections.ConfigDict, vocab_size: int,
           f"device{'s' * (num_local_devices > 1)} x {units.format_bytes(per_device)} + host "
           f"{units.format_bytes(on_host)})", f"{units.format_bytes(host_available)} available"))
     return
-  errors = []
+  problems = []
   if per_device > device_limit:
-    errors.append(error(device, f"{units.format_bytes(per_device)} per device",
-                        f"{units.format_bytes(device_limit)} a device has"))
+    problems.append(error(device, f"{units.format_bytes(per_device)} per device",
+                          f"{units.format_bytes(device_limit)} a device has"))
   if on_host > host_available:
-    errors.append(error(host, f"{units.format_bytes(on_host)} of host memory",
-                        f"{units.format_bytes(host_available)} available"))
-  if errors:
-    raise errors.ConfigError("\n".join(errors))
+    problems.append(error(host, f"{units.format_bytes(on_host)} of host memory",
+                          f"{units.format_bytes(host_available)} available"))
+  if problems:
+    raise errors.ConfigError("\n".join(problems))

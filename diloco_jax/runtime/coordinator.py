@@ -52,8 +52,9 @@ class CoordinatorError(errors.DilocoError, RuntimeError):
   prefix = "Coordinator"
 
 
-class Dropped(Exception):
+class Dropped(errors.DilocoError):
   """A frame that is not authenticated, a replay, or malformed: dropped and named."""
+  prefix = "Dropped"
 
 
 def key_for(token: security.JoinToken | None) -> bytes:

@@ -29,6 +29,8 @@ import hashlib
 import hmac
 import struct
 
+from diloco_jax import errors
+
 MAGIC, VERSION = b"DJWF", 1
 HEADER = struct.Struct("!4sBB2xQIIQQQ")  # magic, version, kind, epoch, sender, receiver,
 #                                          seq, total bytes, offset
@@ -54,8 +56,9 @@ class Header:
                        self.seq, self.total, self.offset)
 
 
-class Dropped(Exception):
+class Dropped(errors.DilocoError):
   """A frame that is not accepted; str(e) says why, in words for the one log line."""
+  prefix = "Dropped"
 
   def __init__(self, why: str, sender: int | None = None):
     super().__init__(why)
