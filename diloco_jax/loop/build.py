@@ -55,7 +55,7 @@ class Parts:
     host, num_hosts, replicas_per_host, num_replicas: this host's index, the hosts, R, K.
     h, num_rounds: inner steps per round (the slowest host's), rounds in the run.
     tokens_per_replica_step, tokens_per_step: tokens one replica / all K take in a step.
-    data: this host's replicas' streams and the eval batches; spec: what the data is.
+    data: this host's replicas' streams and the eval batches (`spec`: what the data is).
     model_cfg, attention, num_params, flops_per_token, peak_flops: the model and its sizes.
     mesh: the local devices' mesh; inner: the jitted inner step of every local replica;
       init_replicas: anchor -> this host's ReplicaState (fresh inner optimizer moments).
@@ -82,7 +82,6 @@ class Parts:
   tokens_per_replica_step: int
   tokens_per_step: int
   data: Any
-  spec: Any
   model_cfg: family.ModelConfig
   attention: str
   num_params: int
@@ -107,6 +106,11 @@ class Parts:
   profile: profiling.ProfileWindow
   anchor_check: integrity.AnchorCheck
   step_memory: Any
+
+  @property
+  def spec(self):
+    """What the data is (vocabulary, floor, bytes per token): the data's own."""
+    return self.data.spec
 
   @property
   def is_host0(self) -> bool:
@@ -209,6 +213,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   num_params = model_lib.count_params(anchor)
   flops_per_token = model_lib.flops_per_token(model_cfg, num_params)
   peak = mesh_lib.peak_flops(mesh.devices.flat[0])  # every host has the same devices
+  peak_flops = peak and peak * mesh.devices.size * num_hosts  # of the whole job
   eval_step = inner.EvalStep(loss_fn, mesh=mesh)
   bar = metrics.ProgressBar(num_rounds * h, enabled=host == 0)
   tokens_per_step = num_replicas * tokens_per_replica_step
@@ -216,16 +221,16 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       writers.MetricsWriter(workdir, enabled=False), bar, num_rounds=num_rounds,
       inner_steps=h, num_replicas=num_replicas, printing=host == 0,
       tokens_per_round=h * tokens_per_step, bytes_per_token=data.spec.bytes_per_token,
-      flops_per_token=flops_per_token, peak_flops=peak and peak * mesh.devices.size * num_hosts,
+      flops_per_token=flops_per_token, peak_flops=peak_flops,
       # the run ends by writing a checkpoint and waiting for it: as long as the last did
       finish_estimate=lambda: store.write_seconds or 0.0)
   parts = Parts(
       config=config, workdir=workdir, dispatcher=dispatcher, host=host, num_hosts=num_hosts,
       replicas_per_host=replicas_per_host, num_replicas=num_replicas, h=h,
       num_rounds=num_rounds, tokens_per_replica_step=tokens_per_replica_step,
-      tokens_per_step=tokens_per_step, data=data, spec=data.spec, model_cfg=model_cfg,
+      tokens_per_step=tokens_per_step, data=data, model_cfg=model_cfg,
       attention=attention, num_params=num_params, flops_per_token=flops_per_token,
-      peak_flops=peak and peak * mesh.devices.size * num_hosts, mesh=mesh, inner=train_step,
+      peak_flops=peak_flops, mesh=mesh, inner=train_step,
       init_replicas=init_replicas, membership=membership, collective=collective,
       lock=claim.lock, shared_storage=shared_storage, store=store, exchange=exchange,
       driver=outer_step, pacer=pacer, eval_step=eval_step,
