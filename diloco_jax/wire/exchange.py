@@ -106,6 +106,8 @@ class Arrived:
     diagnostics: a future of [hosts, R, 3] per replica ‖Δ_m‖, cos(Δ_m, Δ̄), ‖Δ_m − Δ̄‖²
       (gathered on the dispatch thread, read when the round is logged), or None.
     riders: each rider's words summed over the hosts, by the rider's name (numpy).
+    replicas: the replicas the mean is over: K, or fewer where a rider's `divisor` counts
+      the replicas that took part (live membership: a host that left takes its out).
   """
   round: int
   key: int
@@ -119,6 +121,7 @@ class Arrived:
   wait: float = 0.0
   diagnostics: concurrent.futures.Future | None = None
   riders: Mapping[str, Words] = dataclasses.field(default_factory=dict)
+  replicas: int = 0
 
 
 def entries(tree: Params) -> int:
@@ -220,16 +223,18 @@ class Exchange:
     collective_time, overlap_steps = time.perf_counter() - t, self.steps_finished() - done
     riders = {name: {word: np.asarray(x) for word, x in words.items()}
               for name, words in total.get("riders", {}).items()}
+    replicas = self.num_replicas
     if self.aggregates:
       mean = jax.device_put(total["delta"], self.host_device)
     elif self.divisor is not None and self.divisor.name in riders:
-      mean = self._mean_by(total["delta"], riders[self.divisor.name][self.divisor.divisor])
+      count = riders[self.divisor.name][self.divisor.divisor]
+      mean, replicas = self._mean_by(total["delta"], count), int(count)
     else:
       mean = self._mean(total["delta"])
     return Arrived(round_, key, jax.block_until_ready(mean), np.asarray(total["bad"]) > 0,
                    float(np.asarray(total["loss"])), residual, collective_time,
                    self.collective.bytes_sent - sent, overlap_steps,
-                   riders=types.MappingProxyType(riders))
+                   riders=types.MappingProxyType(riders), replicas=replicas)
 
   def _reduce_rows(self, rows: Params, residual: np.ndarray | None):
     """Σ over all K replicas (mean) or Δ̄ (robust aggregation) of `rows`, sent encoded;
