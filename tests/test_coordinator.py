@@ -221,3 +221,219 @@ def test_as_a_process_it_stops_on_sigterm_and_its_loss_is_one_line_on_a_host():
     if proc.poll() is None:
       os.kill(proc.pid, signal.SIGKILL)
       proc.wait(5)
+
+
+class Hosts:
+  """Hosts that speak to a Ledger directly, at fake times: each request carries its host's
+  next counter."""
+
+  def __init__(self, ledger: co.Ledger):
+    self.ledger, self.incarnation, self.seq = ledger, {}, {}
+
+  def join(self, host: int, now: float = 0.0) -> dict:
+    challenge = self.ledger.handle({"op": "hello", "nonce": "n"}, now)["challenge"]
+    answer = self.ledger.handle({"op": "register", "challenge": challenge, "host": host,
+                                 "address": f"tcp://h{host}", "last_epoch": 0}, now)
+    self.incarnation[host], self.seq[host] = answer["incarnation"], 0
+    return answer["epoch"]
+
+  def frame(self, host: int, op: str, **fields) -> dict:
+    self.seq[host] += 1
+    return {"op": op, "host": host, "incarnation": self.incarnation[host],
+            "seq": self.seq[host], **fields}
+
+  def heartbeat(self, host: int, now: float) -> dict:
+    return self.ledger.handle(self.frame(host, "heartbeat"), now)
+
+  def vote(self, host: int, epoch: int, step: int, now: float, ok: bool = True,
+           suspect: int | None = None) -> dict:
+    return self.ledger.handle(self.frame(host, "commit", epoch=epoch, step=step, ok=ok,
+                                         suspect=suspect), now)
+
+
+def ledger_of(n: int, accuse_s: float | None = None) -> tuple[co.Ledger, Hosts, list[str], int]:
+  """A Ledger with hosts 0..n-1 registered at time 0 (lease 10 s); its log, the epoch."""
+  log = []
+  ledger = co.Ledger(max_hosts=4, lease_s=10.0, log=log.append, accuse_s=accuse_s)
+  hosts = Hosts(ledger)
+  for h in range(n):
+    epoch = hosts.join(h)
+  return ledger, hosts, log, epoch["number"]
+
+
+def verdict(answer: dict) -> tuple[bool, int, tuple[int, ...]]:
+  assert answer["op"] == "verdict", answer
+  after = co.Epoch.from_json(answer["next"])
+  return answer["commit"], after.number, after.hosts
+
+
+def test_commit_when_every_member_voted_ok_with_the_same_next_for_each():
+  ledger, hosts, _, e = ledger_of(3)
+  assert hosts.vote(0, e, 7, now=1.0)["op"] == "wait"
+  assert hosts.vote(0, e, 7, now=1.1)["op"] == "wait"  # a poll repeats the vote
+  assert hosts.vote(2, e, 7, now=1.2)["op"] == "wait"
+  last = hosts.vote(1, e, 7, now=1.3)
+  assert verdict(last) == (True, e, (0, 1, 2))
+  assert (last["epoch"], last["step"]) == (e, 7)
+  assert [hosts.vote(h, e, 7, now=1.4) | {"seq": 0} for h in (0, 2)] == [
+      last | {"seq": 0, "incarnation": hosts.incarnation[h]} for h in (0, 2)]
+  assert ledger.epoch.number == e  # a commit changes no membership
+
+
+def test_a_member_that_dies_before_voting_makes_every_survivor_redo_without_it():
+  ledger, hosts, log, e = ledger_of(3)
+  assert hosts.vote(0, e, 1, now=1.0)["op"] == "wait"  # voted ok before the expiry
+  hosts.heartbeat(0, now=9.0)
+  hosts.heartbeat(1, now=9.0)
+  ledger.expire(10.0)  # host 2 never voted, and its lease ran out
+  assert log[-1].endswith(f"epoch {e + 1}: hosts 0,1 (lease of host 2 ran out)")
+  hosts.join(3, now=10.0)  # decided when epoch e ended: a later epoch changes nothing
+  # host 1 has the result too: all the living voted ok, but epoch e ended first
+  assert verdict(hosts.vote(1, e, 1, now=10.1)) == (False, e + 1, (0, 1))
+  assert verdict(hosts.vote(0, e, 1, now=10.1)) == (False, e + 1, (0, 1))
+  # an op of the ended epoch that nobody had voted on is a redo as well, in the epoch of
+  # its first vote, and every member hears that one
+  assert verdict(hosts.vote(0, e, 2, now=10.2)) == (False, e + 2, (0, 1, 3))
+  hosts.join(2, now=10.3)
+  assert verdict(hosts.vote(1, e, 2, now=10.4)) == (False, e + 2, (0, 1, 3))
+
+
+def test_a_member_that_voted_ok_and_then_died_still_counts():
+  ledger, hosts, _, e = ledger_of(3)
+  hosts.vote(2, e, 4, now=1.0)  # and then dies: no heartbeat from it again
+  hosts.vote(0, e, 4, now=9.0)
+  assert verdict(hosts.vote(1, e, 4, now=9.5)) == (True, e, (0, 1, 2))
+  ledger.expire(11.0)  # host 2's lease (renewed by its vote) runs out after the decision
+  assert ledger.epoch.hosts == (0, 1)
+  assert verdict(hosts.vote(0, e, 4, now=11.5)) == (True, e, (0, 1, 2))  # it stands
+
+
+def test_a_not_ok_vote_naming_a_live_peer_drops_it_after_accuse_s_and_the_op_is_redone():
+  ledger, hosts, log, e = ledger_of(3, accuse_s=2.0)
+  assert hosts.vote(1, e, 5, now=1.0)["op"] == "wait"  # it holds the result
+  assert hosts.vote(0, e, 5, now=1.0, ok=False, suspect=2)["op"] == "wait"
+  hosts.heartbeat(2, now=2.0)  # the suspect is alive for the coordinator
+  # even a vote ok from every other member cannot commit an op one failed
+  assert hosts.vote(2, e, 5, now=2.5)["op"] == "wait"
+  ledger.expire(2.9)
+  assert ledger.epoch.number == e and hosts.vote(0, e, 5, now=2.9, ok=False)["op"] == "wait"
+  ledger.expire(3.0)
+  assert log[-1].endswith(f"epoch {e + 1}: hosts 0,1 (host 2 dropped: host 0 accused it of "
+                          f"failing op 5 of epoch {e})")
+  for h in (0, 1):
+    assert verdict(hosts.vote(h, e, 5, now=3.1)) == (False, e + 1, (0, 1))
+  assert hosts.vote(2, e, 5, now=3.1)["op"] == "unknown"  # the suspect was dropped
+
+
+def test_a_not_ok_vote_naming_no_member_opens_an_epoch_of_the_same_hosts():
+  ledger, hosts, log, e = ledger_of(2, accuse_s=2.0)
+  assert hosts.vote(0, e, 5, now=1.0, ok=False, suspect=None)["op"] == "wait"
+  ledger.expire(3.0)
+  assert log[-1].endswith(f"epoch {e + 1}: hosts 0,1 (host 0 failed op 5 of epoch {e} and "
+                          "named no member (suspect None): the same hosts again)")
+  for h in (0, 1):
+    assert verdict(hosts.vote(h, e, 5, now=3.1)) == (False, e + 1, (0, 1))
+
+
+def test_the_suspect_whose_lease_runs_out_first_ends_the_epoch_as_for_any_host():
+  ledger, hosts, log, e = ledger_of(2, accuse_s=20.0)
+  hosts.vote(0, e, 5, now=9.0, ok=False, suspect=1)
+  ledger.expire(10.0)
+  assert log[-1].endswith("(lease of host 1 ran out)")
+  assert verdict(hosts.vote(0, e, 5, now=10.1)) == (False, e + 1, (0,))
+
+
+def test_late_votes_get_the_stored_verdict_and_odd_votes_are_dropped():
+  ledger, hosts, _, e = ledger_of(2)
+  hosts.vote(0, e, 1, now=1.0)
+  assert verdict(hosts.vote(1, e, 1, now=1.0))[0] is True
+  hosts.join(2, now=2.0)  # a new epoch after the commit
+  # a late vote, even not ok, does not turn a commit into a redo
+  assert verdict(hosts.vote(1, e, 1, now=3.0, ok=False, suspect=0)) == (True, e, (0, 1))
+  assert verdict(hosts.vote(2, e, 1, now=3.0)) == (True, e, (0, 1))  # a verdict to anyone
+  with pytest.raises(co.Dropped, match=rf"host 2 for op 2 of epoch {e}, which it is not a member"):
+    hosts.vote(2, e, 2, now=3.0)
+  with pytest.raises(co.Dropped, match=rf"for epoch {e + 5}, above the current {e + 1}"):
+    hosts.vote(0, e + 5, 1, now=3.0)
+  with pytest.raises(co.Dropped, match=r"malformed 'commit' request"):
+    ledger.handle(hosts.frame(0, "commit", epoch=e + 1, step=1, ok="yes", suspect=None), 3.0)
+
+
+def test_only_the_last_verdicts_are_kept_and_an_older_vote_is_not_decided_again():
+  _, hosts, _, e = ledger_of(1)
+  for step in range(co.VERDICTS_KEPT + 1):
+    assert verdict(hosts.vote(0, e, step, now=1.0))[0] is True
+  assert verdict(hosts.vote(0, e, 1, now=1.0))[0] is True
+  with pytest.raises(co.Dropped, match=r"its verdict is no longer kept"):
+    hosts.vote(0, e, 0, now=1.0)
+
+
+def test_a_replayed_commit_frame_is_dropped_and_a_commit_renews_the_lease():
+  ledger, hosts, _, e = ledger_of(2)
+  frame = hosts.frame(0, "commit", epoch=e, step=3, ok=True, suspect=None)
+  assert ledger.handle(frame, 1.0)["op"] == "wait"
+  with pytest.raises(co.Dropped, match=r"commit #1 of host 0 after #1 \(a replay\?\)"):
+    ledger.handle(frame, 1.0)
+  hosts.vote(1, e, 3, now=9.0)
+  ledger.expire(12.0)  # host 1's commit renewed its lease; host 0's ran out at 10
+  assert ledger.epoch.hosts == (1,)
+
+
+def test_two_hosts_commit_through_sockets_while_heartbeat_threads_share_their_clients():
+  port = free_port()
+  with coordinator(port), clients(port, 2) as (a, b):
+    a.register("tcp://a")
+    e = b.register("tcp://b").epoch.number
+    stop, errors = threading.Event(), []
+
+    def beat(client):
+      try:
+        while not stop.is_set():
+          client.heartbeat()
+      except Exception as err:  # noqa: BLE001 -- the test's thread asserts there is none
+        errors.append(err)
+
+    verdicts = {}
+
+    def commit(name, client, delay_s):
+      try:
+        time.sleep(delay_s)
+        verdicts[name] = [client.commit(e, step, ok=True) for step in range(3)]
+      except Exception as err:  # noqa: BLE001 -- the test's thread asserts there is none
+        errors.append(err)
+
+    threads = [threading.Thread(target=beat, args=(c,)) for c in (a, b)]
+    threads += [threading.Thread(target=commit, args=("a", a, 0.0)),
+                threading.Thread(target=commit, args=("b", b, 0.05))]
+    for t in threads[:2]:
+      t.start()
+    for t in threads[2:]:
+      t.start()
+    for t in threads[2:]:
+      t.join(10)
+    stop.set()
+    for t in threads[:2]:
+      t.join(10)
+    assert not errors, errors
+    assert verdicts["a"] == verdicts["b"]
+    assert [(v.commit, v.epoch.number, v.epoch.hosts) for v in verdicts["a"]] == [
+        (True, e, (0, 1))] * 3
+    b.close()  # host 1 dies; once its lease runs out, host 0's next vote is a redo without it
+    deadline = time.monotonic() + 10 * LEASE_S
+    while (epoch := a.heartbeat()).hosts != (0,):
+      assert time.monotonic() < deadline, "host 1's lease never ran out"
+      time.sleep(LEASE_S / 4)
+    redo = a.commit(e, 3, ok=True)
+    assert (redo.commit, redo.epoch) == (False, epoch)
+
+
+def test_a_host_dropped_while_it_waits_for_a_verdict_is_told_so_in_one_line():
+  port = free_port()
+  with coordinator(port), clients(port, 2) as (a, b):
+    a.register("tcp://a")
+    e = b.register("tcp://b").epoch.number
+    # host 1 never votes, and host 0 polls too slowly to keep its own lease
+    with pytest.raises(co.CoordinatorError, match=r"^host 0: the coordinator no longer knows "
+                       r"this host \(its lease ran out or the coordinator restarted\): it was "
+                       r"dropped from the job$"):
+      a.commit(e, 0, ok=True, poll_s=2 * LEASE_S, max_poll_s=2 * LEASE_S)

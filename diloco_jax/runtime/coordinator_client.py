@@ -1,9 +1,11 @@
 """A host's side of the membership coordinator (runtime/coordinator.py): register for a lease,
-heartbeat within it to learn the current epoch, leave.
+heartbeat within it to learn the current epoch, vote on each cross-host op (commit), leave.
 
 One blocking request at a time over a zmq REQ socket; a request with no answer within
 `timeout_s` raises `CoordinatorLost` (one line naming the coordinator) and the next request
 opens a fresh socket, so a host can carry on and register again once the coordinator is back.
+A lock makes each request whole (its counter, send and answer), so a heartbeat thread and
+the thread that commits ops may share one Client.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import threading
 import time
 
 import zmq
@@ -33,6 +36,14 @@ class Registration:
   epoch: Epoch
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """The coordinator's decision on one op: `commit` (every member holds the result: apply
+  it) or not (redo the op), and `epoch`, the one current when it decided: redo in it."""
+  commit: bool
+  epoch: Epoch
+
+
 class Client:
   """Talks to the coordinator at `address` ('host:port'). `last_epoch`: the highest epoch
   number this host has seen; it is reported when registering, so that a restarted coordinator
@@ -45,12 +56,19 @@ class Client:
     self._key = key_for(token)
     self._ctx = zmq.Context()
     self._sock: zmq.Socket | None = None
+    # a REQ socket takes send, receive, send...: two threads interleaving break it, and a
+    # counter taken by one and sent after the other's larger one would read as a replay
+    self._lock = threading.RLock()
     self._seq = 0
     self.last_epoch = 0
     self.host: int | None = None  # the id this host had: it registers again under it
     self.registration: Registration | None = None
 
   def _ask(self, body: dict, what: str) -> dict:
+    with self._lock:
+      return self._ask_locked(body, what)
+
+  def _ask_locked(self, body: dict, what: str) -> dict:
     if self._sock is None:
       self._sock = self._ctx.socket(zmq.REQ)
       self._sock.setsockopt(zmq.LINGER, 0)
@@ -107,34 +125,70 @@ class Client:
       self._expect(answer, "retry", challenge=challenge)
       time.sleep(min(float(answer["after_s"]), self.timeout_s))
     self._expect(answer, "registered", challenge=challenge)
-    self.host = int(answer["host"])
-    self._seq = 0
-    self.registration = Registration(int(answer["host"]), answer["incarnation"],
-                                     float(answer["lease_s"]),
-                                     self._seen(Epoch.from_json(answer["epoch"])))
-    return self.registration
+    with self._lock:
+      self.host = int(answer["host"])
+      self._seq = 0
+      self.registration = Registration(int(answer["host"]), answer["incarnation"],
+                                       float(answer["lease_s"]),
+                                       self._seen(Epoch.from_json(answer["epoch"])))
+      return self.registration
 
-  def _renew(self, op: str) -> dict:
-    if self.registration is None:
-      raise CoordinatorError(f"{op} before register (or after the lease was lost)")
-    self._seq += 1
-    echo = {"incarnation": self.registration.incarnation, "seq": self._seq}
-    answer = self._ask({"op": op, "host": self.registration.host, **echo}, op)
-    if answer["op"] == "unknown":
-      self._expect(answer, "unknown", **echo)
-      self.registration = None
-      return answer
-    return self._expect(answer, "left" if op == "leave" else "epoch", **echo)
+  def _renew(self, op: str, expect: tuple[str, ...], **fields) -> dict:
+    """Sends `op` with the next counter; its answer, one of the ops `expect`, or unknown."""
+    with self._lock:
+      registration = self.registration
+      if registration is None:
+        raise CoordinatorError(f"{op} before register (or after the lease was lost)")
+      self._seq += 1
+      echo = {"incarnation": registration.incarnation, "seq": self._seq}
+      answer = self._ask({"op": op, "host": registration.host, **echo, **fields}, op)
+      if answer["op"] == "unknown":
+        self._expect(answer, "unknown", **echo)
+        self.registration = None
+        return answer
+      return self._expect(answer, answer["op"] if answer["op"] in expect else expect[0], **echo)
 
   def heartbeat(self) -> Epoch | None:
     """Renews the lease; the current epoch, or None when the coordinator no longer knows this
     incarnation (its lease ran out, or the coordinator restarted): register again."""
-    answer = self._renew("heartbeat")
-    return None if answer["op"] == "unknown" else self._seen(Epoch.from_json(answer["epoch"]))
+    answer = self._renew("heartbeat", ("epoch",))
+    if answer["op"] == "unknown":
+      return None
+    with self._lock:
+      return self._seen(Epoch.from_json(answer["epoch"]))
+
+  def commit(self, epoch: int, step: int, ok: bool, suspect: int | None = None,
+             poll_s: float = 0.002, max_poll_s: float = 0.05) -> Verdict:
+    """Votes on op `step` of `epoch` (`ok`: this host holds its result; else it failed, and
+    `suspect` is the peer that went silent, if known) and waits for the verdict, polling from
+    every `poll_s` to every `max_poll_s`. Every member gets the same verdict. Raises
+    CoordinatorLost when a poll gets no answer in `timeout_s`, and CoordinatorError when the
+    coordinator no longer knows this host: it was dropped and must register again."""
+    delay = poll_s
+    while True:
+      answer = self._renew("commit", ("verdict", "wait"), epoch=epoch, step=step, ok=ok,
+                           suspect=suspect)
+      if answer["op"] == "unknown":
+        raise CoordinatorError(
+            f"host {self.host}: the coordinator no longer knows this host (its lease ran out "
+            "or the coordinator restarted): it was dropped from the job")
+      if answer["op"] == "verdict":
+        if (answer["epoch"], answer["step"]) != (epoch, step):
+          raise CoordinatorError(f"the coordinator at {self.address} answered op "
+                                 f"{answer['step']} of epoch {answer['epoch']} to our vote on op "
+                                 f"{step} of epoch {epoch}")
+        after = Epoch.from_json(answer["next"])
+        with self._lock:
+          # a verdict keeps the epoch of its decision: a later heartbeat may have seen newer
+          self.last_epoch = max(self.last_epoch, after.number)
+        return Verdict(bool(answer["commit"]), after)
+      time.sleep(delay)
+      delay = min(delay * 2, max_poll_s)
 
   def leave(self) -> None:
-    self._renew("leave")
-    self.registration = None
+    with self._lock:
+      self._renew("leave", ("left",))
+      self.registration = None
 
   def close(self) -> None:
     self._ctx.destroy(linger=0)
