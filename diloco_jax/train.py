@@ -67,6 +67,15 @@ _JOIN_TOKEN_FILE = flags.DEFINE_string(
     "every host: a host with another token (or none) is refused by every host. Or set env "
     "DILOCO_JOIN_TOKEN_FILE, or DILOCO_JOIN_TOKEN to the token itself; never on the command "
     "line, where `ps` shows it. Unset: the job is unauthenticated (docs/security.md).")
+_MEMBERSHIP = flags.DEFINE_string(
+    "membership", None, "host:port of a membership coordinator (python -m "
+    "diloco_jax.runtime.coordinator), the same on every host: live membership, where any "
+    "host may die and the others train on (docs/fault-tolerance.md). The hosts then run no "
+    "jax.distributed job (--coordinator_address is not used); --num_hosts hosts must "
+    "register before training starts (env DILOCO_MEMBERSHIP).")
+_WIRE_ADDRESS = flags.DEFINE_string(
+    "wire_address", None, "Live membership: host:port where the other hosts reach this "
+    "host's sums (default: this host's address toward the coordinator, a free port).")
 _ALLOW_PUBLIC = flags.DEFINE_bool(
     "allow_public_coordinator", False, "Run with a --coordinator_address that is a public "
     "(internet-routable) address; refused without this, since anyone who reaches its port "
@@ -247,6 +256,14 @@ def main(argv):
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value,
       join_token_file=_JOIN_TOKEN_FILE.value, allow_public_coordinator=_ALLOW_PUBLIC.value)
+  membership = _MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP")
+  if membership:
+    _train_live(config, spec, membership)
+    return
+  if config.elastic and config.mode != "sync":
+    sys.exit(f"Invalid config: config.elastic with config.mode = {config.mode!r} needs live "
+             "membership (--membership, a coordinator of its own: docs/fault-tolerance.md); "
+             "on jax.distributed alone, elastic mode is for 'sync' only")
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)
@@ -280,6 +297,55 @@ def main(argv):
     _fail(errors.describe(e), e.exit_code)  # message, a line per bad config field
   except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
+
+
+def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> None:
+  """A job whose membership is live (--membership): no jax.distributed, each host's JAX a
+  world of its own, the sums on the epoch wire (wire/epochs.py). Every exit is this
+  process's own: there is no shutdown barrier to wait at, and nothing to abort."""
+  # pylint: disable=import-outside-toplevel
+  from diloco_jax.checkpoints import store
+  from diloco_jax.loop import trainer
+  from diloco_jax.runtime import cluster
+  from diloco_jax.runtime import lease as lease_lib
+  from diloco_jax.runtime import security
+  from diloco_jax.runtime import world
+  from diloco_jax.wire import dispatch
+  from diloco_jax.wire import epochs
+  # pylint: enable=import-outside-toplevel
+  c = spec.resolved()
+  if c.num_hosts is None or c.host_id is None or not 0 <= c.host_id < c.num_hosts:
+    sys.exit(f"Invalid flags: --membership needs --num_hosts and --host_id in [0, num_hosts) "
+             f"(got {c.num_hosts} and {c.host_id})")
+  if not config.elastic:  # live membership is what elastic mode asks for
+    config.elastic = True
+  lease = None
+  try:
+    security.check_coordinator_address(membership, c.allow_public_coordinator)
+    token = security.JoinToken.from_environment(c.join_token_file)
+    print(f"host {c.host_id} of {c.num_hosts} hosts: registering with the membership "
+          f"coordinator at {membership}; waiting up to {c.initialization_timeout}s for "
+          "every host", flush=True)
+    lease = lease_lib.Lease.start(membership, host=c.host_id, num_hosts=c.num_hosts,
+                                  token=token, timeout_s=c.initialization_timeout,
+                                  address=_WIRE_ADDRESS.value)
+    collective = epochs.EpochCollective(lease, token=token, timeout_s=config.elastic_timeout)
+    world.set_live(lease, token, collective)
+    collective.connect()
+    cluster.check_same_config_over(collective.allgather, c.host_id,
+                                   config_lib.flatten(config))
+    trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
+  except dispatch.CollectiveError as e:
+    if isinstance(e.__cause__, store.CheckpointError):
+      _fail(f"Checkpoint error: {e.__cause__}")
+    _fail(f"Stopped: {e.__cause__ or e}")
+  except errors.DilocoError as e:
+    _fail(errors.describe(e), e.exit_code)
+  except KeyboardInterrupt:
+    _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
+  finally:
+    if lease is not None:
+      lease.close(leave=True)
 
 
 def _check_init_from(config: ml_collections.ConfigDict, given: frozenset[str]) -> None:

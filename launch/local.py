@@ -15,6 +15,14 @@ first. Hosts die with the launcher even if it is SIGKILLed.
 --workdir_per_host gives host i the workdir WORKDIR/host<i> instead of WORKDIR itself, as
 hosts on different machines with disks of their own would have: each keeps its own
 checkpoints, and a host whose directory was wiped heals from the others.
+
+--live starts a membership coordinator (python -m diloco_jax.runtime.coordinator) beside
+the hosts and gives them --membership instead of --coordinator_address: live membership,
+where a host that dies (host 0 included) is dropped and the others train on. Hosts no longer
+share fate: the launcher waits for every host, reports each one that died, and exits 0 when
+every host that was not killed finished; it stops the coordinator at the end. Live
+membership keeps each host's records in its own workdir, so --live implies
+--workdir_per_host.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_RESTART = 75  # diloco_jax.elastic.EXIT_RESTART: every host asks to be started again
+LIVE_LEASE_S = 5.0  # --live: a host silent this long is dropped
 _PR_SET_PDEATHSIG = 1
 
 
@@ -52,13 +61,22 @@ class Hosts:
   """The running host processes and the threads copying their output."""
 
   def __init__(self, num_hosts: int, train_args: list[str], port: int,
-               workdir_per_host: bool = False):
+               workdir_per_host: bool = False, live: bool = False):
     self._env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                  "PYTHONUNBUFFERED": "1"}
     self._env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, self._env.get("PYTHONPATH")) if p)
     self.num_hosts, self.train_args, self.port = num_hosts, train_args, port
-    self.workdir_per_host = workdir_per_host
+    self.workdir_per_host, self.live = workdir_per_host, live
+    self.coordinator: subprocess.Popen | None = None
+    if live:
+      self.coordinator = subprocess.Popen(
+          [sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
+           f"--max_hosts={num_hosts}", f"--lease_s={LIVE_LEASE_S}"],
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
+          start_new_session=True, preexec_fn=_die_with_parent)
+      threading.Thread(target=self._copy, args=("coordinator", self.coordinator),
+                       daemon=True).start()
     self.procs: list[subprocess.Popen] = []
     self.exited_at: dict[int, float] = {}  # pid -> when it exited (monotonic)
     self._lock = threading.Lock()
@@ -70,8 +88,9 @@ class Hosts:
     args = self.train_args
     if self.workdir_per_host:
       args = [f"{a}/host{host}" if a.startswith("--workdir=") else a for a in args]
+    where = "membership" if self.live else "coordinator_address"
     cmd = [sys.executable, "-m", "diloco_jax.train", *args,
-           f"--coordinator_address=127.0.0.1:{self.port}", f"--num_hosts={self.num_hosts}",
+           f"--{where}=127.0.0.1:{self.port}", f"--num_hosts={self.num_hosts}",
            f"--host_id={host}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=self._env, start_new_session=True,
@@ -88,10 +107,11 @@ class Hosts:
     proc.wait()
     self.exited_at.setdefault(proc.pid, time.monotonic())
 
-  def _copy(self, host: int, proc: subprocess.Popen) -> None:
+  def _copy(self, host: int | str, proc: subprocess.Popen) -> None:
+    name = host if isinstance(host, str) else f"host {host}"
     for line in iter(proc.stdout.readline, b""):
       with self._lock:
-        sys.stdout.write(f"[host {host}] {line.decode(errors='replace')}")
+        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
         sys.stdout.flush()
 
   def signal_all(self, sig: int) -> None:
@@ -101,6 +121,36 @@ class Hosts:
           os.killpg(proc.pid, sig)  # the host and anything it started
         except ProcessLookupError:
           pass
+
+  def stop_coordinator(self) -> None:
+    if self.coordinator is not None and self.coordinator.poll() is None:
+      self.coordinator.terminate()
+      try:
+        self.coordinator.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self.coordinator.kill()
+
+  def wait_live(self) -> int:
+    """Live membership: every host runs to its own end. 0 when every host exited 0 or was
+    killed by a signal (the others trained on without it) and at least one finished; else
+    the code of the first host that failed, once all have ended."""
+    reported: set[int] = set()
+    while True:
+      codes = [p.poll() for p in self.procs]
+      for host, code in enumerate(codes):
+        if code not in (None, 0) and host not in reported:
+          reported.add(host)
+          print(f"[launcher] host {host} {_reason(code)}; live membership: the other hosts "
+                "go on", flush=True)
+      if all(c is not None for c in codes):
+        self.stop_coordinator()
+        self._drain()
+        failed = sorted(((h, c) for h, c in enumerate(codes) if c is not None and c > 0),
+                        key=lambda hc: self.exited_at.get(self.procs[hc[0]].pid, 0.0))
+        if failed:
+          return failed[0][1]
+        return 0 if 0 in codes else 1
+      time.sleep(0.1)
 
   def kill_all(self) -> None:
     self.signal_all(signal.SIGKILL)
@@ -178,6 +228,10 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--rejoin_after", type=float, default=None,
                       help="elastic mode (--config.elastic=True): start a dead host other "
                            "than 0 again after this many seconds, without stopping the others")
+  parser.add_argument("--live", action="store_true",
+                      help="live membership: start a membership coordinator beside the "
+                           "hosts; a host that dies is dropped and the others train on "
+                           "(implies --workdir_per_host)")
   parser.add_argument("--workdir_per_host", action="store_true",
                       help="host i gets --workdir=WORKDIR/host<i>: a disk of its own, as on "
                            "machines that share no filesystem")
@@ -190,6 +244,10 @@ def main(argv: list[str]) -> int:
     parser.error(f"no trainer flags: give them after `--`, {example}")
   if args.hosts < 1:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
+  if args.live and (args.max_restarts or args.rejoin_after is not None):
+    parser.error("--live keeps the others training when a host dies: --max_restarts and "
+                 "--rejoin_after (restarts of every host) do not apply")
+  args.workdir_per_host = args.workdir_per_host or args.live
   if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
     parser.error("--workdir_per_host needs the trainer's --workdir=DIR (with `=`) after `--`")
   if args.max_restarts < 0:
@@ -215,11 +273,12 @@ def main(argv: list[str]) -> int:
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
     current.append(Hosts(args.hosts, train_args, args.port or free_port(),
-                         args.workdir_per_host))
+                         args.workdir_per_host, args.live))
     try:
-      code = current[-1].wait(args.rejoin_after)
+      code = (current[-1].wait_live() if args.live else current[-1].wait(args.rejoin_after))
     except KeyboardInterrupt:
       current[-1].kill_all()
+      current[-1].stop_coordinator()
       return 130
     if code == 0 or terminated.is_set():
       return code

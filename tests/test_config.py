@@ -183,12 +183,16 @@ def test_unknown_and_missing_fields():
   assert "config.inner.eps: missing" in str(e.value)
 
 
-def test_elastic_needs_sync_mode():
+def test_elastic_takes_every_diloco_mode_but_not_ddp():
+  # Live membership (issue 45) drops a host in sync, delayed, eager and streaming; ddp sums
+  # gradients every inner step and stays fixed.
   config = config_lib.get_default_config()
   config.elastic = True
-  config_lib.validate(config)
-  config.mode = "eager"
-  with pytest.raises(config_lib.ConfigError, match=r"config\.elastic.*'sync' only"):
+  for mode in ("sync", "delayed", "eager", "streaming"):
+    config.mode = mode
+    config_lib.validate(config)
+  config.mode = "ddp"
+  with pytest.raises(config_lib.ConfigError, match=r"config\.elastic.*\(not 'ddp'\)"):
     config_lib.validate(config)
 
 

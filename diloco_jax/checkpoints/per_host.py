@@ -42,12 +42,12 @@ import uuid
 from typing import Any
 from typing import Callable
 
-import jax
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import recovery
 from diloco_jax.checkpoints import store
+from diloco_jax.runtime import world
 from diloco_jax.wire import collective as collective_lib
 
 PARTIAL = ".partial-"
@@ -86,7 +86,7 @@ class PerHostStore:
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, store.CHECKPOINTS)
     self.keep, self.dispatcher, self.collective = keep, dispatcher, collective
-    self.host = jax.process_index()
+    self.host = world.current().host
     self.write_seconds: float | None = None
     self.recovered: store.Recovered | None = None  # what `restore` did, for the logs
     self.timeout = timeout  # config.checkpoint.timeout

@@ -38,6 +38,7 @@ from diloco_jax.reporting import metrics
 from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import preemption as preemption_lib
+from diloco_jax.runtime import world as world_lib
 from diloco_jax.runtime import workdir as workdir_lib
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib
@@ -116,6 +117,17 @@ class Parts:
   def is_host0(self) -> bool:
     return self.host == 0
 
+  @property
+  def writes(self) -> bool:
+    """This host evaluates and writes run.json, metrics and events (host 0; every host of
+    a live job, each in its own workdir)."""
+    return self.membership.writes(self.host)
+
+  @property
+  def prints(self) -> bool:
+    """This host prints the run's lines now (host 0; the lowest live host of a live job)."""
+    return self.membership.prints(self.host)
+
   def inner_optimizer(self, schedule_steps: int):
     """The inner optimizer whose learning-rate schedule spans `schedule_steps` steps."""
     return optim.inner_optimizer(self.config.inner, schedule_steps)
@@ -127,7 +139,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
           ) -> tuple[Parts, state_lib.RunState]:
   """This host's parts, and the state before any checkpoint is read (the anchor from the
   seed; init_from: zeros until `resume.resume` knows no checkpoint holds the state)."""
-  host, num_hosts = jax.process_index(), jax.process_count()
+  world = world_lib.current()
+  host, num_hosts = world.host, world.num_hosts
   config = resolve.resolved(config, announce=host == 0)
   config_lib.validate(config, num_local_devices=jax.local_device_count(), num_hosts=num_hosts)
   driver = registry.driver(config.mode)
@@ -163,11 +176,17 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       allgather=lambda words: dispatcher.run(collective.allgather, words,
                                              what="agreeing on the workdir"))
   shared_storage = claim.shared and not (num_hosts == 1 and per_host.present(workdir))
-  if not claim.shared and config.elastic:
+  if not claim.shared and config.elastic and not world.live:
     claim.release()
     raise store_lib.CheckpointError(
         "config.elastic needs one --workdir shared by every host: with a workdir per "
         "host, a returning host's older checkpoints would roll the others back")
+  if claim.shared and world.live and num_hosts > 1:
+    claim.release()
+    raise store_lib.CheckpointError(
+        "live membership (--membership) needs a --workdir per host for now (each host "
+        "keeps its own checkpoints and records, so that any host may die): give each "
+        "host its own directory (launch/local.py --workdir_per_host)")
   # Opening the shared checkpoint directory waits at a barrier for every host (elastic:
   # for only `elastic_timeout` seconds): it comes right after the lock's agreement, before
   # the compiles that finish at different times on different hosts.
@@ -219,7 +238,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   tokens_per_step = num_replicas * tokens_per_replica_step
   log = metrics.RoundLog(
       writers.MetricsWriter(workdir, enabled=False), bar, num_rounds=num_rounds,
-      inner_steps=h, num_replicas=num_replicas, printing=host == 0,
+      inner_steps=h, num_replicas=num_replicas, printing=membership.prints(host),
       tokens_per_round=h * tokens_per_step, bytes_per_token=data.spec.bytes_per_token,
       flops_per_token=flops_per_token, peak_flops=peak_flops,
       # the run ends by writing a checkpoint and waiting for it: as long as the last did

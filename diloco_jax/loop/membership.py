@@ -28,6 +28,7 @@ from absl import logging
 from diloco_jax.algo import state as state_lib
 from diloco_jax.runtime import coordination
 from diloco_jax.runtime import elastic
+from diloco_jax.runtime import world as world_lib
 from diloco_jax.wire import collective as collective_lib
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib
@@ -64,6 +65,12 @@ class Membership(Protocol):
   def signal_restart(self) -> None:
     """Host 0, after checkpointing for a returning host: every host must restart."""
 
+  def prints(self, host: int) -> bool:
+    """Whether `host` prints the run's lines now (one host does)."""
+
+  def writes(self, host: int) -> bool:
+    """Whether `host` evaluates and writes run.json, metrics and events to its workdir."""
+
 
 class Fixed:
   """Every host for the whole run; one that dies stops the job (the launcher restarts it)."""
@@ -95,6 +102,14 @@ class Fixed:
 
   def signal_restart(self) -> None:
     pass  # no host returns to a fixed job: its sums carry no rejoin requests
+
+  @staticmethod
+  def prints(host: int) -> bool:
+    return host == 0
+
+  @staticmethod
+  def writes(host: int) -> bool:
+    return host == 0
 
 
 class Elastic:
@@ -130,6 +145,76 @@ class Elastic:
   def signal_restart(self) -> None:
     elastic.signal_restart()
 
+  @staticmethod
+  def prints(host: int) -> bool:
+    return host == 0  # host 0's loss ends this job anyway
+
+  @staticmethod
+  def writes(host: int) -> bool:
+    return host == 0
+
+
+class Live:
+  """Live membership (train's --membership): the hosts of the coordinator's current epoch
+  (`wire/epochs.py`). Any host may die, host 0 included: the survivors redo the op it
+  left unfinished and train on. Every host keeps its own workdir complete (checkpoints,
+  run.json, metrics, events, eval), so the run's record survives any host; the lowest
+  live host prints."""
+
+  def __init__(self, world: world_lib.World, timeout_s: int, replicas_per_host: int):
+    del timeout_s  # the collective was made at start-up (train.py), with it
+    self.collective = world.collective
+    self.save_timeout = None  # a save is this host's own: nothing to wait for
+    self.host = world.host
+    self.riders = (LiveReplicas(replicas_per_host),)
+
+  def connect(self, dispatcher: dispatch.Dispatcher) -> None:
+    dispatcher.run(self.collective.connect, what="connecting the hosts")
+
+  def hash_exchange(self, dispatcher: dispatch.Dispatcher) -> integrity.HashExchange:
+    return integrity.CollectiveExchange(lambda words: dispatcher.run(
+        self.collective.allgather, words, what="comparing the outer state's hash"), self.host)
+
+  def figures(self, riders: Mapping[str, exchange_lib.Words]) -> dict[str, Any]:
+    """The replicas in the round's mean and the hosts of the epoch it was summed in."""
+    words = riders.get(LiveReplicas.name)
+    if words is None:
+      return {}
+    return {"replicas": int(words["replicas"]), "live_hosts": int(words["hosts"])}
+
+  def started(self) -> None:
+    pass
+
+  def signal_restart(self) -> None:
+    pass  # a host that returns is issue 46's join, not a restart of all
+
+  def prints(self, host: int) -> bool:
+    return host == min(self.collective.live)
+
+  @staticmethod
+  def writes(host: int) -> bool:
+    del host
+    return True
+
+  def close(self, leave: bool = True) -> None:
+    self.collective.close(leave)
+
+
+class LiveReplicas:
+  """Live membership's rider of every sum: each host's replicas and a 1, summed into the
+  replicas the mean divides by and the hosts that took part."""
+  name, keep, divisor = "members", False, "replicas"
+
+  def __init__(self, replicas_per_host: int):
+    self.replicas_per_host = replicas_per_host
+
+  def words(self, round_: int) -> exchange_lib.Words:
+    del round_
+    return {"replicas": np.float32(self.replicas_per_host), "hosts": np.float32(1)}
+
+  def like(self) -> exchange_lib.Words:
+    return {"replicas": np.float32(0), "hosts": np.float32(0)}
+
 
 class Members:
   """Elastic's rider of every sum (`wire.exchange.Rider`): each host's replicas, summed
@@ -150,7 +235,11 @@ class Members:
 
 
 def of(config: ml_collections.ConfigDict) -> Membership:
-  """The membership `config` asks for on this job's hosts (elastic needs two or more)."""
+  """The membership `config` asks for on this job's hosts (elastic needs two or more; a
+  live lease, train's --membership, makes it live)."""
+  world = world_lib.current()
+  if world.live:
+    return Live(world, config.elastic_timeout, config.replicas_per_host)
   if config.elastic and jax.process_count() > 1:
     return Elastic(config.elastic_timeout, config.replicas_per_host)
   return Fixed()

@@ -56,10 +56,10 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
       "healed_from": recovered.source if recovered and recovered.healed else None,
       "heal_bytes": recovered.bytes if recovered else 0,
       "heal_seconds": recovered.seconds if recovered else 0.0})
-  if parts.is_host0 and world.partial:
+  if parts.prints and world.partial:
     print(world.message(r, replicas_per_host=parts.replicas_per_host,
                         inflight=bool(snap.meta["inflight"])), flush=True)
-  if parts.is_host0:
+  if parts.prints:
     metrics.print_resumed(r, parts.store.directory, replicas=parts.num_replicas,
                           inflight=bool(outer.inflight), finished=state.finished_before,
                           num_rounds=parts.num_rounds)

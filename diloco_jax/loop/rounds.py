@@ -99,9 +99,10 @@ def reschedule(parts, state: state_lib.RunState, announce: bool = False) -> stat
     parts.inner.reschedule(parts.inner_optimizer(total))
     state = state.replace(schedule_steps=total, compiles=True)
   decision = parts.pacer.decisions[-1]
-  if announce and parts.is_host0:
+  if announce and parts.prints:
     print(f"balance: from round {decision.first}, inner steps per host "
           f"{list(decision.steps)} (measured speeds; H = {parts.h} for the slowest)", flush=True)
+  if announce and parts.writes:
     runinfo.write_run_json(parts, state)
   return state
 
@@ -111,6 +112,6 @@ def round_checks(parts, state: state_lib.RunState, r: int) -> None:
   when due (the eval is read late)."""
   replicated = parts.driver.replicated(state.outer, state.replicas)
   parts.log.add(r, **parts.anchor_check(replicated, r))
-  if parts.is_host0 and r % parts.config.eval_every == 0 and r < parts.num_rounds:
+  if parts.writes and r % parts.config.eval_every == 0 and r < parts.num_rounds:
     parts.log.add(r, eval_loss=parts.eval_step(parts.driver.model(state.outer, state.replicas),
                                                parts.eval_batches), floor=parts.spec.floor)

@@ -9,6 +9,7 @@ figures one round late, so the devices never wait for logging.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 from typing import NamedTuple
@@ -80,12 +81,12 @@ class Trainer:
     # step keeps its own executable; what else runs later compiles on first use.
     jax.clear_caches()
     hostmem.trim()  # what compiling freed
-    if parts.is_host0:  # once the workdir is known to be this run's
+    if parts.writes:  # once the workdir is known to be this run's
       runinfo.write_run_json(parts, self.state)
     first = done if self.state.outer.inflight else done + 1  # the first round logged now
     log = parts.config.log
     parts.log.writer = writers.MetricsWriter(
-        parts.workdir, enabled=parts.is_host0, first_round=first,
+        parts.workdir, enabled=parts.writes, first_round=first,
         purge_step=first * parts.h * parts.tokens_per_step,
         wandb=dict(project=log.wandb_project, mode=log.wandb_mode,
                    config=parts.config.to_dict()))
@@ -98,6 +99,7 @@ class Trainer:
       with profiling.annotate(f"round {r}"):
         self.run_round(r)
       parts.profile.after_round(r, self.state.replicas)
+      parts.log.printing = parts.prints  # live membership: the lowest live host, now
       parts.log.write_through(r - 1)  # read after round r's work was dispatched
       parts.log.timed(r, time.perf_counter() - t_round, steady=not parts.profile.covers(r),
                       tokens=sum(parts.pacer.steps(r)) * parts.replicas_per_host
@@ -119,15 +121,20 @@ class Trainer:
     parts.store.wait()
     parts.store.close()
     parts.log.writer.close()
-    if parts.is_host0 and preempted_at is not None:
+    if parts.prints and preempted_at is not None:
       print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
             f"{parts.store.directory}; run the same command to continue", flush=True)
-    elif parts.is_host0:
-      metrics.report(
-          parts.log.writer.records, parts.workdir, final_eval=float(final_eval),
-          floor=parts.spec.floor, unigram=parts.spec.unigram_loss, elapsed=parts.log.elapsed,
-          num_rounds=parts.num_rounds, title=f"{parts.config.mode}: {parts.num_hosts} "
-          f"host(s) x {parts.replicas_per_host} replicas, H={parts.h}")
+    elif parts.writes:
+      title = (f"{parts.config.mode}: {parts.num_hosts} host(s) x {parts.replicas_per_host} "
+               f"replicas, H={parts.h}")
+      records, spec = parts.log.writer.records, parts.spec
+      if parts.prints:
+        metrics.report(records, parts.workdir, final_eval=float(final_eval), floor=spec.floor,
+                       unigram=spec.unigram_loss, elapsed=parts.log.elapsed,
+                       num_rounds=parts.num_rounds, title=title)
+      else:  # a live job's other hosts: the plot in their own workdir, no line
+        metrics.plot_losses(records, os.path.join(parts.workdir, "loss.png"),
+                            floor=spec.floor, unigram=spec.unigram_loss, title=title)
     state = self.state
     return TrainResult(final_params if preempted_at is None else
                        parts.driver.model(state.outer, state.replicas),
@@ -148,7 +155,7 @@ class Trainer:
                                parts.driver.drain(self.state.outer, self.state.replicas))
     final_params = parts.driver.final(self.state.outer, self.state.replicas)
     final_eval = None
-    if parts.is_host0:
+    if parts.writes:
       final_eval = parts.eval_step(final_params, parts.eval_batches)
       if not finished_before:
         parts.log.add(num_rounds, eval_loss=final_eval, floor=parts.spec.floor)
@@ -200,3 +207,5 @@ def train_and_evaluate(
       parts.profile.close()
       if parts.lock is not None:
         parts.lock.release()
+      if hasattr(parts.membership, "close"):  # live: leave, so no one waits for the lease
+        parts.membership.close()

@@ -2,11 +2,11 @@
 `writers.py`: metrics.jsonl, TensorBoard, W&B), the progress line and bar, the ETA, the
 final report and the loss plot.
 
-Only host 0 writes files and prints rounds. A round's record is assembled here from the
-values the loop hands over (`RoundLog`): its own figures when the round ends, and the
-figures of its cross-host sums when they arrive (one round later in the async modes). It
-is written once complete, and one round late, so reading its device values (the eval
-loss) never stalls the devices.
+Host 0 writes the files and prints (live membership: every host its own workdir's files,
+the lowest live host prints). A round's record is assembled from what the loop hands over
+(`RoundLog`): its own figures when it ends, its sums' figures when they arrive (a round
+later in the async modes); it is written once complete, one round late, so reading its
+device values (the eval loss) never stalls the devices.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
   if "eval_loss" in r:
     floor = f" (floor {r['floor']:.4f})" if r.get("floor") is not None else ""
     parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
-  if "replicas" in r:  # elastic mode: the replicas in this round's mean
-    parts.append(f"{int(r['replicas'])} replicas")
+  parts += [f"{int(r[k])} {unit}" for k, unit in (  # elastic: the replicas in the round's
+      ("replicas", "replicas"), ("live_hosts", "hosts")) if k in r]  # mean, hosts in its sum
   if len(set(r.get("hosts_steps", ()))) > 1:  # balance 'speed': the slowest and fastest host's
     parts.append(f"steps/host {min(r['hosts_steps'])}-{max(r['hosts_steps'])}")
   parts.append(f"{format_count(r['tokens_per_sec'])} tok/s" + (

@@ -34,7 +34,7 @@ GROUPS = {
               "skipped_rounds"),
     "comm": ("bytes_sent", "bytes_peak", "collective_time", "overlap", "overlap_steps",
              "fragments_synced"),
-    "hosts": ("replicas", "anchor_hash_time", "anchor_check_time", "hosts_steps",
+    "hosts": ("replicas", "live_hosts", "anchor_hash_time", "anchor_check_time", "hosts_steps",
               "hosts_tokens", "hosts_busy", "hosts_idle"),
     "checkpoint": ("checkpoint_blocking",),
     "memory": ("device_peak_bytes",),

@@ -262,6 +262,18 @@ def differing_fields(described: list[dict[str, Any]]) -> dict[str, list[Any]]:
           if len({json.dumps(d.get(f, "<missing>"), default=str) for d in described}) > 1}
 
 
+def check_same_config_over(allgather, me: int, fields: dict[str, Any]) -> None:
+  """`check_same_config` for a live job, whose hosts have no coordination service:
+  every host's description crosses `allgather` ([hosts, *x.shape] in host order), so
+  every host sees every difference and all refuse alike."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  mine = np.frombuffer(json.dumps(describe(fields), default=str).encode(), np.uint8)
+  sizes = allgather(np.array([mine.size], np.int64))[:, 0]
+  rows = allgather(np.pad(mine, (0, int(sizes.max()) - mine.size)))
+  described = [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes)]
+  _refuse_differences(me, described)
+
+
 def check_same_config(fields: dict[str, Any], timeout_s: int) -> None:
   """Stops every host with a StartupError if any two hosts resolved different configs
   (`fields`: this host's, flattened)."""
@@ -278,6 +290,10 @@ def check_same_config(fields: dict[str, Any], timeout_s: int) -> None:
                        f"{e}") from None
   # Nobody leaves (and takes the coordination service down) before everyone has read.
   client.wait_at_barrier("diloco_jax/config_compared", timeout_s * 1000)
+  _refuse_differences(me, described)
+
+
+def _refuse_differences(me: int, described: list[dict[str, Any]]) -> None:
   diff = differing_fields(described)
   if diff:
     lines = [f"  {f}: " + ", ".join(f"host {h}={v!r}" for h, v in enumerate(values))

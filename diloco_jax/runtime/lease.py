@@ -1,0 +1,138 @@
+"""This host's membership in a live job: its lease at the coordinator (runtime/coordinator.py).
+
+`Lease.start` registers with the coordinator under the host id the launcher gave, and waits
+until the job's first epoch holds every host it was started with. From then on a thread
+heartbeats well within the lease and keeps the newest epoch the coordinator announced; the
+collectives (`wire/epochs.py`) ask it two things: whether the op they wait on can still
+complete (`interrupt`: a member of its epoch has been dropped, or the coordinator is lost)
+and, after each op, the coordinator's verdict on it (`commit`).
+
+Losing the coordinator ends the run on this host, with one line: its verdicts are what keeps
+the hosts in step, and a host that trained on without them could commit an op its peers redo.
+Checkpoints already written are untouched (each is written whole, then renamed).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from diloco_jax import errors
+from diloco_jax.runtime import coordinator_client
+from diloco_jax.runtime import security
+
+
+class MembershipError(errors.DilocoError, RuntimeError):
+  """This host is no longer in the job: the coordinator was lost, or dropped this host."""
+  prefix = "Membership"
+
+
+def wire_address(coordinator: str, given: str | None = None) -> str:
+  """host:port where this host's peers reach its wire: `given`, else the address of the
+  interface that routes to the coordinator and a port free on it now."""
+  if given:
+    security.split_address(given)
+    return given
+  host, port = security.split_address(coordinator)
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((host, port))  # no packet is sent: this only picks the route
+    ip = s.getsockname()[0]
+  with socket.socket() as s:
+    s.bind((ip, 0))
+    return f"{ip}:{s.getsockname()[1]}"
+
+
+class Lease:
+  """The registration of host `host` and the thread that renews it."""
+
+  def __init__(self, client: coordinator_client.Client, registration, num_hosts: int):
+    self.client, self.num_hosts = client, num_hosts
+    self.host = registration.host
+    self.address = next(m.address for m in registration.epoch.members if m.host == self.host)
+    self.lease_s = registration.lease_s
+    self.epoch = registration.epoch  # the newest the coordinator announced
+    self.lost: str | None = None  # why this host is out of the job, once it is
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  @classmethod
+  def start(cls, coordinator: str, *, host: int, num_hosts: int,
+            token: security.JoinToken | None, timeout_s: float,
+            address: str | None = None) -> Lease:
+    """Registers, then waits up to `timeout_s` for an epoch of `num_hosts` hosts."""
+    client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s))
+    try:
+      registration = client.register(wire_address(coordinator, address), host)
+    except coordinator_client.CoordinatorError as e:
+      client.close()
+      raise MembershipError(f"host {host}: {e}") from None
+    lease = cls(client, registration, num_hosts)
+    deadline = time.monotonic() + timeout_s
+    while len(lease.epoch.members) < num_hosts:
+      if time.monotonic() > deadline:
+        client.close()
+        raise MembershipError(
+            f"host {host}: only hosts {list(lease.epoch.hosts)} of {num_hosts} registered "
+            f"with the coordinator at {coordinator} within {timeout_s:g} s (did every host "
+            "start, with the same --membership address and join token?)")
+      time.sleep(min(0.05, lease.lease_s / 8))
+      lease._heartbeat()
+    lease._thread = threading.Thread(target=lease._renew, name="lease", daemon=True)
+    lease._thread.start()
+    return lease
+
+  def _heartbeat(self) -> None:
+    try:
+      epoch = self.client.heartbeat()
+    except coordinator_client.CoordinatorError as e:
+      self.lost = str(e)
+      return
+    if epoch is None:
+      self.lost = (f"host {self.host}: the coordinator at {self.client.address} no longer "
+                   "knows this host (its lease ran out, or the coordinator restarted)")
+    elif epoch.number > self.epoch.number:
+      self.epoch = epoch
+
+  def _renew(self) -> None:
+    while not self._stop.wait(self.lease_s / 4) and self.lost is None:
+      self._heartbeat()
+
+  def interrupt(self, members: tuple[int, ...]) -> str | None:
+    """Why an op among `members` cannot complete (None: it may): the coordinator is lost,
+    or a newer epoch has dropped one of them."""
+    if self.lost is not None:
+      return self.lost
+    gone = sorted(set(members) - set(self.epoch.hosts))
+    if gone:
+      return f"the coordinator dropped host(s) {gone} (epoch {self.epoch.number})"
+    return None
+
+  def commit(self, epoch: int, step: int, ok: bool, suspect: int | None):
+    """The coordinator's verdict on op `step` of `epoch` (`coordinator_client.Verdict`)."""
+    if self.lost is not None:
+      raise MembershipError(self.lost)
+    try:
+      verdict = self.client.commit(epoch, step, ok, suspect)
+    except coordinator_client.CoordinatorError as e:
+      self.lost = str(e)
+      raise MembershipError(str(e)) from None
+    if verdict.epoch.number > self.epoch.number:
+      self.epoch = verdict.epoch
+    if self.host not in verdict.epoch.hosts:
+      self.lost = (f"host {self.host}: dropped from the job at epoch {verdict.epoch.number} "
+                   "(its peers found it silent)")
+      raise MembershipError(self.lost)
+    return verdict
+
+  def close(self, leave: bool = True) -> None:
+    """Stops renewing; `leave`: tells the coordinator, so the others need not wait for the
+    lease to run out."""
+    self._stop.set()
+    if leave and self.lost is None:
+      try:
+        self.client.leave()
+      except coordinator_client.CoordinatorError:
+        pass  # it drops this host when the lease runs out
+    self.client.close()
+

@@ -1,0 +1,143 @@
+"""Cross-host sums over the hosts of the current membership epoch, each op committed.
+
+`EpochCollective` has the interface of `collective.HostCollective` (sum, mean, allgather,
+all_to_all, reduce_encoded, connect, bytes_sent) for a live job: its ops run over the epoch
+wire (`peers.Peers`) among the members of the epoch the coordinator announced
+(`runtime/lease.py`), and a host that dies mid-op is dropped without stopping the others.
+
+Every op is a unit that the coordinator commits. A member that finishes op k in epoch e votes
+ok, one whose op failed (a peer went silent or was dropped) votes not ok, and each waits for
+the coordinator's verdict on (e, k), which is the same for every member:
+- commit: every member of e finished the op; each keeps its result (the same bits on every
+  member) and goes on;
+- redo: e ended before that (a member's lease ran out, or it was found silent); each member
+  of the next epoch drops what it got and runs the op again among the new members, whose
+  sum then counts only their replicas (a rider of the sum counts them: `loop/membership.py`).
+So no survivor ever applies a result that another survivor replaced: the hosts cannot end
+up an op (a round) apart. The price is one round trip to the coordinator per op, which also
+waits for the slowest member (as the op itself does).
+
+Like `live.LiveCollective`, `num_hosts` stays the job's host count (replicas keep their
+places in [K] vectors) and `live` lists the hosts of the current epoch; `allgather` returns
+a row per live host, in host order.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from diloco_jax.runtime import lease as lease_lib
+from diloco_jax.wire import collective as collective_lib
+from diloco_jax.wire.epoch import Epoch
+from diloco_jax.wire.epoch import PeerError
+from diloco_jax.wire.epoch import WireError
+from diloco_jax.wire.peers import Peers
+
+
+def wire_epoch(announced) -> Epoch:
+  """The wire's `Epoch` for an epoch the coordinator announced."""
+  return Epoch(announced.number, announced.hosts,
+               tuple(m.address for m in announced.members))
+
+
+class EpochCollective:
+  """Sums and gathers among the live hosts of a job with a membership coordinator."""
+
+  def __init__(self, lease: lease_lib.Lease, *, token=None, timeout_s: float = 600.0,
+               log: Callable[[str], None] | None = None):
+    self.lease, self.token, self.timeout_s = lease, token, timeout_s
+    self.num_hosts, self.host_index = lease.num_hosts, lease.host
+    self.bytes_sent = 0
+    self.step = 0  # ops committed: every member numbers its ops alike
+    self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    self._epoch = wire_epoch(lease.epoch)
+    self._peers: Peers | None = None
+    self.live = list(self._epoch.hosts)
+    self.left: list[int] = []  # hosts that left, in the order they did
+
+  def _open(self) -> Peers:
+    if self._peers is None:
+      extra = {}
+      import inspect  # TODO(lead): remove once Links takes `interrupt`
+      if "interrupt" in inspect.signature(Peers.__init__).parameters:
+        extra["interrupt"] = functools.partial(self.lease.interrupt, self._epoch.hosts)
+      self._peers = Peers(self._epoch, self.host_index, token=self.token,
+                          timeout_s=self.timeout_s, **extra)
+    return self._peers
+
+  def _move_to(self, announced, what: str) -> None:
+    """The verdict's epoch: connections of the last one closed, the next one's opened on
+    the next op."""
+    if announced.number == self._epoch.number:
+      return
+    old = self._epoch
+    self._epoch = wire_epoch(announced)
+    if self._peers is not None:
+      self._peers.close()
+      self._peers = None
+    lost = sorted(set(old.hosts) - set(self._epoch.hosts))
+    self.left.extend(lost)
+    self.live = list(self._epoch.hosts)
+    if lost and self.host_index == min(self.live):
+      self._log(f"WARNING: host(s) {lost} left (epoch {self._epoch.number}); continuing "
+                f"with hosts {self.live}; {what} is done again without them")
+
+  def _unit(self, what: str, op: Callable[[Peers], Any]) -> Any:
+    """`op` among the current epoch's members until the coordinator commits it."""
+    while True:
+      ok, suspect, result = True, None, None
+      peers = None
+      try:
+        peers = self._open()
+        sent = peers.bytes_sent
+        result = op(peers)
+      except PeerError as e:
+        ok, suspect = False, e.host
+      except WireError:
+        ok = False  # the epoch is broken (closed under it, a protocol error): redo
+      finally:
+        if peers is not None:
+          self.bytes_sent += peers.bytes_sent - sent
+      verdict = self.lease.commit(self._epoch.number, self.step, ok, suspect)
+      if verdict.commit:
+        if not ok:  # cannot happen: a commit needs every member's ok vote
+          raise WireError(f"{what}: the coordinator committed op {self.step} that this "
+                          "host failed")
+        self.step += 1
+        self._move_to(verdict.epoch, what)
+        return result
+      self._move_to(verdict.epoch, what)
+
+  # -- collective.HostCollective's interface ---------------------------------------------
+
+  def connect(self, quiet: bool = True) -> None:
+    del quiet
+    sent = self.bytes_sent
+    self.allgather(np.zeros(1, np.uint8))
+    self.bytes_sent = sent
+
+  def sum(self, tree: Any) -> Any:
+    """Σ over the live hosts of each leaf; every host gets the same bytes."""
+    return self._unit("the sum", lambda peers: peers.sum(tree))
+
+  def mean(self, tree: Any) -> Any:
+    return self._unit("the mean", lambda peers: peers.mean(tree))
+
+  def allgather(self, x: np.ndarray) -> np.ndarray:
+    """[live hosts, *x.shape], in host order."""
+    return self._unit("the all-gather", lambda peers: peers.allgather(x))
+
+  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=collective_lib.sum_rows,
+                     **options) -> tuple[np.ndarray, np.ndarray]:
+    return self._unit("the encoded sum",
+                      lambda peers: peers.reduce_encoded(x_R, fmt, reduce, **options))
+
+  def close(self, leave: bool = True) -> None:
+    if self._peers is not None:
+      self._peers.close()
+      self._peers = None
+    self.lease.close(leave)
