@@ -2,15 +2,20 @@
 independent numpy implementations written here, and their invariants."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import diloco_jax
+from diloco_jax.algo import diloco
 from diloco_jax.algo import optim
+from tests.test_simulate import B
+from tests.test_simulate import D
 from tests.test_simulate import H
 from tests.test_simulate import K
 from tests.test_simulate import NumpyAdamW
+from tests.test_simulate import O
 from tests.test_simulate import T
 from tests.test_simulate import inner_config
 from tests.test_simulate import loss_fn
@@ -130,3 +135,89 @@ def test_constant_mock():
   np.testing.assert_allclose(eager.params["w"], 1 - T * eta * H * c, atol=1e-14)
   np.testing.assert_allclose(eager.outer_state.params["w"][0],  # before the drain
                              1 - eta * H * c * (1 / K + (T - 1)), atol=1e-14)
+
+
+# Live membership (docs/algorithms.md §4, "K per round"): replica 3, a host of its own,
+# leaves after round 3, so the means of rounds 1-3 are over K = 4 and the later ones over 3.
+LIVE_KS = (4, 4, 4, 3, 3, 3)  # K_r, the replicas in round r's mean
+LIVE_HOSTS = ((0, 1), (2,), (3,))  # each host's replicas: one with two, two with one
+
+
+def np_eager_live(params, batches, inner, ks=LIVE_KS):
+  """Eager with a K per round, written from §4: in round r every replica still there
+  applies Δ_m/K_{r−1} + (Δ̄^(r−1) − Δ_m^(r−1)/K_{r−1}), Δ̄^(r−1) being divided by
+  K_{r−1} (the static K, ks[0], in round 1). Replicas m ≥ K_r have left by round r.
+  Returns (θ_m after the last round, θ_m after the drain) of the replicas still there."""
+  theta = [{n: v.copy() for n, v in params.items()} for _ in range(ks[0])]
+  buf = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(ks[0])]
+  prev = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(ks[0])]
+  prev_mean = {n: np.zeros_like(v) for n, v in params.items()}
+  opts = [NumpyAdamW(inner, len(ks) * H, params) for _ in range(ks[0])]
+  k_prev = ks[0]
+  for t, k in enumerate(ks):
+    deltas = []
+    for m in range(k):
+      local = inner_phase(theta[m], opts[m], batches, t, m)
+      deltas.append({n: theta[m][n] - local[n] for n in params})
+    for m in range(k):
+      grad = {n: deltas[m][n] / k_prev + (prev_mean[n] - prev[m][n] / k_prev)
+              for n in params}
+      theta[m], buf[m] = nesterov(theta[m], buf[m], grad)
+    prev = deltas
+    prev_mean = {n: sum(d[n] for d in deltas) / k for n in params}
+    k_prev = k
+  final = [{n: theta[m][n] - LR * (1 + MU) * (prev_mean[n] - prev[m][n] / k_prev)
+            for n in params} for m in range(ks[-1])]
+  return theta[:ks[-1]], final
+
+
+@pytest.mark.device
+def test_eager_with_k_per_round_matches_numpy_float64():
+  """The rule driven as `OuterStep` drives it on each host, given each arrived mean's K
+  as an int32 array, against `np_eager_live`; one compiled outer step for every K."""
+  rng = np.random.default_rng(7)
+  shape = (len(LIVE_KS), LIVE_KS[0], H, B, D)
+  batches = {"x": rng.normal(size=shape), "y": rng.normal(size=shape[:-1] + (O,))}
+  params = {"w": rng.normal(size=(D, O)) * 0.1, "b": np.zeros(O)}
+  inner = inner_config()
+  opts = [NumpyAdamW(inner, len(LIVE_KS) * H, params) for _ in range(LIVE_KS[0])]
+  rule = diloco.Eager(optax.sgd(LR, momentum=MU, nesterov=True), LIVE_KS[0])
+  traces = []
+
+  def apply(*args):
+    traces.append((args[2] is None, len(args[1]["w"])))
+    return rule.apply(*args)
+
+  apply, drain = jax.jit(apply), jax.jit(rule.drain)
+  anchor = jax.tree.map(jnp.asarray, params)
+  states = [rule.init(anchor, len(replicas)) for replicas in LIVE_HOSTS]
+  mean, k = None, np.int32(LIVE_KS[0])  # round 1: no mean yet, the static K
+  for t, k_t in enumerate(LIVE_KS):
+    live = [h for h, replicas in enumerate(LIVE_HOSTS) if max(replicas) < k_t]
+    sent = []
+    for h in live:
+      start = jax.tree.map(np.asarray, rule.start(states[h]))
+      deltas_R = {n: [] for n in params}
+      for i, m in enumerate(LIVE_HOSTS[h]):
+        own = {n: v[i] for n, v in start.items()}
+        local = inner_phase(own, opts[m], batches, t, m)
+        for n in params:
+          deltas_R[n].append(own[n] - local[n])
+      deltas_R = {n: jnp.asarray(np.stack(v)) for n, v in deltas_R.items()}
+      states[h] = apply(states[h], deltas_R, mean, k)
+      sent.append(deltas_R)
+    total = jax.tree.map(lambda *d: jnp.concatenate(d), *sent)
+    mean, k = diloco.divide(diloco.replica_sum(total), k_t), np.int32(k_t)
+  # One trace per shape (R = 2 or 1) and mean or none: K is an argument, not a constant.
+  assert sorted(traces) == [(False, 1), (False, 2), (True, 1), (True, 2)]
+
+  expected_theta, expected_final = np_eager_live(params, batches, inner)
+  hosts_left = [h for h, replicas in enumerate(LIVE_HOSTS) if max(replicas) < LIVE_KS[-1]]
+  theta = [states[h].params for h in hosts_left]
+  final = [rule.final(drain(states[h], mean, k)) for h in hosts_left]
+  rows = lambda trees: [{n: np.asarray(tree[n][i]) for n in params}
+                        for tree in trees for i in range(len(tree["w"]))]
+  for got, want in zip(rows(theta) + rows(final), expected_theta + expected_final,
+                       strict=True):
+    for n in params:
+      np.testing.assert_allclose(got[n], want[n], atol=1e-10, rtol=0)

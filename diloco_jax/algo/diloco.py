@@ -5,7 +5,7 @@ No I/O, no threads. A rule is one mode's outer step over its state (a flax.struc
 the same rule with the mean coming from the other hosts. So each mode's schedule is
 written once, here, and gives the same numbers wherever it runs.
 
-The interface every rule has (optimizer and K fixed when the rule is made):
+The interface every rule has (optimizer and static K fixed when the rule is made):
   delay        rounds between sending a round's Δ and applying its mean: 0 waits for it
                (sync), 1 applies it one round late (delayed, eager).
   per_replica  whether the state holds one set of outer params per replica ([R, ...]: eager)
@@ -13,11 +13,14 @@ The interface every rule has (optimizer and K fixed when the rule is made):
   init         (anchor, R) -> state, for the R replicas held here.
   start        state -> where the replicas start their next inner phase, which is also
                what Δ is measured against: the anchor, or [R, ...] per replica.
-  apply        (state, Δ_R, mean) -> state: one outer step, given this host's Δ_m and the
-               mean that arrived (this round's when delay = 0, the previous round's when
-               delay = 1; None when nothing arrived or it was skipped).
-  drain        (state, mean) -> state: the end of the run, when the mean still in flight
-               after the last inner phase arrives (None: there is none, or it was skipped).
+  apply        (state, Δ_R, mean, replicas=None) -> state: one outer step, given this
+               host's Δ_m and the mean that arrived (this round's when delay = 0, the
+               previous round's when delay = 1; None when nothing arrived or it was
+               skipped), and the K that mean was divided by (`Arrived.replicas`; None: the
+               static K). Only eager uses K: the others apply the mean alone.
+  drain        (state, mean, replicas=None) -> state: the end of the run, when the mean
+               still in flight after the last inner phase arrives (None: there is none, or
+               it was skipped).
   final        state -> the trained params (per replica when per_replica).
   model        state -> the params to evaluate during the run.
   split, join  state <-> (what every host holds bit for bit, what is this host's own).
@@ -90,12 +93,16 @@ def outer_update(outer_optimizer: optax.GradientTransformation,
 
 
 def eager_gradients(deltas_R: Params, prev_mean: Params, prev_deltas_R: Params,
-                    num_replicas: int) -> Params:
+                    num_replicas: int | jax.Array) -> Params:
   """docs/algorithms.md §4, per replica m: Δ̃_m = Δ_m/K + (Δ̄_prev − Δ_m,prev/K).
 
   The replica's fresh Δ stands in (weight 1/K) for its own stale contribution to the
   delayed mean of round r−1. In this form K = 1 is sync DiLoCo bit for bit: Δ̄_prev and
   Δ_m,prev are then the same number, so the bracket is exactly 0.
+
+  K is the K that Δ̄_prev was divided by: a Python int, or a traced int32 scalar where
+  membership is live (§4, "K per round"). Either is cast to Δ's dtype before the
+  division, so equal K give equal bits and one compiled program serves every K.
   """
   def one(d_R, mean, prev_R):
     k = jnp.asarray(num_replicas, d_R.dtype)
@@ -106,7 +113,7 @@ def eager_gradients(deltas_R: Params, prev_mean: Params, prev_deltas_R: Params,
 
 def eager_update(outer_optimizer: optax.GradientTransformation,
                  eager: state_lib.EagerState, deltas_R: Params, prev_mean: Params,
-                 num_replicas: int) -> state_lib.EagerState:
+                 num_replicas: int | jax.Array) -> state_lib.EagerState:
   """One eager outer step of every replica held here (leading axis R): each applies its
   own Δ̃_m with its own outer optimizer state, from its own start point θ_m."""
   grads_R = eager_gradients(deltas_R, prev_mean, eager.prev_deltas, num_replicas)
@@ -140,6 +147,22 @@ def eager_drain(outer_optimizer: optax.GradientTransformation, eager: state_lib.
     return optax.apply_updates(params, updates)
 
   return jax.lax.map(lambda a: one(*a), (eager.params, grads_R))
+
+
+def restate_share(prev_deltas_R: Params, replicas: jax.Array, num_replicas: int) -> Params:
+  """Δ_m,prev · K/K_r: a replica's share Δ_m,prev/K_r of a mean divided by K_r, written
+  so that `eager_drain`, which divides by the static K, takes exactly that share.
+
+  Keeps K_r out of the saved state (docs/algorithms.md §4, "K per round"). With K_r = K
+  the factor is exactly 1.0, so the bits are those of the undivided Δ_m,prev. The factor
+  is formed in at least float32: a bfloat16 4/3 would be off by 0.2%.
+  """
+  def one(d):
+    dtype = jnp.promote_types(d.dtype, jnp.float32)
+    factor = jnp.asarray(num_replicas, dtype) / jnp.asarray(replicas, dtype)
+    return (d.astype(dtype) * factor).astype(d.dtype)
+
+  return jax.tree.map(one, prev_deltas_R)
 
 
 def finite_replicas(deltas_R: Params) -> jax.Array:
@@ -184,12 +207,13 @@ class Sync:
     return state.anchor
 
   def apply(self, state: state_lib.OuterState, deltas_R: Params | None,
-            mean: Params | None) -> state_lib.OuterState:
-    del deltas_R  # only the mean moves the anchor
+            mean: Params | None, replicas: jax.Array | None = None) -> state_lib.OuterState:
+    del deltas_R, replicas  # only the mean moves the anchor, whatever K it is over
     return state if mean is None else outer_update(self.optimizer, state, mean)
 
-  def drain(self, state: state_lib.OuterState, mean: Params | None) -> state_lib.OuterState:
-    return self.apply(state, None, mean)
+  def drain(self, state: state_lib.OuterState, mean: Params | None,
+            replicas: jax.Array | None = None) -> state_lib.OuterState:
+    return self.apply(state, None, mean, replicas)
 
   def final(self, state: state_lib.OuterState) -> Params:
     return state.anchor
@@ -220,6 +244,10 @@ class Eager:
 
   A mean of None (round 1, or a round skipped for NaN) makes the delayed term exactly 0:
   Δ̄ = 0 and Δ_m,prev = 0, so the replica applies Δ_m/K alone.
+
+  K is per round (§4, "K per round"): the K the arrived mean was divided by divides both
+  the stale share and the fresh term; the static `num_replicas` where no K is given or
+  no mean arrived.
   """
   optimizer: optax.GradientTransformation
   num_replicas: int
@@ -232,20 +260,29 @@ class Eager:
   def start(self, state: state_lib.EagerState) -> Params:
     return state.params
 
-  def _arrived(self, state: state_lib.EagerState, mean: Params | None):
+  def _arrived(self, state: state_lib.EagerState, mean: Params | None,
+               replicas: jax.Array | None):
+    """(state, the mean, its K): zeros and the static K where no mean arrived."""
     if mean is not None:
-      return state, mean
+      return state, mean, self.num_replicas if replicas is None else replicas
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-    return state.replace(prev_deltas=zeros(state.prev_deltas)), zeros(state.prev_mean)
+    return (state.replace(prev_deltas=zeros(state.prev_deltas)), zeros(state.prev_mean),
+            self.num_replicas)
 
-  def apply(self, state: state_lib.EagerState, deltas_R: Params,
-            mean: Params | None) -> state_lib.EagerState:
-    state, mean = self._arrived(state, mean)
-    return eager_update(self.optimizer, state, deltas_R, mean, self.num_replicas)
+  def apply(self, state: state_lib.EagerState, deltas_R: Params, mean: Params | None,
+            replicas: jax.Array | None = None) -> state_lib.EagerState:
+    state, mean, k = self._arrived(state, mean, replicas)
+    return eager_update(self.optimizer, state, deltas_R, mean, k)
 
-  def drain(self, state: state_lib.EagerState, mean: Params | None) -> state_lib.EagerState:
-    """Records the last mean; `final` then swaps each replica's proxy for it."""
-    state, mean = self._arrived(state, mean)
+  def drain(self, state: state_lib.EagerState, mean: Params | None,
+            replicas: jax.Array | None = None) -> state_lib.EagerState:
+    """Records the last mean; `final` then swaps each replica's proxy for it. A K other
+    than the static one is folded into Δ_m,prev (`restate_share`), where `final`, and a
+    read of the finished checkpoint, find it without a field of its own."""
+    if mean is not None and replicas is not None:
+      state = state.replace(prev_deltas=restate_share(state.prev_deltas, replicas,
+                                                      self.num_replicas))
+    state, mean, _ = self._arrived(state, mean, replicas)
     return state.replace(prev_mean=mean)
 
   def final(self, state: state_lib.EagerState) -> Params:
