@@ -323,3 +323,38 @@ def test_a_killed_peer_is_named_within_the_timeout_and_the_survivors_go_on():
   assert timeout <= waited < timeout + 3
   for got in survivors:
     np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
+
+
+@pytest.mark.parametrize("stage", ["start", "sum"])
+def test_an_interrupt_ends_a_wait_for_a_silent_peer_at_once(stage):
+  """Host 1 never answers (start: it is not there; sum: it shook hands, then sends
+  nothing). From 0.3 s on, the interrupt hook gives a reason: host 0's wait ends with a
+  PeerError naming host 1 and that reason within about a second, not the 30 s timeout, and
+  the epoch is broken afterwards."""
+  epoch = make_epoch([0, 1])
+  silent = Peers(epoch, 1, token=TOKEN, timeout_s=30) if stage == "sum" else None
+  start = [float("inf")]  # set when host 0 starts the op that host 1 ignores
+
+  def interrupt():
+    late = time.monotonic() - start[0] > 0.3
+    return "the coordinator dropped host(s) [1] (epoch 2)" if late else None
+
+  p0 = Peers(epoch, 0, token=TOKEN, timeout_s=30, interrupt=interrupt)
+  try:
+    if silent is not None:
+      run_all([p0.connect, silent.connect])
+    start[0] = time.monotonic()
+    with pytest.raises(PeerError) as e:
+      p0.allreduce_sum(np.ones(8, np.float32))
+    waited = time.monotonic() - start[0]
+    with pytest.raises(WireError, match="epoch 1 is unusable"):
+      p0.allgather(np.zeros(1))
+  finally:
+    p0.close()
+    if silent is not None:
+      silent.close()
+  during = "the epoch's start" if stage == "start" else "a sum (reduce-scatter)"
+  assert (e.value.host, e.value.epoch) == (1, 1)
+  assert str(e.value) == (f"epoch 1: interrupted while waiting for host 1 during {during}: "
+                          "the coordinator dropped host(s) [1] (epoch 2) (seen from host 0)")
+  assert 0.3 <= waited < 1.0, waited

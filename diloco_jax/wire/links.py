@@ -2,13 +2,21 @@
 a PUSH socket to each peer, the HELLO handshake, chunked zero-copy sends, the checks and
 the deadlines of every receive (the design: `wire/peers.py`'s docstring). `peers.Peers`
 builds the collectives on these messages.
+
+Threads. A reader thread owns the PULL socket: it takes each frame as it arrives, checks it
+(`frames.check`, the MAC included) in arrival order and files it in its sender's inbox. So a
+peer's chunks are verified while this host is still sealing its own (the collectives' thread
+owns the PUSH sockets): on a keyed wire the two hashes, the dominant cost, overlap instead of
+taking turns. hashlib releases the GIL for large buffers, so the two run in parallel.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import os
 import re
+import threading
 import time
 from typing import Callable
 
@@ -25,7 +33,9 @@ from diloco_jax.wire.epoch import epoch_key
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK = 1 << 20
 HELLO_EVERY_S = 0.05
+INTERRUPT_EVERY_S = 0.1  # how often a wait asks `interrupt` whether to give up
 BIND_RETRY_S = 5.0  # the last epoch's listener on the same port may still be closing
+
 
 def _warn(line: str) -> None:
   from absl import logging  # pylint: disable=import-outside-toplevel
@@ -38,11 +48,17 @@ def as_bytes(a: np.ndarray) -> memoryview:
 
 
 class Links:
-  """One epoch's connections, seen from member `host`."""
+  """One epoch's connections, seen from member `host`.
+
+  `interrupt`, if given, is asked at least every `INTERRUPT_EVERY_S` while waiting for a
+  peer; a reason (a string) ends the wait with `PeerError` naming the awaited peer (a
+  membership layer that already knows a member is gone need not wait out `timeout_s`).
+  """
 
   def __init__(self, epoch: Epoch, host: int, *, token=None,
                timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK,
-               context: zmq.Context | None = None, log: Callable[[str], None] = _warn):
+               context: zmq.Context | None = None, log: Callable[[str], None] = _warn,
+               interrupt: Callable[[], str | None] | None = None):
     if not 0 < chunk_bytes <= frames.MAX_CHUNK:
       raise WireError(f"chunk_bytes={chunk_bytes}: must be in 1..{frames.MAX_CHUNK}")
     if not timeout_s > 0:
@@ -51,13 +67,16 @@ class Links:
     self.host_index = epoch.rank(host)
     self.num_hosts = epoch.size
     self.timeout_s, self.chunk_bytes, self._log = float(timeout_s), chunk_bytes, log
+    self._interrupt, self._asked = interrupt, 0.0
     self._key = epoch_key(token, epoch.number)
     self._members = set(epoch.hosts)
     self._seq_out: dict[int, int] = collections.defaultdict(int)
     self._seq_in: dict[int, int] = {}
     self._inbox: dict[int, collections.deque] = {h: collections.deque() for h in epoch.hosts}
+    self._arrived = threading.Condition()  # the reader files a frame or a HELLO
     self._trackers: list[tuple[int, zmq.MessageTracker]] = []
     self._broken: WireError | None = None
+    self._reader_failed: BaseException | None = None
     self._ready = epoch.size == 1
     self._heard: set[int] = set()  # peers whose HELLO arrived
     self._answered: set[int] = set()  # peers that said they heard ours
@@ -80,6 +99,10 @@ class Links:
         s.setsockopt(zmq.LINGER, linger)
         s.setsockopt(zmq.RECONNECT_IVL, 20)
         s.connect(endpoint(address))
+    self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
+    self._reader = threading.Thread(target=self._read, daemon=True,
+                                    name=f"wire epoch {epoch.number} host {host}")
+    self._reader.start()
 
   def _bind(self, where: str) -> None:
     deadline = time.monotonic() + BIND_RETRY_S
@@ -95,6 +118,13 @@ class Links:
         time.sleep(0.02)
 
   def close(self) -> None:
+    if self._reader.is_alive():
+      os.write(self._wake_w, b"x")
+      self._reader.join()  # the reader's socket is closed only once it stopped using it
+    if self._wake_w >= 0:
+      os.close(self._wake_r)
+      os.close(self._wake_w)
+      self._wake_r = self._wake_w = -1
     for s in [self._pull, *self._push.values()]:
       s.close()
     self._broken = self._broken or WireError(f"epoch {self.epoch.number} is closed")
@@ -105,12 +135,12 @@ class Links:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  # -- messages ------------------------------------------------------------------------
+  # -- sending -------------------------------------------------------------------------
 
-  def _send(self, dst: int, kind: int, buf: memoryview) -> None:
-    total, sock = buf.nbytes, self._push[dst]
-    for offset in range(0, max(total, 1), self.chunk_bytes):
-      piece = buf[offset:offset + self.chunk_bytes]
+  def _send(self, dst: int, kind: int, buf: memoryview, chunk: int | None = None) -> None:
+    total, sock, chunk = buf.nbytes, self._push[dst], chunk or self.chunk_bytes
+    for offset in range(0, max(total, 1), chunk):
+      piece = buf[offset:offset + chunk]
       header = frames.Header(kind, self.epoch.number, self.host, dst, self._seq_out[dst],
                              total, offset)
       self._seq_out[dst] += 1
@@ -118,6 +148,34 @@ class Links:
       self._trackers.append((dst, sock.send_multipart(parts, copy=False, track=True)))
       self.bytes_sent += piece.nbytes
       self.frame_bytes += sum(memoryview(p).nbytes for p in parts)
+
+  def _hello(self, dst: int) -> None:
+    header = frames.Header(frames.HELLO, self.epoch.number, self.host, dst, 0, 1, 0)
+    answer = b"\1" if dst in self._heard else b"\0"
+    self._push[dst].send_multipart(frames.seal(header, answer, self._key))
+
+  # -- the reader thread -----------------------------------------------------------------
+
+  def _read(self) -> None:
+    """Files every frame that arrives until close() (the reader thread)."""
+    poller = zmq.Poller()
+    poller.register(self._pull, zmq.POLLIN)
+    poller.register(self._wake_r, zmq.POLLIN)
+    try:
+      while True:
+        ready = dict(poller.poll())
+        if self._wake_r in ready:
+          return
+        while True:  # all that is queued, then back to the poller
+          try:
+            msg = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+          except zmq.Again:
+            break
+          self._accept(msg)
+    except BaseException as e:  # noqa: BLE001 -- a waiting caller reports it
+      with self._arrived:
+        self._reader_failed = e
+        self._arrived.notify_all()
 
   def _accept(self, msg: list) -> None:
     try:
@@ -137,36 +195,55 @@ class Links:
         self._log(f"wire: epoch {self.epoch.number}, host {self.host}: dropped a frame "
                   f"from {address}{who}: {d}")
       return
-    if header.kind == frames.HELLO:
-      self._heard.add(header.sender)
-      if bytes(payload) == b"\1":
-        self._answered.add(header.sender)
-      return
-    self._inbox[header.sender].append((header, payload))
+    with self._arrived:
+      if header.kind == frames.HELLO:
+        self._heard.add(header.sender)
+        if bytes(payload) == b"\1":
+          self._answered.add(header.sender)
+      else:
+        self._inbox[header.sender].append((header, payload))
+      self._arrived.notify_all()
 
-  def _hello(self, dst: int) -> None:
-    header = frames.Header(frames.HELLO, self.epoch.number, self.host, dst, 0, 1, 0)
-    answer = b"\1" if dst in self._heard else b"\0"
-    self._push[dst].send_multipart(frames.seal(header, answer, self._key))
+  # -- waiting ---------------------------------------------------------------------------
+
+  def _wait(self, until: float, host: int, what: str) -> None:
+    """Waits (holding `_arrived`) for the reader's next frame, `until` at the latest, and
+    asks `interrupt` on the way."""
+    if self._reader_failed is not None:
+      raise WireError(f"epoch {self.epoch.number}: host {self.host} stopped receiving: "
+                      f"{self._reader_failed!r}")
+    self._check_interrupt(host, what)
+    self._arrived.wait(max(0.0, min(until - time.monotonic(), INTERRUPT_EVERY_S)))
+
+  def _check_interrupt(self, host: int, what: str) -> None:
+    now = time.monotonic()
+    if self._interrupt is None or now - self._asked < INTERRUPT_EVERY_S:
+      return
+    self._asked = now
+    reason = self._interrupt()
+    if reason:
+      raise PeerError(f"epoch {self.epoch.number}: interrupted while waiting for host {host} "
+                      f"during {what}: {reason} (seen from host {self.host})",
+                      epoch=self.epoch.number, host=host)
 
   def _handshake(self) -> None:
     """HELLOs until every peer has heard this host (module docstring)."""
     deadline, resend = time.monotonic() + self.timeout_s, 0.0
-    while self._answered != set(self._push):
-      now = time.monotonic()
-      if now >= deadline:
+    with self._arrived:
+      while self._answered != set(self._push):
         late = [h for h in self.epoch.hosts if h in self._push and h not in self._answered]
-        raise PeerError(
-            f"epoch {self.epoch.number}: host {late[0]} ({self.epoch.address(late[0])}) did "
-            f"not answer for {self.timeout_s:g} s at the epoch's start: it died, is not "
-            f"there yet, or holds another join token (seen from host {self.host})",
-            epoch=self.epoch.number, host=late[0])
-      if now >= resend:
-        for dst in self._push:
-          self._hello(dst)
-        resend = now + HELLO_EVERY_S
-      if self._pull.poll(max(1, int(1000 * (min(resend, deadline) - now)))):
-        self._accept(self._pull.recv_multipart(copy=False))
+        now = time.monotonic()
+        if now >= deadline:
+          raise PeerError(
+              f"epoch {self.epoch.number}: host {late[0]} ({self.epoch.address(late[0])}) did "
+              f"not answer for {self.timeout_s:g} s at the epoch's start: it died, is not "
+              f"there yet, or holds another join token (seen from host {self.host})",
+              epoch=self.epoch.number, host=late[0])
+        if now >= resend:
+          for dst in self._push:
+            self._hello(dst)
+          resend = now + HELLO_EVERY_S
+        self._wait(min(resend, deadline), late[0], "the epoch's start")
     for dst in self._push:  # the answer each peer may still wait for; it arrives now
       self._hello(dst)
     self._ready = True
@@ -174,49 +251,64 @@ class Links:
   def _next(self, src: int, kind: int, what: str) -> tuple[frames.Header, memoryview]:
     """src's next accepted frame, waiting at most `timeout_s` of silence."""
     inbox, deadline = self._inbox[src], time.monotonic() + self.timeout_s
-    while not inbox:
-      left = deadline - time.monotonic()
-      if left <= 0:
-        raise PeerError(
-            f"epoch {self.epoch.number}: host {src} ({self.epoch.address(src)}) sent nothing "
-            f"for {self.timeout_s:g} s during {what}: it died, went silent or left the "
-            f"epoch (seen from host {self.host})", epoch=self.epoch.number, host=src)
-      if self._pull.poll(max(1, int(left * 1000))):
-        self._accept(self._pull.recv_multipart(copy=False))
-    header, payload = inbox.popleft()
+    with self._arrived:
+      while not inbox:
+        if time.monotonic() >= deadline:
+          raise PeerError(
+              f"epoch {self.epoch.number}: host {src} ({self.epoch.address(src)}) sent "
+              f"nothing for {self.timeout_s:g} s during {what}: it died, went silent or left "
+              f"the epoch (seen from host {self.host})", epoch=self.epoch.number, host=src)
+        self._wait(deadline, src, what)
+      header, payload = inbox.popleft()
     if header.kind != kind:
       raise WireError(f"epoch {self.epoch.number}: host {src} sent a "
                       f"{frames.KINDS[header.kind]} where host {self.host} expects "
                       f"{frames.KINDS[kind]} ({what}): the members are out of step")
     return header, payload
 
-  def _recv_into(self, src: int, kind: int, out: memoryview | None, what: str) -> memoryview:
-    """One message from `src` into `out` (its size must match; None: a new buffer)."""
+  def _chunks(self, src: int, kind: int, nbytes: int | None, what: str):
+    """(offset, payload) of each chunk of one message from `src`, as each arrives; its
+    size must be `nbytes` (None: any). The first item is the message's total size."""
     header, payload = self._next(src, kind, what)
-    if out is None:
-      out = memoryview(bytearray(header.total))
-    if header.total != out.nbytes:
+    if nbytes is not None and header.total != nbytes:
       raise WireError(f"epoch {self.epoch.number}: host {src} sent {header.total} bytes for "
-                      f"{what}, host {self.host} expects {out.nbytes} (shapes differ)")
+                      f"{what}, host {self.host} expects {nbytes} (shapes differ)")
+    yield header.total
     got = 0
     while True:
       if header.offset != got:
         raise WireError(f"epoch {self.epoch.number}: host {src}'s {what} chunk at offset "
                         f"{header.offset}, expected {got}")
-      out[got:got + payload.nbytes] = payload
+      yield got, payload
       got += payload.nbytes
       if got >= header.total:
-        return out
+        return
       header, payload = self._next(src, kind, what)
+
+  def _recv_into(self, src: int, kind: int, out: memoryview | None, what: str) -> memoryview:
+    """One message from `src` into `out` (its size must match; None: a new buffer)."""
+    chunks = self._chunks(src, kind, None if out is None else out.nbytes, what)
+    total = next(chunks)
+    if out is None:
+      out = memoryview(bytearray(total))
+    for offset, payload in chunks:
+      out[offset:offset + payload.nbytes] = payload
+    return out
 
   def _settle(self, what: str) -> None:
     """Waits until zmq has released every buffer handed to it (the caller's may change)."""
     deadline = time.monotonic() + self.timeout_s
     for dst, tracker in self._trackers:
-      try:
-        tracker.wait(max(0.0, deadline - time.monotonic()))
-      except zmq.NotDone:
-        raise PeerError(f"epoch {self.epoch.number}: host {dst} ({self.epoch.address(dst)}) "
-                        f"took nothing for {self.timeout_s:g} s during {what} (seen from host "
-                        f"{self.host})", epoch=self.epoch.number, host=dst) from None
+      while not tracker.done:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise PeerError(f"epoch {self.epoch.number}: host {dst} "
+                          f"({self.epoch.address(dst)}) took nothing for {self.timeout_s:g} s "
+                          f"during {what} (seen from host {self.host})",
+                          epoch=self.epoch.number, host=dst)
+        self._check_interrupt(dst, what)
+        try:
+          tracker.wait(min(left, INTERRUPT_EVERY_S))
+        except zmq.NotDone:
+          pass
     self._trackers.clear()

@@ -21,6 +21,7 @@ Collectives (every member issues the same ones in the same order, as on today's 
 
 Large buffers go zero-copy (zmq `copy=False`) in chunks of `chunk_bytes`; a collective
 returns once zmq has released every buffer it was given (the caller may then reuse them).
+A sum adds each received chunk into its result as it arrives, straight from the frame.
 
 Start of an epoch: a PUSH socket may first connect to the peer's listener of the last epoch
 (same port, not yet closed), and whatever it sends there is lost with it. So before the
@@ -30,7 +31,9 @@ this epoch, and frames on it arrive in order. Construction itself waits for nobo
 
 Failure: every wait for a peer's frame has a deadline, `timeout_s` of silence from that
 peer; past it, `PeerError` names the peer, its address and the epoch (a membership layer
-drops it and opens the next epoch). After any failure the epoch is broken: every later
+drops it and opens the next epoch). A membership layer that learns sooner that a member is
+gone passes `interrupt` (`links.Links`), which every wait asks at least every 100 ms: its
+reason ends the wait with `PeerError` at once, so `timeout_s` can be long. After any failure the epoch is broken: every later
 collective raises at once instead of waiting for a peer that is out of step.
 """
 
@@ -79,23 +82,40 @@ class Peers(Links):
     flat, n, me = np.ascontiguousarray(x).reshape(-1), self.num_hosts, self.host_index
     bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.empty(flat.size, bool), n)])
     span = [slice(int(bounds[i]), int(bounds[i + 1])) for i in range(n)]
-    hosts = self.epoch.hosts
-    for i in range(n):
+    hosts, item = self.epoch.hosts, flat.dtype.itemsize
+    chunk = max(item, self.chunk_bytes - self.chunk_bytes % item)  # whole entries, so
+    for i in range(n):  # each chunk is added as it arrives
       if i != me:
-        self._send(hosts[i], frames.SCATTER, as_bytes(flat[span[i]]))
-    total = None
+        self._send(hosts[i], frames.SCATTER, as_bytes(flat[span[i]]), chunk)
+    out = np.empty_like(flat)
+    own, total = flat[span[me]], out[span[me]]  # this host's chunk, summed in place
+    if n == 1:
+      total[:] = own
+    what = "a sum (reduce-scatter)"
     for i in range(n):  # host order: the same rounding on every member
       if i == me:
-        part = flat[span[me]]
-      else:
-        part = np.empty(span[me].stop - span[me].start, flat.dtype)
-        self._recv_into(hosts[i], frames.SCATTER, as_bytes(part), "a sum (reduce-scatter)")
-      total = part.copy() if total is None else np.add(total, part, out=total)
+        if i > 0:
+          np.add(total, own, out=total)
+        continue
+      chunks = self._chunks(hosts[i], frames.SCATTER, total.nbytes, what)
+      next(chunks)
+      for offset, payload in chunks:
+        if offset % item or payload.nbytes % item:
+          raise WireError(f"epoch {self.epoch.number}: host {hosts[i]} sent a chunk of "
+                          f"{payload.nbytes} bytes at offset {offset} for {what}: not whole "
+                          f"{flat.dtype} entries")
+        part = np.frombuffer(payload, flat.dtype)
+        at = slice(offset // item, offset // item + part.size)
+        seg = total[at]
+        if i == 0:
+          seg[:] = part
+        elif i == 1 and me == 0:  # x_0 + x_1 straight from the frame: x_0 is not copied
+          np.add(own[at], part, out=seg)
+        else:
+          np.add(seg, part, out=seg)
     for i in range(n):
       if i != me:
-        self._send(hosts[i], frames.GATHER, as_bytes(total))
-    out = np.empty_like(flat)
-    out[span[me]] = total
+        self._send(hosts[i], frames.GATHER, as_bytes(total), chunk)
     for i in range(n):
       if i != me:
         self._recv_into(hosts[i], frames.GATHER, as_bytes(out[span[i]]), "a sum (all-gather)")
