@@ -16,7 +16,9 @@ from diloco_jax.device import inner
 from diloco_jax.modes import base
 from diloco_jax.modes import ddp
 from diloco_jax.modes import host
+from diloco_jax.modes import outer
 from diloco_jax.modes import registry
+from diloco_jax.modes import skips
 
 # Every member the round loop, the rejoin and the model reader may use on a driver.
 MEMBERS = sorted({name for name in vars(base.Driver) if not name.startswith("_")}
@@ -79,3 +81,16 @@ def test_ddp_refuses_a_pseudo_gradient_hook():
   with pytest.raises(ValueError, match="mode 'ddp' has no pseudo-gradients"):
     ddp.DDPRound.from_config(config_lib.get_default_config(), mesh=None, exchange=None,
                              params=None, pseudo_gradient_hook=lambda d, **_: d)
+
+
+def test_outer_step_gives_the_rule_the_arrived_k():
+  """The K a mean was divided by (`Arrived.replicas`; fewer after a host left) is what
+  the outer step is given; the static K when no mean arrived or the wire did not count."""
+  exchange = types.SimpleNamespace(replicas_per_host=2, num_replicas=4,
+                                   host_device=jax.devices("cpu")[0])
+  step = outer.EagerStep(diloco.Eager(optax.sgd(1.0), 4), mesh=inner.local_mesh(),
+                         exchange=exchange, max_skipped_rounds=3)
+  synced = lambda k: (skips.Synced(types.SimpleNamespace(replicas=k), True, 0, ""),)
+  for given, k in (((), 4), (synced(3), 3), (synced(4), 4), (synced(0), 4)):
+    got = step._replicas(given)
+    assert (got, got.dtype) == (k, np.int32)

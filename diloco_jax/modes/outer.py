@@ -96,10 +96,17 @@ class OuterStep(host_lib.HostSide):
       synced = (arrived,)
       times["outer_mean"] = time.perf_counter() - t
       t = time.perf_counter()
-    state = jax.block_until_ready(self._apply(outer.state, deltas_R, mean))
+    state = jax.block_until_ready(self._apply(outer.state, deltas_R, mean,
+                                              self._replicas(synced)))
     times["outer_update"] = time.perf_counter() - t
     replicas, times["outer_h2d"] = self._to_replicas(replicas, state)
     return base.Update(outer._replace(state=state), replicas, times, synced)
+
+  def _replicas(self, synced: tuple) -> np.ndarray:
+    """K of the mean that arrived, the static K where none did: an int32 array, so one
+    compiled outer step serves every K (eager divides by it; sync and delayed ignore it)."""
+    counted = synced[0].arrived.replicas if synced else 0
+    return np.int32(counted or self.num_replicas)  # 0: a wire that did not count them
 
   def _to_replicas(self, replicas, state) -> tuple[state_lib.ReplicaState, float]:
     t = time.perf_counter()
@@ -113,7 +120,7 @@ class OuterStep(host_lib.HostSide):
     if outer.inflight:
       outer, mean, arrived = self.receive(outer, outer.inflight[0])
       synced = (arrived,)
-      state = self._drain(outer.state, mean)
+      state = self._drain(outer.state, mean, self._replicas(synced))
       replicas, _ = self._to_replicas(replicas, state)
       outer = outer._replace(state=state)
     return base.Update(outer, replicas, {}, synced)
