@@ -39,7 +39,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_RESTART = 75  # diloco_jax.elastic.EXIT_RESTART: every host asks to be started again
-LIVE_LEASE_S = 5.0  # --live: a host silent this long is dropped
+LIVE_LEASE_S = 5.0  # --live: a host silent this long is dropped (--lease_s)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -61,7 +61,8 @@ class Hosts:
   """The running host processes and the threads copying their output."""
 
   def __init__(self, num_hosts: int, train_args: list[str], port: int,
-               workdir_per_host: bool = False, live: bool = False):
+               workdir_per_host: bool = False, live: bool = False,
+               lease_s: float = LIVE_LEASE_S):
     self._env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                  "PYTHONUNBUFFERED": "1"}
     self._env["PYTHONPATH"] = os.pathsep.join(
@@ -72,7 +73,7 @@ class Hosts:
     if live:
       self.coordinator = subprocess.Popen(
           [sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
-           f"--max_hosts={num_hosts}", f"--lease_s={LIVE_LEASE_S}"],
+           f"--max_hosts={num_hosts}", f"--lease_s={lease_s}"],
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
           start_new_session=True, preexec_fn=_die_with_parent)
       threading.Thread(target=self._copy, args=("coordinator", self.coordinator),
@@ -232,6 +233,9 @@ def main(argv: list[str]) -> int:
                       help="live membership: start a membership coordinator beside the "
                            "hosts; a host that dies is dropped and the others train on "
                            "(implies --workdir_per_host)")
+  parser.add_argument("--lease_s", type=float, default=LIVE_LEASE_S,
+                      help="--live: seconds without a heartbeat after which the coordinator "
+                           "drops a host")
   parser.add_argument("--workdir_per_host", action="store_true",
                       help="host i gets --workdir=WORKDIR/host<i>: a disk of its own, as on "
                            "machines that share no filesystem")
@@ -244,6 +248,8 @@ def main(argv: list[str]) -> int:
     parser.error(f"no trainer flags: give them after `--`, {example}")
   if args.hosts < 1:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
+  if args.lease_s <= 0:
+    parser.error(f"--lease_s={args.lease_s}: must be > 0")
   if args.live and (args.max_restarts or args.rejoin_after is not None):
     parser.error("--live keeps the others training when a host dies: --max_restarts and "
                  "--rejoin_after (restarts of every host) do not apply")
@@ -273,7 +279,7 @@ def main(argv: list[str]) -> int:
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
     current.append(Hosts(args.hosts, train_args, args.port or free_port(),
-                         args.workdir_per_host, args.live))
+                         args.workdir_per_host, args.live, args.lease_s))
     try:
       code = (current[-1].wait_live() if args.live else current[-1].wait(args.rejoin_after))
     except KeyboardInterrupt:

@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 
+import zmq
+
 from diloco_jax import errors
 from diloco_jax.runtime import coordinator_client
 from diloco_jax.runtime import security
@@ -85,8 +87,9 @@ class Lease:
   def _heartbeat(self) -> None:
     try:
       epoch = self.client.heartbeat()
-    except coordinator_client.CoordinatorError as e:
-      self.lost = str(e)
+    except (coordinator_client.CoordinatorError, zmq.ZMQError) as e:
+      if not self._stop.is_set():  # else `close` took the client away under it
+        self.lost = str(e)
       return
     if epoch is None:
       self.lost = (f"host {self.host}: the coordinator at {self.client.address} no longer "
@@ -134,5 +137,9 @@ class Lease:
         self.client.leave()
       except coordinator_client.CoordinatorError:
         pass  # it drops this host when the lease runs out
+    if self._thread is not None:
+      self._thread.join(timeout=1.0)
+      if self._thread.is_alive():  # blocked on a coordinator that does not answer: the
+        return  # socket stays its own until the process ends
     self.client.close()
 
