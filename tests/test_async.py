@@ -138,8 +138,9 @@ def test_constant_mock():
 
 
 # Live membership (docs/algorithms.md §4, "K per round"): replica 3, a host of its own,
-# leaves after round 3, so the means of rounds 1-3 are over K = 4 and the later ones over 3.
-LIVE_KS = (4, 4, 4, 3, 3, 3)  # K_r, the replicas in round r's mean
+# leaves after round 3, and replica 2, another, after round 5: the means of rounds 1-3 are
+# over K = 4, those of rounds 4-5 over 3, the later ones over 2.
+LIVE_KS = (4, 4, 4, 3, 3, 2, 2)  # K_r, the replicas in round r's mean
 LIVE_HOSTS = ((0, 1), (2,), (3,))  # each host's replicas: one with two, two with one
 
 
@@ -174,7 +175,8 @@ def np_eager_live(params, batches, inner, ks=LIVE_KS):
 @pytest.mark.device
 def test_eager_with_k_per_round_matches_numpy_float64():
   """The rule driven as `OuterStep` drives it on each host, given each arrived mean's K
-  as an int32 array, against `np_eager_live`; one compiled outer step for every K."""
+  as `diloco.arrived_k` gives it, against `np_eager_live`; one compiled outer step for
+  the static K and one for every other K."""
   rng = np.random.default_rng(7)
   shape = (len(LIVE_KS), LIVE_KS[0], H, B, D)
   batches = {"x": rng.normal(size=shape), "y": rng.normal(size=shape[:-1] + (O,))}
@@ -185,13 +187,13 @@ def test_eager_with_k_per_round_matches_numpy_float64():
   traces = []
 
   def apply(*args):
-    traces.append((args[2] is None, len(args[1]["w"])))
+    traces.append((args[2] is None, args[3] is None, len(args[1]["w"])))
     return rule.apply(*args)
 
   apply, drain = jax.jit(apply), jax.jit(rule.drain)
   anchor = jax.tree.map(jnp.asarray, params)
   states = [rule.init(anchor, len(replicas)) for replicas in LIVE_HOSTS]
-  mean, k = None, np.int32(LIVE_KS[0])  # round 1: no mean yet, the static K
+  mean, k = None, None  # round 1: no mean yet, the static K
   for t, k_t in enumerate(LIVE_KS):
     live = [h for h, replicas in enumerate(LIVE_HOSTS) if max(replicas) < k_t]
     sent = []
@@ -207,9 +209,11 @@ def test_eager_with_k_per_round_matches_numpy_float64():
       states[h] = apply(states[h], deltas_R, mean, k)
       sent.append(deltas_R)
     total = jax.tree.map(lambda *d: jnp.concatenate(d), *sent)
-    mean, k = diloco.divide(diloco.replica_sum(total), k_t), np.int32(k_t)
-  # One trace per shape (R = 2 or 1) and mean or none: K is an argument, not a constant.
-  assert sorted(traces) == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    mean, k = diloco.divide(diloco.replica_sum(total), k_t), diloco.arrived_k(k_t, 4)
+  # One trace per shape (R = 2 or 1) and (mean, static K), (mean, other K) or no mean: the
+  # K = 3 and K = 2 rounds of host 0 share one program.
+  assert sorted(traces) == [(False, False, 1), (False, False, 2), (False, True, 1),
+                            (False, True, 2), (True, True, 1), (True, True, 2)]
 
   expected_theta, expected_final = np_eager_live(params, batches, inner)
   hosts_left = [h for h, replicas in enumerate(LIVE_HOSTS) if max(replicas) < LIVE_KS[-1]]

@@ -85,12 +85,14 @@ def test_ddp_refuses_a_pseudo_gradient_hook():
 
 def test_outer_step_gives_the_rule_the_arrived_k():
   """The K a mean was divided by (`Arrived.replicas`; fewer after a host left) is what
-  the outer step is given; the static K when no mean arrived or the wire did not count."""
+  the outer step is given, as an int32 array; None (the static K, a constant of the
+  program) when it is the static K, no mean arrived or the wire did not count."""
   exchange = types.SimpleNamespace(replicas_per_host=2, num_replicas=4,
                                    host_device=jax.devices("cpu")[0])
   step = outer.EagerStep(diloco.Eager(optax.sgd(1.0), 4), mesh=inner.local_mesh(),
                          exchange=exchange, max_skipped_rounds=3)
   synced = lambda k: (skips.Synced(types.SimpleNamespace(replicas=k), True, 0, ""),)
-  for given, k in (((), 4), (synced(3), 3), (synced(4), 4), (synced(0), 4)):
-    got = step._replicas(given)
-    assert (got, got.dtype) == (k, np.int32)
+  for given in ((), synced(4), synced(0)):
+    assert step._replicas(given) is None
+  got = step._replicas(synced(3))
+  assert (got, got.dtype) == (3, np.int32)

@@ -16,7 +16,7 @@ The interface every rule has (optimizer and static K fixed when the rule is made
   apply        (state, Δ_R, mean, replicas=None) -> state: one outer step, given this
                host's Δ_m and the mean that arrived (this round's when delay = 0, the
                previous round's when delay = 1; None when nothing arrived or it was
-               skipped), and the K that mean was divided by (`Arrived.replicas`; None: the
+               skipped), and the K that mean was divided by (`arrived_k`; None: the
                static K). Only eager uses K: the others apply the mean alone.
   drain        (state, mean, replicas=None) -> state: the end of the run, when the mean
                still in flight after the last inner phase arrives (None: there is none, or
@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from diloco_jax.algo import state as state_lib
@@ -100,9 +101,9 @@ def eager_gradients(deltas_R: Params, prev_mean: Params, prev_deltas_R: Params,
   delayed mean of round r−1. In this form K = 1 is sync DiLoCo bit for bit: Δ̄_prev and
   Δ_m,prev are then the same number, so the bracket is exactly 0.
 
-  K is the K that Δ̄_prev was divided by: a Python int, or a traced int32 scalar where
-  membership is live (§4, "K per round"). Either is cast to Δ's dtype before the
-  division, so equal K give equal bits and one compiled program serves every K.
+  K is the K that Δ̄_prev was divided by: a Python int (the static K, a constant of the
+  program), or a traced int32 scalar where a host left (§4, "K per round"), cast to Δ's
+  dtype like the constant.
   """
   def one(d_R, mean, prev_R):
     k = jnp.asarray(num_replicas, d_R.dtype)
@@ -147,6 +148,18 @@ def eager_drain(outer_optimizer: optax.GradientTransformation, eager: state_lib.
     return optax.apply_updates(params, updates)
 
   return jax.lax.map(lambda a: one(*a), (eager.params, grads_R))
+
+
+def arrived_k(counted: int, num_replicas: int) -> np.ndarray | None:
+  """The K a driver gives a rule for a mean divided by `counted` replicas
+  (`Arrived.replicas`; 0: not counted): None where it is the static K, else an int32
+  array, one compiled program for every other K.
+
+  None keeps the static K a constant of the program, as it always was: XLA turns x / 3
+  into x · (1/3), whose bits a division by a traced 3 does not give. So with K unchanged
+  a run keeps its bits, and only a change of K compiles a second program.
+  """
+  return None if counted in (0, num_replicas) else np.int32(counted)
 
 
 def restate_share(prev_deltas_R: Params, replicas: jax.Array, num_replicas: int) -> Params:

@@ -102,11 +102,10 @@ class OuterStep(host_lib.HostSide):
     replicas, times["outer_h2d"] = self._to_replicas(replicas, state)
     return base.Update(outer._replace(state=state), replicas, times, synced)
 
-  def _replicas(self, synced: tuple) -> np.ndarray:
-    """K of the mean that arrived, the static K where none did: an int32 array, so one
-    compiled outer step serves every K (eager divides by it; sync and delayed ignore it)."""
-    counted = synced[0].arrived.replicas if synced else 0
-    return np.int32(counted or self.num_replicas)  # 0: a wire that did not count them
+  def _replicas(self, synced: tuple) -> np.ndarray | None:
+    """The K of the mean that arrived, as `diloco.arrived_k` gives it to the rule (None:
+    the static K, also where no mean arrived); eager divides by it, the others ignore it."""
+    return diloco.arrived_k(synced[0].arrived.replicas if synced else 0, self.num_replicas)
 
   def _to_replicas(self, replicas, state) -> tuple[state_lib.ReplicaState, float]:
     t = time.perf_counter()
