@@ -61,12 +61,10 @@ class EpochCollective:
 
   def _open(self) -> Peers:
     if self._peers is None:
-      extra = {}
-      import inspect  # TODO(lead): remove once Links takes `interrupt`
-      if "interrupt" in inspect.signature(Peers.__init__).parameters:
-        extra["interrupt"] = functools.partial(self.lease.interrupt, self._epoch.hosts)
+      # A wait for a peer the coordinator has dropped ends at once, not after timeout_s.
       self._peers = Peers(self._epoch, self.host_index, token=self.token,
-                          timeout_s=self.timeout_s, **extra)
+                          timeout_s=self.timeout_s,
+                          interrupt=functools.partial(self.lease.interrupt, self._epoch.hosts))
     return self._peers
 
   def _move_to(self, announced, what: str) -> None:
