@@ -260,10 +260,11 @@ def main(argv):
   if membership:
     _train_live(config, spec, membership)
     return
-  if config.elastic and config.mode != "sync":
+  if config.elastic and _needs_live(config.mode):
     sys.exit(f"Invalid config: config.elastic with config.mode = {config.mode!r} needs live "
-             "membership (--membership, a coordinator of its own: docs/fault-tolerance.md); "
-             "on jax.distributed alone, elastic mode is for 'sync' only")
+             "membership (--membership, a coordinator of its own; launch/local.py --live: "
+             "docs/fault-tolerance.md): on jax.distributed alone, elastic mode takes only a "
+             "mode with one sum per round, waited for")
   try:
     if config.elastic:
       elastic.enable(config.elastic_timeout)
@@ -297,6 +298,14 @@ def main(argv):
     _fail(errors.describe(e), e.exit_code)  # message, a line per bad config field
   except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
+
+
+def _needs_live(mode: str) -> bool:
+  """Whether elastic `mode` needs live membership: the older elastic path on jax.distributed
+  (wire/live.py) regroups between sums, so it takes no sum in flight and no fragments."""
+  from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
+  driver = registry.driver(mode)
+  return driver.asynchronous or driver.fragments
 
 
 def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> None:
@@ -378,8 +387,26 @@ def _fail(message: str, code: int = 1) -> None:
   same error, meet at JAX's shutdown barrier as usual."""
   sys.stderr.write(message + "\n")
   import jax  # pylint: disable=import-outside-toplevel  # main has imported it
-  if jax.process_count() > 1:
+  if jax.process_count() > 1 and not jax.config.jax_enable_recoverability:
     sys.exit(code)
+  if jax.process_count() > 1:  # elastic: JAX's shutdown barrier aborts (signal 6) instead
+    _leave_together(code)
+  _exit(code)
+
+
+def _leave_together(code: int) -> None:
+  """Elastic mode on jax.distributed: every host that stops on the same error meets at a
+  barrier of its own (up to 30 s: a host that does not stop is not waited for longer), the
+  others exit, and host 0, whose coordination service they need until then, exits last."""
+  import time  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from diloco_jax.runtime import coordination  # pylint: disable=import-outside-toplevel
+  try:
+    coordination.coordination_client().wait_at_barrier("diloco_jax/stopping", 30_000)
+  except Exception:  # noqa: BLE001 -- a host that does not stop, or is gone: exit anyway
+    pass
+  if jax.process_index() == 0:
+    time.sleep(2.0)
   _exit(code)
 
 

@@ -132,3 +132,20 @@ def test_a_refusal_every_host_agrees_on_ends_every_process_with_its_line(tmp_pat
     assert len(refusals) == 1 and "config.inner_steps = 5" in refusals[0], out[-6000:]
     assert f"host {h} exited with code 1" in out
   assert "Traceback" not in out and "signal 6" not in out and "Check failed" not in out
+
+
+def test_elastic_with_a_workdir_per_host_on_jax_distributed_is_refused_without_an_abort(
+    tmp_path):
+  """The issue's command: the refusal, in one line per host, and no check-failure abort
+  from JAX's shutdown barrier (the hosts meet at a barrier of their own, host 0 last)."""
+  launcher = multihost.start([
+      sys.executable, "launch/local.py", "--hosts=3", "--workdir_per_host", "--",
+      "--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.elastic=True",
+      "--config.num_rounds=3"])
+  out, _ = launcher.communicate(timeout=300)
+  assert launcher.returncode == 1, out[-6000:]
+  for h in range(3):
+    lines = [line for line in out.splitlines() if line.startswith(f"[host {h}] Checkpoint")]
+    assert len(lines) == 1 and "launch/local.py --live" in lines[0], out[-6000:]
+  assert "signal 6" not in out and "Check failure" not in out, out[-6000:]
+  assert "Terminating process" not in out and "Fatal Python error" not in out, out[-6000:]

@@ -179,8 +179,10 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   if not claim.shared and config.elastic and not world.live:
     claim.release()
     raise store_lib.CheckpointError(
-        "config.elastic needs one --workdir shared by every host: with a workdir per "
-        "host, a returning host's older checkpoints would roll the others back")
+        "config.elastic on jax.distributed needs one --workdir shared by every host (with "
+        "a workdir per host, a returning host's older checkpoints would roll the others "
+        "back); with a workdir per host, use live membership: launch/local.py --live, or "
+        "train's --membership (docs/fault-tolerance.md)")
   if claim.shared and world.live and num_hosts > 1:
     claim.release()
     raise store_lib.CheckpointError(

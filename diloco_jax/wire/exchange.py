@@ -275,7 +275,10 @@ class Exchange:
     """(1/K) Σ of every replica's params over all hosts (eager mode's final model)."""
     total = self.dispatcher.run(self.collective.sum, self._sum_R(params_R),
                                 what="cross-host mean of the final params")
-    return self._mean(total)
+    live = getattr(self.collective, "live", None)  # live membership: the hosts left
+    if live is None or len(live) == self.collective.num_hosts:
+      return self._mean(total)
+    return self._mean_by(total, np.float32(len(live) * self.replicas_per_host))
 
   # A sum in flight at a checkpoint: saved, and issued again on resume.
 
