@@ -309,40 +309,18 @@ def _needs_live(mode: str) -> bool:
 
 
 def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> None:
-  """A job whose membership is live (--membership): no jax.distributed, each host's JAX a
-  world of its own, the sums on the epoch wire (wire/epochs.py). Every exit is this
-  process's own: there is no shutdown barrier to wait at, and nothing to abort."""
+  """A job whose membership is live (--membership; loop/live.py): every exit is this
+  process's own, with its one line."""
   # pylint: disable=import-outside-toplevel
   from diloco_jax.checkpoints import store
+  from diloco_jax.loop import live
   from diloco_jax.loop import trainer
-  from diloco_jax.runtime import cluster
-  from diloco_jax.runtime import lease as lease_lib
-  from diloco_jax.runtime import security
-  from diloco_jax.runtime import world
   from diloco_jax.wire import dispatch
-  from diloco_jax.wire import epochs
   # pylint: enable=import-outside-toplevel
-  c = spec.resolved()
-  if c.num_hosts is None or c.host_id is None or not 0 <= c.host_id < c.num_hosts:
-    sys.exit(f"Invalid flags: --membership needs --num_hosts and --host_id in [0, num_hosts) "
-             f"(got {c.num_hosts} and {c.host_id})")
   if not config.elastic:  # live membership is what elastic mode asks for
     config.elastic = True
-  lease = None
   try:
-    security.check_coordinator_address(membership, c.allow_public_coordinator)
-    token = security.JoinToken.from_environment(c.join_token_file)
-    print(f"host {c.host_id} of {c.num_hosts} hosts: registering with the membership "
-          f"coordinator at {membership}; waiting up to {c.initialization_timeout}s for "
-          "every host", flush=True)
-    lease = lease_lib.Lease.start(membership, host=c.host_id, num_hosts=c.num_hosts,
-                                  token=token, timeout_s=c.initialization_timeout,
-                                  address=_WIRE_ADDRESS.value)
-    collective = epochs.EpochCollective(lease, token=token, timeout_s=config.elastic_timeout)
-    world.set_live(lease, token, collective)
-    collective.connect()
-    cluster.check_same_config_over(collective.allgather, c.host_id,
-                                   config_lib.flatten(config))
+    live.start(config, spec, membership, _WIRE_ADDRESS.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
   except dispatch.CollectiveError as e:
     if isinstance(e.__cause__, store.CheckpointError):
@@ -352,9 +330,6 @@ def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> Non
     _fail(errors.describe(e), e.exit_code)
   except KeyboardInterrupt:
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
-  finally:
-    if lease is not None:
-      lease.close(leave=True)
 
 
 def _check_init_from(config: ml_collections.ConfigDict, given: frozenset[str]) -> None:
@@ -390,23 +365,8 @@ def _fail(message: str, code: int = 1) -> None:
   if jax.process_count() > 1 and not jax.config.jax_enable_recoverability:
     sys.exit(code)
   if jax.process_count() > 1:  # elastic: JAX's shutdown barrier aborts (signal 6) instead
-    _leave_together(code)
-  _exit(code)
-
-
-def _leave_together(code: int) -> None:
-  """Elastic mode on jax.distributed: every host that stops on the same error meets at a
-  barrier of its own (up to 30 s: a host that does not stop is not waited for longer), the
-  others exit, and host 0, whose coordination service they need until then, exits last."""
-  import time  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  from diloco_jax.runtime import coordination  # pylint: disable=import-outside-toplevel
-  try:
-    coordination.coordination_client().wait_at_barrier("diloco_jax/stopping", 30_000)
-  except Exception:  # noqa: BLE001 -- a host that does not stop, or is gone: exit anyway
-    pass
-  if jax.process_index() == 0:
-    time.sleep(2.0)
+    from diloco_jax.runtime import elastic  # pylint: disable=import-outside-toplevel
+    elastic.stop_together()
   _exit(code)
 
 

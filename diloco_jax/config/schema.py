@@ -142,8 +142,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
   c.balance_tolerance = 0.1  # 'speed': hosts within it of the slowest train H; steps move by more.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
-  c.elastic = False  # Experimental: survivors train on when a host dies (docs: fault tolerance).
-  c.elastic_timeout = 60  # Elastic: seconds a sum or checkpoint waits for a dead host.
+  c.elastic = False  # Survivors of a dead host train on (live with --membership: fault tolerance).
+  c.elastic_timeout = 60  # Elastic: seconds a sum waits on a silent peer still in the epoch.
   return c
 
 

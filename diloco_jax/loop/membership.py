@@ -1,8 +1,13 @@
 """Which hosts are in the job: one object the round loop asks, whatever the answer.
 
+`Live` (train's --membership) is the job without a seat that ends it: the hosts of the
+coordinator's current epoch sum over the epoch wire (`wire/epochs.py`), any host may die
+and the others redo the op it left and train on, every host keeps its own workdir's
+records, and the lowest live host prints.
+
 `Fixed` is the default: the hosts share fate, the collective covers all of them, a hash of
 the outer state travels through the coordination service, and a checkpoint save runs in
-the background with orbax's own timeout. `Elastic` (config.elastic, experimental) keeps
+the background with orbax's own timeout. `Elastic` (config.elastic on jax.distributed) keeps
 training when a host dies: its collective sums over the live hosts, the hashes travel
 with them, every save finishes within its job and may fail without stopping the run,
 and a host that returns asks to rejoin, which ends the round with a checkpoint and a

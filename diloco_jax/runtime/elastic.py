@@ -110,3 +110,16 @@ def finish() -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0)
+
+
+def stop_together() -> None:
+  """Before exiting on an error every host stops on: the hosts meet at a barrier of their
+  own (up to 30 s: a host that does not stop is not waited for longer), and host 0, whose
+  coordination service the others need until then, returns last. JAX's own shutdown
+  barrier aborts the process (signal 6) in elastic mode instead."""
+  try:
+    _client().wait_at_barrier("diloco_jax/stopping", 30_000)
+  except Exception:  # noqa: BLE001 -- a host that does not stop, or is gone: exit anyway
+    pass
+  if jax.process_index() == 0:
+    time.sleep(2.0)
