@@ -11,6 +11,7 @@ import functools
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -358,3 +359,43 @@ def test_an_interrupt_ends_a_wait_for_a_silent_peer_at_once(stage):
   assert str(e.value) == (f"epoch 1: interrupted while waiting for host 1 during {during}: "
                           "the coordinator dropped host(s) [1] (epoch 2) (seen from host 0)")
   assert 0.3 <= waited < 1.0, waited
+
+
+def reference_nh(key_words: list[int], data: bytes) -> bytes:
+  """NH* as frames' docstring states it, one word at a time."""
+  out = b""
+  for start in range(0, len(data), frames.NH_BLOCK):
+    m = struct.unpack("<256I", data[start:start + frames.NH_BLOCK].ljust(frames.NH_BLOCK, b"\0"))
+    for i in range(2):
+      k = key_words[frames.NH_SHIFT * i:]
+      total = sum(((m[2 * j] + k[2 * j]) % 2**32) * ((m[2 * j + 1] + k[2 * j + 1]) % 2**32)
+                  for j in range(128))
+      out += struct.pack("<Q", total % 2**64)
+  return out
+
+
+def test_the_mac_is_nh_then_hmac_and_any_flipped_bit_fails_it():
+  """frames.nh (numpy, NH_ROWS blocks at a time) against NH* word by word, on lengths that
+  end mid-word, mid-block and past one pass of rows; the MAC covers header, length and
+  payload: one flipped bit anywhere, or a zero byte more, fails it."""
+  key = epoch_key(TOKEN, 7)
+  passes, _ = frames._subkeys(key)  # pylint: disable=protected-access
+  words = [int(w) for w in passes[0, 0]] + [int(w) for w in passes[1, 0, -frames.NH_SHIFT:]]
+  rng = np.random.default_rng(0)
+  for n in (0, 3, 1024, 2500, frames.NH_ROWS * frames.NH_BLOCK + 1030):
+    data = rng.integers(0, 256, n, np.uint8).tobytes()
+    got = frames.nh(passes, data)
+    assert len(got) == 16 * -(-n // frames.NH_BLOCK)
+    tail = n - n % frames.NH_BLOCK if n % frames.NH_BLOCK else max(n - frames.NH_BLOCK, 0)
+    assert got[:48] == reference_nh(words, data[:3 * frames.NH_BLOCK])
+    assert got[16 * (tail // frames.NH_BLOCK):] == reference_nh(words, data[tail:])
+  header = frames.Header(frames.GATHER, 7, 1, 0, 0, 2500, 0).pack()
+  data = bytearray(rng.integers(0, 256, 2500, np.uint8).tobytes())
+  tag = frames.mac(key, header, data)
+  for bit in (0, 8 * 1023 + 5, 8 * 2499 + 7):
+    flipped = bytearray(data)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    assert frames.mac(key, header, flipped) != tag
+  assert frames.mac(key, header, data + b"\0") != tag
+  assert frames.mac(key, header[:-1] + b"\1", data) != tag
+  assert frames.mac(epoch_key(TOKEN, 8), header, data) != tag

@@ -117,10 +117,15 @@ class Links:
                           f"{where}: {e}") from None
         time.sleep(0.02)
 
-  def close(self) -> None:
+  def halt(self) -> None:
+    """Stops reading: this epoch failed, and what arrives now is for the next one (a peer
+    that moved on reaches this listener until it closes: `peers.py`'s docstring)."""
     if self._reader.is_alive():
       os.write(self._wake_w, b"x")
       self._reader.join()  # the reader's socket is closed only once it stopped using it
+
+  def close(self) -> None:
+    self.halt()
     if self._wake_w >= 0:
       os.close(self._wake_r)
       os.close(self._wake_w)

@@ -66,6 +66,7 @@ class Peers(Links):
       return out
     except WireError as e:
       self._broken = e
+      self.halt()
       raise
 
   # -- collectives -----------------------------------------------------------------------
