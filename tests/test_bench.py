@@ -264,12 +264,17 @@ def check_wan(result: dict, out: str) -> None:
 
 
 def check_wire(result: dict) -> None:
-  """--smoke: 2 hosts, gloo and the epoch wire (with and without HMAC) side by side; the
-  wire's payload per host is the planner's float32 ring formula exactly, its sum the same
-  bits as gloo's (a + b either way on 2 hosts), the MACs 32 bytes + a 48-byte header per
-  frame on top."""
+  """--smoke: 2 hosts, gloo and the epoch wire (with and without a MAC) side by side, on
+  loopback and on the slow-link pass; the wire's payload per host is the planner's float32
+  ring formula exactly, its sum the same bits as gloo's (a + b either way on 2 hosts), the
+  MACs 32 bytes + a 48-byte header per frame on top."""
   assert result["hosts"] == 2 and [r["size"] for r in result["rows"]] == [1000, 100000]
-  for row in result["rows"]:
+  # The slow-link pass, unshaped on 127.0.0.1 in a smoke run: the same rows, and rates.
+  assert [link["rate_mbit"] for link in result["links"]] == [8.0]
+  assert [r["size"] for r in result["links"][0]["rows"]] == [1000]
+  assert set(result["links"][0]["rows"][0]["payload_mbit_per_s"]) == {"gloo", "wire",
+                                                                       "wire_hmac"}
+  for row in result["rows"] + result["links"][0]["rows"]:
     assert all(row["seconds"][side] > 0 for side in ("gloo", "wire", "wire_hmac"))
     assert row["payload_bytes_per_host"] == row["planner_bytes_per_host"] == 4 * row["size"]
     assert row["same_bits_as_gloo"] == {"wire": True, "wire_hmac": True}
