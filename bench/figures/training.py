@@ -37,17 +37,37 @@ def outer_step(results: Results) -> dict:
 
 
 def wire(results: Results) -> dict:
-  """The epoch wire's sum against gloo's (bench/wire.py), one row per size."""
+  """The epoch wire's sum against gloo's (bench/wire.py): on loopback one row per size,
+  then through each shaped link (speed, and bytes per host against the planner's)."""
   d = results("wire")
   rows = []
   for r in d["rows"]:
-    s = r["seconds"]
+    s, c = r["seconds"], r["cpu_seconds"]
     rows.append([f"{r['size']:,}", f"{r['mb']:g}", f"{1e3 * s['gloo']:.1f}",
                  f"{1e3 * s['wire']:.1f}", f"{1e3 * s['wire_hmac']:.1f}",
-                 f"{r['ratio_gloo_over_wire']:.2f}", f"{r['ratio_gloo_over_wire_hmac']:.2f}"])
-  same = all(all(r["same_bits_as_gloo"].values()) for r in d["rows"])
-  planner = all(r["payload_bytes_per_host"] == r["planner_bytes_per_host"] for r in d["rows"])
-  return {**d, "table": rows, "same_bits": same, "planner_bytes": planner}
+                 f"{r['ratio_gloo_over_wire']:.2f}", f"{r['ratio_gloo_over_wire_hmac']:.2f}",
+                 " / ".join(f"{1e3 * c[k]:.1f}" for k in ("gloo", "wire", "wire_hmac"))])
+  speed, sent = [], []
+  for link in d["links"]:
+    for r in link["rows"]:
+      s, m, v = r["seconds"], r["payload_mbit_per_s"], r["veth_bytes_per_host"]
+      where = [f"{link['rate_mbit']:g}", f"{r['size']:,}", f"{r['mb']:g}"]
+      speed.append([*where, f"{s['gloo']:.2f}", f"{s['wire']:.2f}", f"{s['wire_hmac']:.2f}",
+                    f"{r['ratio_gloo_over_wire']:.2f}", f"{r['ratio_gloo_over_wire_hmac']:.2f}",
+                    " / ".join(f"{m[k]:.1f}" for k in ("gloo", "wire", "wire_hmac"))])
+      sent.append([*where, f"{r['planner_bytes_per_host']:,.0f}",
+                   f"{r['payload_bytes_per_host']:,}",
+                   f"{r['framed_bytes_per_host']['wire_hmac']:,}",
+                   *(f"{v[k]:,}" for k in ("gloo", "wire", "wire_hmac"))])
+  every = d["rows"] + [r for link in d["links"] for r in link["rows"]]
+  same = all(all(r["same_bits_as_gloo"].values()) for r in every)
+  planner = all(r["payload_bytes_per_host"] == r["planner_bytes_per_host"] for r in every)
+  fill = {side: [r["payload_mbit_per_s"][k] / link["rate_mbit"] for link in d["links"]
+                 for r in link["rows"] for k in keys]
+          for side, keys in (("wire", ("wire", "wire_hmac")), ("gloo", ("gloo",)))}
+  return {**d, "table": rows, "same_bits": same, "planner_bytes": planner,
+          "link_speed": speed, "link_bytes": sent,
+          "fill": {side: (min(v), max(v)) for side, v in fill.items()}}
 
 
 def checkpoint(results: Results) -> dict:
