@@ -21,8 +21,8 @@ the hosts and gives them --membership instead of --coordinator_address: live mem
 where a host that dies (host 0 included) is dropped and the others train on. Hosts no longer
 share fate: the launcher waits for every host, reports each one that died, and exits 0 when
 every host that was not killed finished; it stops the coordinator at the end. Live
-membership keeps each host's records in its own workdir, so --live implies
---workdir_per_host.
+membership keeps each host's checkpoints and records its own: with a shared --workdir, in
+WORKDIR/host<i>/, as --workdir_per_host would.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--live", action="store_true",
                       help="live membership: start a membership coordinator beside the "
                            "hosts; a host that dies is dropped and the others train on "
-                           "(implies --workdir_per_host)")
+                           "(each host's records in WORKDIR/host<i>)")
   parser.add_argument("--lease_s", type=float, default=LIVE_LEASE_S,
                       help="--live: seconds without a heartbeat after which the coordinator "
                            "drops a host")
@@ -253,7 +253,6 @@ def main(argv: list[str]) -> int:
   if args.live and (args.max_restarts or args.rejoin_after is not None):
     parser.error("--live keeps the others training when a host dies: --max_restarts and "
                  "--rejoin_after (restarts of every host) do not apply")
-  args.workdir_per_host = args.workdir_per_host or args.live
   if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
     parser.error("--workdir_per_host needs the trainer's --workdir=DIR (with `=`) after `--`")
   if args.max_restarts < 0:

@@ -28,12 +28,16 @@ def records(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.parametrize("mode, extra", [
-    ("sync", []), ("delayed", []), ("eager", []),
-    ("streaming", ["--config.outer.fragments=2", "--config.inner_steps=6"])])
-def test_survivors_train_on_without_host_2_and_then_without_host_0(tmp_path, mode, extra):
+@pytest.mark.parametrize("mode, per_host, extra", [
+    # A workdir per host (on disks of their own) or one shared: either way each host's
+    # checkpoints and records are in WORKDIR/host<i>.
+    ("sync", True, []), ("delayed", False, []), ("eager", True, []),
+    ("streaming", False, ["--config.outer.fragments=2", "--config.inner_steps=6"])])
+def test_survivors_train_on_without_host_2_and_then_without_host_0(tmp_path, mode, per_host,
+                                                                   extra):
   launcher = multihost.start([
-      sys.executable, "launch/local.py", "--hosts=3", "--live", "--lease_s=3", "--",
+      sys.executable, "launch/local.py", "--hosts=3", "--live", "--lease_s=3",
+      *(["--workdir_per_host"] if per_host else []), "--",
       "--config=configs/tiny.py", f"--workdir={tmp_path}", f"--config.mode={mode}",
       "--config.replicas_per_host=1", f"--config.num_rounds={ROUNDS}",
       "--config.inner_steps=5", "--config.inner.warmup_steps=5", "--config.eval_every=2",
@@ -60,6 +64,7 @@ def test_survivors_train_on_without_host_2_and_then_without_host_0(tmp_path, mod
   assert "[host 2] killed" not in text and "host 2 killed by signal 9" in text
   assert "host 0 killed by signal 9" in text
   assert re.search(r"\[host 1\] final eval loss", text), text[-6000:]
+  assert ("each host keeps its checkpoints and records in" in text) == (not per_host)
   assert text.count("final eval loss") == 1, text[-6000:]  # the lowest live host prints
   host1 = records(os.path.join(tmp_path, "host1"))
   assert [r["round"] for r in host1] == list(range(1, ROUNDS + 1))

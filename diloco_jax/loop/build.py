@@ -11,6 +11,7 @@ never replaced; what changes from round to round is the `state.RunState` value t
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 from typing import Callable
 
@@ -184,11 +185,25 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
         "back); with a workdir per host, use live membership: launch/local.py --live, or "
         "train's --membership (docs/fault-tolerance.md)")
   if claim.shared and world.live and num_hosts > 1:
+    # Live membership keeps every host's checkpoints and records its own, so that any host
+    # may die: on a shared disk, in a directory per host.
     claim.release()
-    raise store_lib.CheckpointError(
-        "live membership (--membership) needs a --workdir per host for now (each host "
-        "keeps its own checkpoints and records, so that any host may die): give each "
-        "host its own directory (launch/local.py --workdir_per_host)")
+    fixed_checkpoints = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(fixed_checkpoints) and os.listdir(fixed_checkpoints):
+      raise store_lib.CheckpointError(
+          f"{workdir} holds the checkpoints of a job of fixed membership; live membership "
+          f"keeps each host's under {workdir}/host<i>/ and would not resume from them: "
+          "resume with the fixed job's command, or give the live job another --workdir")
+    workdir = os.path.join(workdir, f"host{host}")
+    os.makedirs(workdir, exist_ok=True)
+    if host == min(collective.live):
+      print(f"live membership on a shared --workdir: each host keeps its checkpoints and "
+            f"records in {os.path.dirname(workdir)}/host<i>/", flush=True)
+    claim = workdir_lib.claim(
+        workdir, host=host, num_hosts=num_hosts, restart_from_scratch=restart_from_scratch,
+        allgather=lambda words: dispatcher.run(collective.allgather, words,
+                                               what="agreeing on the workdir"))
+    shared_storage = False
   # Opening the shared checkpoint directory waits at a barrier for every host (elastic:
   # for only `elastic_timeout` seconds): it comes right after the lock's agreement, before
   # the compiles that finish at different times on different hosts.
