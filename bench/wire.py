@@ -213,9 +213,9 @@ def finish(rows: list, hosts: int, rate_mbit: float | None) -> list:
 
 
 def table(rows: list, veth: bool) -> str:
-  lines = ["| float32 entries | MB | gloo s | wire s | wire+HMAC s | ratio | ratio (HMAC) | "
-           "CPU s/host (gloo, wire, HMAC) | wire bytes/host | framed (HMAC) | planner |"
-           + (" veth bytes/host (gloo, wire, HMAC) | payload Mbit/s (gloo, wire, HMAC) |"
+  lines = ["| float32 entries | MB | gloo s | wire s | wire+MAC s | ratio | ratio (MAC) | "
+           "CPU s/host (gloo, wire, MAC) | wire bytes/host | framed (MAC) | planner |"
+           + (" veth bytes/host (gloo, wire, MAC) | payload Mbit/s (gloo, wire, MAC) |"
               if veth else ""),
            "|---" * (11 + 2 * veth) + "|"]
   for r in rows:

@@ -23,8 +23,8 @@ into HMAC-SHA256, a PRF, whose tags say nothing about k_nh; any other forgery is
 input, whose tag cannot be predicted. Why not HMAC-SHA256 over the payload itself (version
 1): SHA-256 runs at about 2 GB/s on one core even with SHA-NI, and every byte is hashed by
 its sender and its receiver, which made the keyed sum slower than gloo's; NH* is a few
-vector passes in numpy (about 4.5 GB/s on one core, GIL released), and the HMAC then hashes
-16 bytes per KiB.
+vector passes in numpy (about twice SHA-256's speed on one core, GIL released: bench/wire.py
+measures both), and the HMAC then hashes 16 bytes per KiB.
 
 A receiver (`check`) drops a frame, and says why in one line, when it is malformed, names
 another epoch or another receiver, comes from a host that is not a member, fails its MAC,

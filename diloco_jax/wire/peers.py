@@ -4,7 +4,7 @@
 host's address, where every peer's frames arrive, and one PUSH socket connected to each
 peer's. `Wire` holds the open epoch and opens the next (closing every socket of the last:
 nothing is cached across epochs). Frames are `wire/frames.py`'s: a header naming epoch,
-sender, receiver and sequence number, and an HMAC under the epoch's key when a join token is
+sender, receiver and sequence number, and a MAC under the epoch's key when a join token is
 set; a frame that fails a check is dropped with one log line (its sender's address, why) and
 the collective goes on as if it never came.
 
@@ -33,8 +33,10 @@ Failure: every wait for a peer's frame has a deadline, `timeout_s` of silence fr
 peer; past it, `PeerError` names the peer, its address and the epoch (a membership layer
 drops it and opens the next epoch). A membership layer that learns sooner that a member is
 gone passes `interrupt` (`links.Links`), which every wait asks at least every 100 ms: its
-reason ends the wait with `PeerError` at once, so `timeout_s` can be long. After any failure the epoch is broken: every later
-collective raises at once instead of waiting for a peer that is out of step.
+reason ends the wait with `PeerError` at once, so `timeout_s` can be long. After any
+failure the epoch is broken: every later collective raises at once instead of waiting for
+a peer that is out of step, and this host stops reading (what arrives now is for the next
+epoch).
 """
 
 from __future__ import annotations
