@@ -399,3 +399,24 @@ def test_the_mac_is_nh_then_hmac_and_any_flipped_bit_fails_it():
   assert frames.mac(key, header, data + b"\0") != tag
   assert frames.mac(key, header[:-1] + b"\1", data) != tag
   assert frames.mac(epoch_key(TOKEN, 8), header, data) != tag
+
+
+def test_a_genuine_hello_of_the_next_epoch_is_dropped_without_a_line():
+  """A peer that opened epoch 2 first reaches this host's epoch-1 listener (same port): its
+  HELLOs are dropped quietly. A HELLO naming epoch 2 that fails epoch 2's MAC is a forgery:
+  dropped with its line."""
+  epoch, lines = make_epoch([0, 1]), []
+  p0 = Peers(epoch, 0, token=TOKEN, timeout_s=10, log=lines.append)
+  attacker = raw_push(epoch.addresses[0])
+  try:
+    hello = frames.Header(frames.HELLO, 2, 1, 0, 0, 1, 0)
+    attacker.send_multipart(frames.seal(hello, b"\0", epoch_key(TOKEN, 2)))
+    attacker.send_multipart(frames.seal(hello, b"\0", epoch_key(OTHER, 2)))
+    deadline = time.monotonic() + 5
+    while p0.dropped < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    attacker.close()
+    p0.close()
+  assert p0.dropped == 2 and len(lines) == 1, lines
+  assert lines[0].endswith("(claims host 1): it belongs to epoch 2, not 1"), lines

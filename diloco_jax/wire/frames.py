@@ -78,12 +78,13 @@ class Header:
 
 
 class Dropped(errors.DilocoError):
-  """A frame that is not accepted; str(e) says why, in words for the one log line."""
+  """A frame that is not accepted; str(e) says why, in words for the one log line.
+  `header`: the frame's, when it names another epoch."""
   prefix = "Dropped"
 
-  def __init__(self, why: str, sender: int | None = None):
+  def __init__(self, why: str, sender: int | None = None, header: Header | None = None):
     super().__init__(why)
-    self.sender = sender
+    self.sender, self.header = sender, header
 
 
 NH_ROWS = 1024  # blocks per numpy pass: each thread's scratch is 3 MiB
@@ -164,7 +165,7 @@ def check(parts: list, *, key: bytes | None, epoch: int, me: int, members: set[i
                      and len(parts) == 2 else ""), h.sender)
   payload = memoryview(parts[1])
   if h.epoch != epoch:
-    raise Dropped(f"it belongs to epoch {h.epoch}, not {epoch}", h.sender)
+    raise Dropped(f"it belongs to epoch {h.epoch}, not {epoch}", h.sender, h)
   if h.receiver != me:
     raise Dropped(f"addressed to host {h.receiver}, not this host ({me})", h.sender)
   if h.sender not in members or h.sender == me:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hmac
 import os
 import re
 import threading
@@ -68,7 +69,7 @@ class Links:
     self.num_hosts = epoch.size
     self.timeout_s, self.chunk_bytes, self._log = float(timeout_s), chunk_bytes, log
     self._interrupt, self._asked = interrupt, 0.0
-    self._key = epoch_key(token, epoch.number)
+    self._token, self._key = token, epoch_key(token, epoch.number)
     self._members = set(epoch.hosts)
     self._seq_out: dict[int, int] = collections.defaultdict(int)
     self._seq_in: dict[int, int] = {}
@@ -189,6 +190,8 @@ class Links:
                                      members=self._members, expected_seq=self._seq_in)
     except frames.Dropped as d:
       self.dropped += 1
+      if self._moved_on(d.header, msg):
+        return
       try:
         address = msg[0].get("Peer-Address")
       except zmq.ZMQError:
@@ -208,6 +211,16 @@ class Links:
       else:
         self._inbox[header.sender].append((header, payload))
       self._arrived.notify_all()
+
+  def _moved_on(self, header: frames.Header | None, msg: list) -> bool:
+    """Whether a frame is a peer's HELLO of a later epoch, genuine (its MAC checks out
+    under that epoch's key): a peer that opened the next epoch first reaches this listener
+    until it closes. Dropped without a log line: nothing is wrong."""
+    if header is None or header.kind != frames.HELLO or header.epoch <= self.epoch.number:
+      return False
+    key = epoch_key(self._token, header.epoch)
+    return key is None or (len(msg) == 3 and hmac.compare_digest(
+        frames.mac(key, bytes(msg[0].buffer), msg[1].buffer), bytes(msg[2].buffer)))
 
   # -- waiting ---------------------------------------------------------------------------
 
