@@ -1,7 +1,7 @@
 """The epoch wire's sum (wire/peers.py, zmq) against today's gloo path, side by side.
 
   sudo python bench/wire.py [--hosts=2] [--sizes=1000000,10000000] [--reps=10]
-                            [--rates=8,32] [--wan_sizes=250000,1000000] [--wan_reps=5]
+                            [--rates=8,32] [--wan_sizes=250000,1000000] [--wan_reps=8]
   python bench/wire.py --rates=  # loopback only, no root
   python bench/wire.py --smoke  # seconds, no root: tiny sizes, unshaped
 
@@ -248,7 +248,7 @@ def main():
                       help="shaped links, Mbit/s each way, comma-separated (empty: none)")
   parser.add_argument("--wan_sizes", default="250000,1000000",
                       help="float32 entries per sum through the shaped links")
-  parser.add_argument("--wan_reps", type=int, default=5,
+  parser.add_argument("--wan_reps", type=int, default=8,
                       help="timed sums per size and side through the shaped links")
   parser.add_argument("--subnet", type=int, default=79, help="10.77.<subnet>.0/24")
   args = _smoke.parse_args(parser, "wire", dict(sizes="1000,100000", reps=2, rates="8",
