@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from diloco_jax.runtime import coordinator as co
+from diloco_jax.runtime import ledger as ledger_lib
 from diloco_jax.runtime import security
 from diloco_jax.runtime.coordinator_client import Client, CoordinatorLost
 
@@ -361,7 +362,7 @@ def test_late_votes_get_the_stored_verdict_and_odd_votes_are_dropped():
 
 def test_only_the_last_verdicts_are_kept_and_an_older_vote_is_not_decided_again():
   _, hosts, _, e = ledger_of(1)
-  for step in range(co.VERDICTS_KEPT + 1):
+  for step in range(ledger_lib.VERDICTS_KEPT + 1):
     assert verdict(hosts.vote(0, e, step, now=1.0))[0] is True
   assert verdict(hosts.vote(0, e, 1, now=1.0))[0] is True
   with pytest.raises(co.Dropped, match=r"its verdict is no longer kept"):

@@ -1,0 +1,253 @@
+"""The coordinator's state and its decisions, without sockets or clocks (runtime/coordinator.py
+serves it): who is a member of which epoch, leases, and the verdict on each op.
+
+`Ledger.handle` answers one request at a time `now`, `Ledger.expire` ends the leases and
+accusations that ran out; the rules are in runtime/coordinator.py's docstring. Pure, so the
+tests drive it at fake times.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import secrets
+from collections.abc import Callable
+
+from diloco_jax import errors
+
+CHALLENGE_S = 30.0  # how long a register's challenge may be answered
+VERDICTS_KEPT = 256  # a member further behind than this many ops is told nothing
+
+class CoordinatorError(errors.DilocoError, RuntimeError):
+  """The coordinator refused a host, answered badly, or could not be reached."""
+  prefix = "Coordinator"
+
+
+class Dropped(errors.DilocoError):
+  """A frame that is not authenticated, a replay, or malformed: dropped and named."""
+  prefix = "Dropped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+  host: int
+  incarnation: str  # random, new at each registration
+  address: str  # where the host's peers reach it (the wire's address)
+
+
+@dataclasses.dataclass(frozen=True)
+class Epoch:
+  """Who trains together: `members` in host order. `number` only grows, as each host sees
+  it; `boot` (random at each start of the coordinator) tells apart two epochs that got one
+  number from coordinators before and after a restart, so a key derived from (boot, number)
+  belongs to one epoch only."""
+  number: int
+  members: tuple[Member, ...]
+  boot: str = ""
+
+  @property
+  def hosts(self) -> tuple[int, ...]:
+    return tuple(m.host for m in self.members)
+
+  def to_json(self) -> dict:
+    return {"number": self.number, "boot": self.boot,
+            "members": [dataclasses.asdict(m) for m in self.members]}
+
+  @classmethod
+  def from_json(cls, body: dict) -> Epoch:
+    return cls(int(body["number"]), tuple(Member(int(m["host"]), str(m["incarnation"]),
+                                                 str(m["address"])) for m in body["members"]),
+               str(body["boot"]))
+
+
+class Ledger:
+  """The coordinator's state, without sockets or clocks: `handle` a request at time `now`,
+  `expire` the leases and accusations that ran out. Everything in it is rebuilt from the
+  hosts' registrations.
+
+  `accuse_s` (default: `lease_s`): how long a not-ok commit vote waits, the epoch unchanged,
+  before the ledger drops the peer it names. A vote naming no member (None, or an id not in
+  the epoch) drops nobody but still opens a new epoch of the same members: the op must be
+  decided, and a redo needs an epoch of its own (keys derived from it keep the failed try's
+  frames out of the redo); with no evidence against a host, dropping one could evict the
+  healthy. If the failure persists, each redo costs `accuse_s` again: a host should name the
+  peer it lost whenever it knows it.
+  """
+
+  def __init__(self, max_hosts: int, lease_s: float, log: Callable[[str], None],
+               now: float = 0.0, accuse_s: float | None = None):
+    accuse_s = lease_s if accuse_s is None else accuse_s
+    if max_hosts < 1 or lease_s <= 0 or accuse_s <= 0:
+      raise CoordinatorError(f"max_hosts={max_hosts}, lease_s={lease_s}, accuse_s={accuse_s}: "
+                             "expected >= 1, > 0 and > 0")
+    self.max_hosts, self.lease_s, self.accuse_s, self._log = max_hosts, lease_s, accuse_s, log
+    self.epoch = Epoch(0, (), secrets.token_hex(8))
+    self._deadline: dict[int, float] = {}  # host -> when its lease runs out
+    self._seq: dict[str, int] = {}  # incarnation -> the last counter it sent
+    self._challenges: dict[str, float] = {}  # outstanding challenge -> when it expires
+    # For one lease after a start, every host that was a member before has heard `unknown`
+    # and registered again under its own id; until then no free id is given out, so that a
+    # newcomer cannot take the id of a host that is still coming back.
+    self._rebuilt_at = now + lease_s
+    self._joined: dict[str, int] = {}  # incarnation -> the first epoch it is a member of
+    # The current epoch's undecided ops: step -> host -> (ok, suspect), in the order voted;
+    # and step -> when its first not-ok vote came. A vote for an ended epoch is never pending.
+    self._votes: dict[int, dict[int, tuple[bool, int | None]]] = {}
+    self._accused: dict[int, float] = {}
+    # (epoch, step) -> (commit, the epoch current when decided), in the order decided
+    self._verdicts: collections.OrderedDict[tuple[int, int], tuple[bool, dict]] = (
+        collections.OrderedDict())
+    self._forgotten = (-1, -1)  # the highest (epoch, step) whose verdict was let go
+
+  def _open(self, members: dict[int, Member], at_least: int, why: str) -> None:
+    ended = self.epoch.number
+    number = max(self.epoch.number, at_least) + 1
+    self.epoch = Epoch(number, tuple(members[h] for h in sorted(members)), self.epoch.boot)
+    hosts = ",".join(map(str, self.epoch.hosts)) or "none"
+    self._log(f"coordinator: epoch {number}: hosts {hosts} ({why})")
+    for step in self._votes:  # rule 2: an op of an ended epoch is redone in this one
+      self._decide((ended, step), False)
+    self._votes, self._accused = {}, {}
+
+  def _decide(self, key: tuple[int, int], commit: bool) -> None:
+    self._verdicts[key] = (commit, self.epoch.to_json())
+    while len(self._verdicts) > VERDICTS_KEPT:
+      self._forgotten = max(self._forgotten, self._verdicts.popitem(last=False)[0])
+
+  def _members(self) -> dict[int, Member]:
+    return {m.host: m for m in self.epoch.members}
+
+  def _forget(self, members: dict[int, Member], host: int) -> None:
+    """Takes `host` out of `members` (the next epoch's) and forgets its incarnation."""
+    incarnation = members.pop(host).incarnation
+    self._seq.pop(incarnation, None)
+    self._joined.pop(incarnation, None)
+    self._deadline.pop(host, None)
+
+  def expire(self, now: float) -> None:
+    late = sorted(h for h, t in self._deadline.items() if t <= now)
+    self._challenges = {c: t for c, t in self._challenges.items() if t > now}
+    if late:
+      members = self._members()
+      for h in late:
+        self._forget(members, h)
+      self._open(members, 0, f"lease of host {','.join(map(str, late))} ran out")
+    due = [(t, step) for step, t in self._accused.items() if t + self.accuse_s <= now]
+    if due:  # rule 3; opening an epoch ends every accusation, so one at most
+      self._accuse(min(due)[1])
+
+  def _accuse(self, step: int) -> None:
+    members = self._members()
+    votes = [(h, s) for h, (ok, s) in self._votes[step].items() if not ok]
+    # the first accuser that names a member: of a pair that accuse each other (a link down
+    # between them), dropping one is enough to go on
+    accuser, suspect = next(((h, s) for h, s in votes if s in members), votes[0])
+    e = self.epoch.number
+    if suspect in members:
+      self._forget(members, suspect)
+      why = f"host {suspect} dropped: host {accuser} accused it of failing op {step} of epoch {e}"
+    else:
+      why = (f"host {accuser} failed op {step} of epoch {e} and named no member "
+             f"(suspect {suspect}): the same hosts again")
+    self._open(members, 0, why)
+
+  def handle(self, req: dict, now: float) -> dict:
+    """The answer to `req`; raises Dropped for a replay or a malformed request."""
+    try:
+      op = req["op"]
+      if op == "hello":
+        challenge = secrets.token_hex(16)
+        self._challenges[challenge] = now + CHALLENGE_S
+        return {"op": "challenge", "nonce": str(req["nonce"]), "challenge": challenge}
+      if op == "register":
+        return self._register(req, now)
+      if op in ("heartbeat", "leave", "commit"):
+        return self._renew(op, req, now)
+    except (KeyError, TypeError, ValueError) as e:
+      raise Dropped(f"malformed {req.get('op')!r} request: {e!r}") from None
+    raise Dropped(f"unknown op {op!r}")
+
+  def _register(self, req: dict, now: float) -> dict:
+    challenge = str(req["challenge"])
+    if self._challenges.pop(challenge, 0.0) <= now:
+      raise Dropped("register with an unknown, used or expired challenge (a replay?)")
+    members = self._members()
+    host, last_epoch = req["host"], int(req["last_epoch"])
+    why = ""
+    if host is None and now < self._rebuilt_at:
+      return {"op": "retry", "challenge": challenge, "after_s": self._rebuilt_at - now}
+    if host is None:  # the lowest free id
+      host = next((h for h in range(self.max_hosts) if h not in members), None)
+      why = "" if host is not None else f"all {self.max_hosts} host ids are taken (--max_hosts)"
+    elif not isinstance(host, int) or not 0 <= host < self.max_hosts:
+      why = f"host id {host!r} is outside 0..{self.max_hosts - 1} (--max_hosts)"
+    if why:
+      self._log(f"coordinator: refused {req['address']!r}: {why}")
+      return {"op": "refused", "challenge": challenge, "why": why}
+    why = f"host {host} joined"
+    if host in members:  # a new incarnation: the old one is gone
+      self._forget(members, host)
+      why = f"host {host} registered again"
+    incarnation = secrets.token_hex(8)
+    members[host] = Member(host, incarnation, str(req["address"]))
+    self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
+    self._open(members, last_epoch, why)
+    self._joined[incarnation] = self.epoch.number
+    return {"op": "registered", "challenge": challenge, "host": host, "incarnation": incarnation,
+            "lease_s": self.lease_s, "epoch": self.epoch.to_json()}
+
+  def _renew(self, op: str, req: dict, now: float) -> dict:
+    incarnation, seq = str(req["incarnation"]), int(req["seq"])
+    echo = {"incarnation": incarnation, "seq": seq}
+    if op == "commit":  # its fields checked before it counts as the host's frame
+      vote = req["epoch"], req["step"], req["ok"], req["suspect"]
+      if [type(v) for v in vote] not in ([int, int, bool, int], [int, int, bool, type(None)]):
+        raise TypeError(f"epoch, step, ok, suspect = {vote!r}: expected int, int, bool, int|None")
+    if incarnation not in self._seq:  # lease ran out, registered again, or we restarted
+      return {"op": "unknown", **echo}
+    if seq <= self._seq[incarnation]:
+      raise Dropped(f"{op} #{seq} of host {req.get('host')} after #{self._seq[incarnation]} "
+                    "(a replay?)")
+    self._seq[incarnation] = seq
+    host = next(m.host for m in self.epoch.members if m.incarnation == incarnation)
+    if op == "leave":
+      members = self._members()
+      self._forget(members, host)
+      self._open(members, 0, f"host {host} left")
+      return {"op": "left", **echo}
+    self._deadline[host] = now + self.lease_s
+    if op == "commit":
+      return {**echo, **self._commit(host, incarnation, *vote, now)}
+    return {"op": "epoch", **echo, "epoch": self.epoch.to_json()}
+
+  def _commit(self, host: int, incarnation: str, e: int, step: int, ok: bool,
+              suspect: int | None, now: float) -> dict:
+    """The verdict on op `step` of epoch `e`, or a wait; `host` votes `ok` (or not, naming
+    `suspect`). A vote is counted once: a poll repeats it."""
+    key = (e, step)
+    if key not in self._verdicts:
+      if e > self.epoch.number:
+        raise Dropped(f"commit vote of host {host} for epoch {e}, above the current "
+                      f"{self.epoch.number}")
+      if not self._joined[incarnation] <= e:
+        raise Dropped(f"commit vote of host {host} for op {step} of epoch {e}, which it is not "
+                      "a member of, and which has no verdict")
+      if key <= self._forgotten:  # decided once maybe; deciding again could contradict it
+        raise Dropped(f"commit vote of host {host} for op {step} of epoch {e}: more than "
+                      f"{VERDICTS_KEPT} ops ago, its verdict is no longer kept")
+      if e < self.epoch.number:  # rule 2, for an op nobody voted on while e was current
+        self._decide(key, False)
+      else:
+        votes = self._votes.setdefault(step, {})
+        ok, _ = votes.setdefault(host, (ok, suspect))
+        if not ok:
+          self._accused.setdefault(step, now)
+        elif all(votes.get(h, (False,))[0] for h in self.epoch.hosts):  # rule 1
+          del self._votes[step]
+          self._accused.pop(step, None)
+          self._decide(key, True)
+    if key not in self._verdicts:
+      return {"op": "wait"}
+    commit, after = self._verdicts[key]
+    return {"op": "verdict", "epoch": e, "step": step, "commit": commit, "next": after}
+
