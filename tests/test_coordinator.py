@@ -231,12 +231,15 @@ class Hosts:
   def __init__(self, ledger: co.Ledger):
     self.ledger, self.incarnation, self.seq = ledger, {}, {}
 
-  def join(self, host: int, now: float = 0.0) -> dict:
+  def register(self, host: int, now: float = 0.0) -> dict:
     challenge = self.ledger.handle({"op": "hello", "nonce": "n"}, now)["challenge"]
     answer = self.ledger.handle({"op": "register", "challenge": challenge, "host": host,
                                  "address": f"tcp://h{host}", "last_epoch": 0}, now)
     self.incarnation[host], self.seq[host] = answer["incarnation"], 0
-    return answer["epoch"]
+    return answer
+
+  def join(self, host: int, now: float = 0.0) -> dict:
+    return self.register(host, now)["epoch"]
 
   def frame(self, host: int, op: str, **fields) -> dict:
     self.seq[host] += 1
@@ -246,10 +249,13 @@ class Hosts:
   def heartbeat(self, host: int, now: float) -> dict:
     return self.ledger.handle(self.frame(host, "heartbeat"), now)
 
+  def leave(self, host: int, now: float) -> dict:
+    return self.ledger.handle(self.frame(host, "leave"), now)
+
   def vote(self, host: int, epoch: int, step: int, now: float, ok: bool = True,
-           suspect: int | None = None) -> dict:
+           suspect: int | None = None, boundary: bool = False) -> dict:
     return self.ledger.handle(self.frame(host, "commit", epoch=epoch, step=step, ok=ok,
-                                         suspect=suspect), now)
+                                         suspect=suspect, boundary=boundary), now)
 
 
 def ledger_of(n: int, accuse_s: float | None = None) -> tuple[co.Ledger, Hosts, list[str], int]:
@@ -282,21 +288,22 @@ def test_commit_when_every_member_voted_ok_with_the_same_next_for_each():
 
 
 def test_a_member_that_dies_before_voting_makes_every_survivor_redo_without_it():
-  ledger, hosts, log, e = ledger_of(3)
-  assert hosts.vote(0, e, 1, now=1.0)["op"] == "wait"  # voted ok before the expiry
-  hosts.heartbeat(0, now=9.0)
-  hosts.heartbeat(1, now=9.0)
+  ledger, hosts, log, e = ledger_of(4)
+  for h in (0, 3):  # voted ok before the expiry
+    assert hosts.vote(h, e, 1, now=1.0)["op"] == "wait"
+  for h in (0, 1, 3):
+    hosts.heartbeat(h, now=9.0)
   ledger.expire(10.0)  # host 2 never voted, and its lease ran out
-  assert log[-1].endswith(f"epoch {e + 1}: hosts 0,1 (lease of host 2 ran out)")
-  hosts.join(3, now=10.0)  # decided when epoch e ended: a later epoch changes nothing
+  assert log[-1].endswith(f"epoch {e + 1}: hosts 0,1,3 (lease of host 2 ran out)")
+  hosts.leave(3, now=10.0)  # decided when epoch e ended: a later epoch changes nothing
   # host 1 has the result too: all the living voted ok, but epoch e ended first
-  assert verdict(hosts.vote(1, e, 1, now=10.1)) == (False, e + 1, (0, 1))
-  assert verdict(hosts.vote(0, e, 1, now=10.1)) == (False, e + 1, (0, 1))
+  assert verdict(hosts.vote(1, e, 1, now=10.1)) == (False, e + 1, (0, 1, 3))
+  assert verdict(hosts.vote(0, e, 1, now=10.1)) == (False, e + 1, (0, 1, 3))
   # an op of the ended epoch that nobody had voted on is a redo as well, in the epoch of
   # its first vote, and every member hears that one
-  assert verdict(hosts.vote(0, e, 2, now=10.2)) == (False, e + 2, (0, 1, 3))
-  hosts.join(2, now=10.3)
-  assert verdict(hosts.vote(1, e, 2, now=10.4)) == (False, e + 2, (0, 1, 3))
+  assert verdict(hosts.vote(0, e, 2, now=10.2)) == (False, e + 2, (0, 1))
+  hosts.join(2, now=10.3)  # pending: the job runs
+  assert verdict(hosts.vote(1, e, 2, now=10.4)) == (False, e + 2, (0, 1))
 
 
 def test_a_member_that_voted_ok_and_then_died_still_counts():
@@ -345,15 +352,17 @@ def test_the_suspect_whose_lease_runs_out_first_ends_the_epoch_as_for_any_host()
 
 
 def test_late_votes_get_the_stored_verdict_and_odd_votes_are_dropped():
-  ledger, hosts, _, e = ledger_of(2)
+  ledger, hosts, _, e = ledger_of(3)
   hosts.vote(0, e, 1, now=1.0)
+  hosts.vote(2, e, 1, now=1.0)
   assert verdict(hosts.vote(1, e, 1, now=1.0))[0] is True
-  hosts.join(2, now=2.0)  # a new epoch after the commit
+  hosts.leave(2, now=2.0)  # a new epoch after the commit
+  hosts.join(3, now=2.0)  # pending
   # a late vote, even not ok, does not turn a commit into a redo
-  assert verdict(hosts.vote(1, e, 1, now=3.0, ok=False, suspect=0)) == (True, e, (0, 1))
-  assert verdict(hosts.vote(2, e, 1, now=3.0)) == (True, e, (0, 1))  # a verdict to anyone
-  with pytest.raises(co.Dropped, match=rf"host 2 for op 2 of epoch {e}, which it is not a member"):
-    hosts.vote(2, e, 2, now=3.0)
+  assert verdict(hosts.vote(1, e, 1, now=3.0, ok=False, suspect=0)) == (True, e, (0, 1, 2))
+  assert verdict(hosts.vote(3, e, 1, now=3.0)) == (True, e, (0, 1, 2))  # a verdict to anyone
+  with pytest.raises(co.Dropped, match=rf"host 3 for op 2 of epoch {e}, which it is not a member"):
+    hosts.vote(3, e, 2, now=3.0)
   with pytest.raises(co.Dropped, match=rf"for epoch {e + 5}, above the current {e + 1}"):
     hosts.vote(0, e + 5, 1, now=3.0)
   with pytest.raises(co.Dropped, match=r"malformed 'commit' request"):
@@ -438,3 +447,122 @@ def test_a_host_dropped_while_it_waits_for_a_verdict_is_told_so_in_one_line():
                        r"this host \(its lease ran out or the coordinator restarted\): it was "
                        r"dropped from the job$"):
       a.commit(e, 0, ok=True, poll_s=2 * LEASE_S, max_poll_s=2 * LEASE_S)
+
+
+# -- admission at a round boundary (issue 46) ----------------------------------------------
+
+
+def committed(hosts: Hosts, e: int, step: int, members, now: float,
+              boundary: bool = False) -> list[dict]:
+  """Every member's verdict on op `step` of epoch `e`, each voting ok (and `boundary`)."""
+  answers = [hosts.vote(h, e, step, now, boundary=boundary) for h in members]
+  return [answers[-1]] + [hosts.vote(h, e, step, now) for h in members[:-1]]
+
+
+def same(answers: list[dict]) -> dict:
+  """The one verdict every member got (their echoes aside)."""
+  bodies = [{k: v for k, v in a.items() if k not in ("incarnation", "seq")} for a in answers]
+  assert all(b == bodies[0] for b in bodies), bodies
+  return bodies[0]
+
+
+def test_start_up_registrations_join_and_after_the_first_vote_one_is_pending():
+  ledger, hosts, log, e = ledger_of(2)
+  assert ledger.epoch.hosts == (0, 1) and ledger.epoch.first_step == 0
+  assert hosts.heartbeat(0, now=0.5)["pending"] == []
+  assert hosts.vote(0, e, 0, now=1.0)["op"] == "wait"  # the job runs
+  answer = hosts.register(2, now=1.0)
+  assert answer["pending"] is True
+  assert co.Epoch.from_json(answer["epoch"]) == ledger.epoch
+  assert (ledger.epoch.number, ledger.epoch.hosts) == (e, (0, 1))
+  assert log[-1] == ("coordinator: host 2 pending: admitted at the next round boundary "
+                     f"(epoch {e}, pending 2)")
+  for h in (0, 1, 2):  # a pending host heartbeats and sees the epoch without it
+    beat = hosts.heartbeat(h, now=2.0)
+    assert (beat["pending"], beat["epoch"]["number"]) == ([2], e)
+  first = {k: v for k, v in ledger.epoch.to_json().items() if k != "first_step"}
+  assert co.Epoch.from_json(first).first_step == 0  # an epoch from before first_step
+
+
+def test_a_boundary_commit_admits_the_pending_hosts_in_the_verdict_of_every_member():
+  ledger, hosts, log, e = ledger_of(2)
+  assert same(committed(hosts, e, 0, [0, 1], now=1.0))["admitted"] == []
+  for h in (3, 2):
+    assert hosts.register(h, now=1.5)["pending"] is True
+  body = same(committed(hosts, e, 1, [0, 1], now=2.0, boundary=True))
+  after = co.Epoch.from_json(body["next"])
+  assert (body["commit"], body["admitted"], body["pending"]) == (True, [2, 3], [])
+  assert (after.number, after.hosts, after.first_step) == (e + 1, (0, 1, 2, 3), 2)
+  assert log[-1].endswith(f"epoch {e + 1}: hosts 0,1,2,3 (host(s) 2,3 admitted after op 1 of "
+                          f"epoch {e})")
+  beat = hosts.heartbeat(2, now=2.5)  # the joiner learns it from its heartbeat
+  assert (co.Epoch.from_json(beat["epoch"]), beat["pending"]) == (after, [])
+  # it is a member: op 2 needs its vote
+  assert [hosts.vote(h, e + 1, 2, now=3.0)["op"] for h in (0, 1, 3)] == ["wait"] * 3
+  assert hosts.vote(2, e + 1, 2, now=3.0)["commit"] is True
+
+
+def test_a_commit_mid_round_or_a_redo_admits_nobody():
+  ledger, hosts, log, e = ledger_of(2, accuse_s=1.0)
+  hosts.vote(0, e, 0, now=1.0)
+  hosts.register(2, now=1.0)
+  hosts.vote(1, e, 0, now=1.0)
+  # mid-round, and an op only one member calls a boundary: no admission
+  assert same([hosts.vote(h, e, 0, now=1.1) for h in (0, 1)])["admitted"] == []
+  hosts.vote(0, e, 1, now=1.2, boundary=True)
+  assert same([hosts.vote(1, e, 1, now=1.2), hosts.vote(0, e, 1, now=1.2)])["admitted"] == []
+  assert (ledger.epoch.number, ledger.epoch.hosts) == (e, (0, 1))
+  # a boundary op that fails is redone in an epoch of its own, still without the joiner
+  hosts.vote(0, e, 2, now=1.3, ok=False, boundary=True)
+  hosts.vote(1, e, 2, now=1.3, boundary=True)
+  ledger.expire(2.3)
+  body = same([hosts.vote(h, e, 2, now=2.4, boundary=True) for h in (0, 1)])
+  after = co.Epoch.from_json(body["next"])
+  assert (body["commit"], body["admitted"], body["pending"]) == (False, [], [2])
+  assert (after.number, after.hosts, after.first_step) == (e + 1, (0, 1), 2)
+
+
+def test_a_pending_host_whose_lease_runs_out_is_forgotten_without_a_new_epoch():
+  ledger, hosts, log, e = ledger_of(2)
+  hosts.vote(0, e, 0, now=1.0)
+  hosts.register(2, now=1.0)  # its lease runs out at 11
+  for h in (0, 1):
+    hosts.heartbeat(h, now=9.0)
+  ledger.expire(11.0)
+  assert log[-1] == "coordinator: lease of pending host 2 ran out"
+  assert (ledger.epoch.number, ledger.epoch.hosts) == (e, (0, 1))
+  assert hosts.heartbeat(0, now=11.5)["pending"] == []
+  assert hosts.heartbeat(2, now=11.5)["op"] == "unknown"
+
+
+def test_a_restarted_member_leaves_at_once_and_is_pending_until_the_next_boundary():
+  ledger, hosts, log, e = ledger_of(3)
+  same(committed(hosts, e, 0, [0, 1, 2], now=1.0))
+  for h in (0, 1):  # host 2 dies in op 1 and starts again under its id
+    hosts.vote(h, e, 1, now=2.0)
+  old = hosts.frame(2, "heartbeat")
+  answer = hosts.register(2, now=2.5)
+  redo = co.Epoch.from_json(answer["epoch"])
+  assert answer["pending"] is True
+  assert (redo.number, redo.hosts, redo.first_step) == (e + 1, (0, 1), 1)
+  assert log[-2].endswith(f"epoch {e + 1}: hosts 0,1 (host 2 registered again)")
+  assert ledger.handle(old, 2.6)["op"] == "unknown"  # the old incarnation is gone
+  body = same([hosts.vote(h, e, 1, now=2.7) for h in (0, 1)])
+  assert (body["commit"], body["next"], body["pending"]) == (False, redo.to_json(), [2])
+  assert same(committed(hosts, e + 1, 1, [0, 1], now=3.0))["admitted"] == []
+  body = same(committed(hosts, e + 1, 2, [0, 1], now=3.5, boundary=True))
+  after = co.Epoch.from_json(body["next"])
+  assert body["admitted"] == [2]
+  assert (after.number, after.hosts, after.first_step) == (e + 2, (0, 1, 2), 3)
+
+
+def test_when_the_last_member_goes_the_pending_hosts_start_the_job_again():
+  ledger, hosts, log, e = ledger_of(1)
+  hosts.vote(0, e, 0, now=1.0)
+  hosts.register(1, now=1.0)
+  hosts.leave(0, now=2.0)  # nobody holds the job's state: nobody could admit host 1
+  assert (ledger.epoch.number, ledger.epoch.hosts, ledger.epoch.first_step) == (e + 1, (1,), 0)
+  assert log[-1].endswith("(host 0 left; the job stopped: pending host(s) 1 start it again)")
+  assert hosts.register(2, now=2.5)["pending"] is False  # as at start-up: no vote since
+  assert ledger.epoch.hosts == (1, 2)
+

@@ -5,12 +5,13 @@ Run it beside the hosts, e.g. on a small always-on machine beside a fleet of spo
   python -m diloco_jax.runtime.coordinator --port=61100 --max_hosts=8 --bind=0.0.0.0
 
 Each host registers (`coordinator_client.Client`) and gets a lease; it heartbeats within the
-lease and each answer carries the current epoch: a number, and the members in host order with
-their incarnation and address. Any change of members opens a new epoch: a host registering
-(a host that registers again is a new incarnation: its old one leaves), leaving, or letting its
-lease run out. The number only grows, across a restart of the coordinator too: it keeps nothing
-on disk, a host it does not know is told so and registers again with the highest number it has
-seen, and the next epoch is numbered above every number reported.
+lease and each answer carries the current epoch: a number, the members in host order with
+their incarnation and address, and the op they continue at; and the pending hosts. Any change
+of members opens a new epoch: a host registering before the job runs, or admitted once it runs
+(a host that registers again is a new incarnation: its old one leaves at once), leaving, or
+letting its lease run out. The number only grows, across a restart of the coordinator too: it
+keeps nothing on disk, a host it does not know is told so and registers again with the highest
+number it has seen, and the next epoch is numbered above every number reported.
 
 Why our own and not JAX's coordination service, torchft's Lighthouse or etcd (each run and
 measured for issue 45): JAX's service takes an exact host count at start and its loss aborts
@@ -33,6 +34,13 @@ current, else redo, in the epoch the verdict names. The verdict is kept, so ever
 however late, gets the same one. It costs one round trip per op plus waiting for the slowest
 member; a member that accuses a live peer waits `accuse_s` (a lease, unless set) before the
 ledger drops that peer.
+
+Admission at a round boundary: once a vote has been cast, a host that registers is pending
+(leased, but in no epoch: it has no state, and the members' next op would wait for it). The
+commit of an op that every member voted `boundary` (it ends a round) opens the next epoch with
+the pending hosts, numbered from the op after it (`first_step`), and names them (`admitted`);
+a joiner learns it from its heartbeat. A redo never admits. The ledger (runtime/ledger.py)
+holds the state and these rules, without sockets or clocks; this module serves it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import secrets
 from collections.abc import Callable
+from collections.abc import Iterable
 
 from diloco_jax import errors
 
@@ -40,24 +41,27 @@ class Epoch:
   """Who trains together: `members` in host order. `number` only grows, as each host sees
   it; `boot` (random at each start of the coordinator) tells apart two epochs that got one
   number from coordinators before and after a restart, so a key derived from (boot, number)
-  belongs to one epoch only."""
+  belongs to one epoch only. `first_step`: the op its members continue at (the op after the
+  one whose commit admitted a host, the op redone, 0 at start-up): a host admitted into it
+  numbers its ops like the members from there."""
   number: int
   members: tuple[Member, ...]
   boot: str = ""
+  first_step: int = 0
 
   @property
   def hosts(self) -> tuple[int, ...]:
     return tuple(m.host for m in self.members)
 
   def to_json(self) -> dict:
-    return {"number": self.number, "boot": self.boot,
+    return {"number": self.number, "boot": self.boot, "first_step": self.first_step,
             "members": [dataclasses.asdict(m) for m in self.members]}
 
   @classmethod
   def from_json(cls, body: dict) -> Epoch:
     return cls(int(body["number"]), tuple(Member(int(m["host"]), str(m["incarnation"]),
                                                  str(m["address"])) for m in body["members"]),
-               str(body["boot"]))
+               str(body["boot"]), int(body.get("first_step", 0)))
 
 
 class Ledger:
@@ -72,6 +76,12 @@ class Ledger:
   frames out of the redo); with no evidence against a host, dropping one could evict the
   healthy. If the failure persists, each redo costs `accuse_s` again: a host should name the
   peer it lost whenever it knows it.
+
+  Once a commit vote has been cast the job runs, and a host that registers is pending (it
+  holds a lease, no place in an epoch: it has no state yet, and the members' next op would
+  wait for it) until an op that every member voted `boundary` commits: that decision opens
+  the next epoch with it. A job whose last member goes has stopped: its pending hosts, and
+  whoever registers next, start it again as at start-up.
   """
 
   def __init__(self, max_hosts: int, lease_s: float, log: Callable[[str], None],
@@ -90,27 +100,51 @@ class Ledger:
     # newcomer cannot take the id of a host that is still coming back.
     self._rebuilt_at = now + lease_s
     self._joined: dict[str, int] = {}  # incarnation -> the first epoch it is a member of
-    # The current epoch's undecided ops: step -> host -> (ok, suspect), in the order voted;
-    # and step -> when its first not-ok vote came. A vote for an ended epoch is never pending.
-    self._votes: dict[int, dict[int, tuple[bool, int | None]]] = {}
+    self._pending: dict[int, Member] = {}  # registered while the job runs; not yet members
+    self._running = False  # a commit vote was cast: a registration waits for a boundary
+    self._next_step = 0  # the op after the last one committed
+    # The current epoch's undecided ops: step -> host -> (ok, suspect, boundary), in the
+    # order voted; and step -> when its first not-ok vote came. A vote for an ended epoch is
+    # never pending.
+    self._votes: dict[int, dict[int, tuple[bool, int | None, bool]]] = {}
     self._accused: dict[int, float] = {}
-    # (epoch, step) -> (commit, the epoch current when decided), in the order decided
-    self._verdicts: collections.OrderedDict[tuple[int, int], tuple[bool, dict]] = (
-        collections.OrderedDict())
+    # (epoch, step) -> (commit, the epoch current when decided, the hosts that decision
+    # admitted), in the order decided
+    self._verdicts: collections.OrderedDict[
+        tuple[int, int], tuple[bool, dict, tuple[int, ...]]] = collections.OrderedDict()
     self._forgotten = (-1, -1)  # the highest (epoch, step) whose verdict was let go
 
-  def _open(self, members: dict[int, Member], at_least: int, why: str) -> None:
+  def _open(self, members: dict[int, Member], at_least: int, why: str,
+            first_step: int | None = None) -> None:
+    """Opens the next epoch of `members`; its ops start at `first_step` (default: the op
+    that was undecided, which the members redo, else the one after the last commit)."""
     ended = self.epoch.number
     number = max(self.epoch.number, at_least) + 1
-    self.epoch = Epoch(number, tuple(members[h] for h in sorted(members)), self.epoch.boot)
-    hosts = ",".join(map(str, self.epoch.hosts)) or "none"
-    self._log(f"coordinator: epoch {number}: hosts {hosts} ({why})")
+    if first_step is None:
+      first_step = min(self._votes, default=self._next_step)
+    if not members and self._running:
+      members = self._stopped()
+      first_step = 0
+      if members:
+        why += f"; the job stopped: pending host(s) {_ids(members)} start it again"
+    self.epoch = Epoch(number, tuple(members[h] for h in sorted(members)), self.epoch.boot,
+                       first_step)
+    for m in self.epoch.members:
+      self._joined.setdefault(m.incarnation, number)
+    self._log(f"coordinator: epoch {number}: hosts {_ids(members) or 'none'} ({why})")
     for step in self._votes:  # rule 2: an op of an ended epoch is redone in this one
       self._decide((ended, step), False)
     self._votes, self._accused = {}, {}
 
-  def _decide(self, key: tuple[int, int], commit: bool) -> None:
-    self._verdicts[key] = (commit, self.epoch.to_json())
+  def _stopped(self) -> dict[int, Member]:
+    """No member is left to hold the job's state: it stopped, and the next epoch starts it
+    again as at start-up, with the hosts that were pending (returned)."""
+    self._running, self._next_step = False, 0
+    pending, self._pending = self._pending, {}
+    return pending
+
+  def _decide(self, key: tuple[int, int], commit: bool, admitted: tuple[int, ...] = ()) -> None:
+    self._verdicts[key] = (commit, self.epoch.to_json(), admitted)
     while len(self._verdicts) > VERDICTS_KEPT:
       self._forgotten = max(self._forgotten, self._verdicts.popitem(last=False)[0])
 
@@ -127,6 +161,12 @@ class Ledger:
   def expire(self, now: float) -> None:
     late = sorted(h for h, t in self._deadline.items() if t <= now)
     self._challenges = {c: t for c, t in self._challenges.items() if t > now}
+    gone = [h for h in late if h in self._pending]
+    for h in gone:  # not a member: no epoch to end
+      self._forget(self._pending, h)
+    if gone:
+      self._log(f"coordinator: lease of pending host {_ids(gone)} ran out")
+    late = [h for h in late if h not in gone]
     if late:
       members = self._members()
       for h in late:
@@ -138,7 +178,7 @@ class Ledger:
 
   def _accuse(self, step: int) -> None:
     members = self._members()
-    votes = [(h, s) for h, (ok, s) in self._votes[step].items() if not ok]
+    votes = [(h, s) for h, (ok, s, _) in self._votes[step].items() if not ok]
     # the first accuser that names a member: of a pair that accuse each other (a link down
     # between them), dropping one is enough to go on
     accuser, suspect = next(((h, s) for h, s in votes if s in members), votes[0])
@@ -177,7 +217,8 @@ class Ledger:
     if host is None and now < self._rebuilt_at:
       return {"op": "retry", "challenge": challenge, "after_s": self._rebuilt_at - now}
     if host is None:  # the lowest free id
-      host = next((h for h in range(self.max_hosts) if h not in members), None)
+      host = next((h for h in range(self.max_hosts)
+                   if h not in members and h not in self._pending), None)
       why = "" if host is not None else f"all {self.max_hosts} host ids are taken (--max_hosts)"
     elif not isinstance(host, int) or not 0 <= host < self.max_hosts:
       why = f"host id {host!r} is outside 0..{self.max_hosts - 1} (--max_hosts)"
@@ -185,31 +226,51 @@ class Ledger:
       self._log(f"coordinator: refused {req['address']!r}: {why}")
       return {"op": "refused", "challenge": challenge, "why": why}
     why = f"host {host} joined"
-    if host in members:  # a new incarnation: the old one is gone
+    replaced = host in members
+    if replaced:  # a new incarnation: the old one is gone
       self._forget(members, host)
       why = f"host {host} registered again"
+    if host in self._pending:  # the same, for a host not yet admitted
+      self._forget(self._pending, host)
     incarnation = secrets.token_hex(8)
-    members[host] = Member(host, incarnation, str(req["address"]))
+    member = Member(host, incarnation, str(req["address"]))
     self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
-    self._open(members, last_epoch, why)
-    self._joined[incarnation] = self.epoch.number
+    pending = self._running and bool(members)
+    if pending:  # the members run on; it waits for a round boundary, when they admit it
+      if replaced:
+        self._open(members, last_epoch, why)
+      self._pending[host] = member
+      self._log(f"coordinator: host {host} pending: admitted at the next round boundary "
+                f"(epoch {self.epoch.number}, pending {_ids(self._pending)})")
+    else:
+      if self._running:  # its old incarnation was the last member: the job stopped
+        members.update(self._stopped())
+      members[host] = member
+      self._open(members, last_epoch, why)
     return {"op": "registered", "challenge": challenge, "host": host, "incarnation": incarnation,
-            "lease_s": self.lease_s, "epoch": self.epoch.to_json()}
+            "lease_s": self.lease_s, "epoch": self.epoch.to_json(), "pending": pending}
 
   def _renew(self, op: str, req: dict, now: float) -> dict:
     incarnation, seq = str(req["incarnation"]), int(req["seq"])
     echo = {"incarnation": incarnation, "seq": seq}
     if op == "commit":  # its fields checked before it counts as the host's frame
-      vote = req["epoch"], req["step"], req["ok"], req["suspect"]
-      if [type(v) for v in vote] not in ([int, int, bool, int], [int, int, bool, type(None)]):
-        raise TypeError(f"epoch, step, ok, suspect = {vote!r}: expected int, int, bool, int|None")
+      vote = req["epoch"], req["step"], req["ok"], req["suspect"], req.get("boundary", False)
+      if [type(v) for v in vote] not in ([int, int, bool, int, bool],
+                                         [int, int, bool, type(None), bool]):
+        raise TypeError(f"epoch, step, ok, suspect, boundary = {vote!r}: expected int, int, "
+                        "bool, int|None, bool")
     if incarnation not in self._seq:  # lease ran out, registered again, or we restarted
       return {"op": "unknown", **echo}
     if seq <= self._seq[incarnation]:
       raise Dropped(f"{op} #{seq} of host {req.get('host')} after #{self._seq[incarnation]} "
                     "(a replay?)")
     self._seq[incarnation] = seq
-    host = next(m.host for m in self.epoch.members if m.incarnation == incarnation)
+    host = next(m.host for m in (*self.epoch.members, *self._pending.values())
+                if m.incarnation == incarnation)
+    if op == "leave" and host in self._pending:
+      self._forget(self._pending, host)
+      self._log(f"coordinator: pending host {host} left")
+      return {"op": "left", **echo}
     if op == "leave":
       members = self._members()
       self._forget(members, host)
@@ -218,18 +279,21 @@ class Ledger:
     self._deadline[host] = now + self.lease_s
     if op == "commit":
       return {**echo, **self._commit(host, incarnation, *vote, now)}
-    return {"op": "epoch", **echo, "epoch": self.epoch.to_json()}
+    return {"op": "epoch", **echo, "epoch": self.epoch.to_json(),
+            "pending": sorted(self._pending)}
 
   def _commit(self, host: int, incarnation: str, e: int, step: int, ok: bool,
-              suspect: int | None, now: float) -> dict:
+              suspect: int | None, boundary: bool, now: float) -> dict:
     """The verdict on op `step` of epoch `e`, or a wait; `host` votes `ok` (or not, naming
-    `suspect`). A vote is counted once: a poll repeats it."""
+    `suspect`), and `boundary`: the op ends a round, where the members can admit pending
+    hosts. A vote is counted once: a poll repeats it."""
     key = (e, step)
+    self._running = True
     if key not in self._verdicts:
       if e > self.epoch.number:
         raise Dropped(f"commit vote of host {host} for epoch {e}, above the current "
                       f"{self.epoch.number}")
-      if not self._joined[incarnation] <= e:
+      if not self._joined.get(incarnation, e + 1) <= e:
         raise Dropped(f"commit vote of host {host} for op {step} of epoch {e}, which it is not "
                       "a member of, and which has no verdict")
       if key <= self._forgotten:  # decided once maybe; deciding again could contradict it
@@ -239,15 +303,33 @@ class Ledger:
         self._decide(key, False)
       else:
         votes = self._votes.setdefault(step, {})
-        ok, _ = votes.setdefault(host, (ok, suspect))
+        ok, _, _ = votes.setdefault(host, (ok, suspect, boundary))
         if not ok:
           self._accused.setdefault(step, now)
         elif all(votes.get(h, (False,))[0] for h in self.epoch.hosts):  # rule 1
           del self._votes[step]
           self._accused.pop(step, None)
-          self._decide(key, True)
+          self._next_step = step + 1
+          self._decide(key, True, self._admit(e, step, votes))
     if key not in self._verdicts:
       return {"op": "wait"}
-    commit, after = self._verdicts[key]
-    return {"op": "verdict", "epoch": e, "step": step, "commit": commit, "next": after}
+    commit, after, admitted = self._verdicts[key]
+    return {"op": "verdict", "epoch": e, "step": step, "commit": commit, "next": after,
+            "admitted": list(admitted), "pending": sorted(self._pending)}
 
+  def _admit(self, e: int, step: int, votes: dict) -> tuple[int, ...]:
+    """The pending hosts admitted by the commit of op `step` of epoch `e` (`votes`: every
+    member's): all of them, into the next epoch, when every member voted it a round
+    boundary; none otherwise (mid-round, a joiner has no state to take part with)."""
+    if not self._pending or not all(votes[h][2] for h in self.epoch.hosts):
+      return ()
+    admitted = tuple(sorted(self._pending))
+    members = {**self._members(), **self._pending}
+    self._pending = {}
+    self._open(members, 0, f"host(s) {_ids(admitted)} admitted after op {step} of epoch {e}",
+               first_step=step + 1)
+    return admitted
+
+
+def _ids(hosts: Iterable[int]) -> str:
+  return ",".join(map(str, sorted(hosts)))
