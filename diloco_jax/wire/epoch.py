@@ -7,8 +7,9 @@ member; `wire/peers.py` opens connections for it. Connections belong to one epoc
 next closes every socket of this one, nothing is cached across epochs, and a frame that names
 another epoch is dropped.
 
-Keys. With a join token, every frame carries an HMAC-SHA256 (`wire/frames.py`) under a key
-that belongs to this epoch alone: HMAC(token, "diloco_jax wire v1|epoch <number>")
+Keys. With a join token, every frame carries a MAC (`wire/frames.py`: HMAC-SHA256 over the
+header and the payload's NH hash) under keys that belong to this epoch alone, derived from
+HMAC(token, "diloco_jax wire v1|epoch <number>")
 (`runtime.security.JoinToken.derive_key`). A frame recorded in one epoch therefore fails the
 MAC in every other, on top of naming the wrong epoch in its header. The token itself never
 crosses the network.
