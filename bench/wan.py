@@ -105,10 +105,17 @@ RUNS.update({
     "sync-h50": ("sync", [], 50),
     "eager-h50": ("eager", [], 50),
     "streaming-p2": ("streaming", ["--config.outer.fragments=2"], 20),
+    # sync under live membership (a membership coordinator in host 0's namespace, the sums
+    # on the epoch wire instead of gloo), without and with a join token (every frame MACed)
+    "sync-live": ("sync", [], 25),
+    "sync-live-mac": ("sync", [], 25),
     "streaming-p2-4bit-overlap": ("streaming", [
         "--config.outer.fragments=2", "--config.outer.overlap_steps=5",
         "--config.outer.merge_alpha=0.5", "--config.outer.compression=4bit"], 20),
 })
+
+
+LIVE = {"sync-live": None, "sync-live-mac": "bench-wan-join-token-0123456789"}  # run: token
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -151,20 +158,33 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   else:
     port = net.port()
     before = [net.tx_bytes(i) for i in range(net.num_hosts)]
+    join = ["--coordinator_address", "--initialization_timeout=120"]
+    if name in LIVE:  # the coordinator beside host 0, in its namespace
+      if LIVE[name]:
+        env["DILOCO_JOIN_TOKEN"] = LIVE[name]
+      coordinator = subprocess.Popen(net.command(0, [
+          sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
+          f"--max_hosts={net.num_hosts}", f"--bind={net.address(0)}", "--lease_s=10"]),
+          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+      join[0] = "--membership"
     procs = [subprocess.Popen(net.command(i, pinned(i, [
         sys.executable, "-m", "diloco_jax.train",
         *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
-        f"--coordinator_address={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
-        f"--host_id={i}", "--initialization_timeout=120"])),
+        f"{join[0]}={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
+        f"--host_id={i}", join[1]])),
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   outputs = [p.communicate()[0] for p in procs]
+  if name in LIVE:
+    coordinator.terminate()
+    coordinator.wait()
   for i, (p, out) in enumerate(zip(procs, outputs)):
     if p.returncode != 0:
       raise RuntimeError(f"{name}: host {i} failed:\n{out[-3000:]}")
   # One-host jobs each log their own run; a multi-host job logs on host 0 only.
   per_host = ([read_metrics(f"{workdir}/h{i}") for i in range(net.num_hosts)]
-              if mode == "none" else [read_metrics(workdir)])
+              if mode == "none" else  # a live job: every host logs, each in WORKDIR/host<i>
+              [read_metrics(f"{workdir}/host0" if name in LIVE else workdir)])
   records = per_host[0]
   wall = max(sum(r["round_time"] for r in recs[1:]) for recs in per_host)
   tokens = records[-1]["tokens"] - records[0]["tokens"]

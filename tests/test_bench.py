@@ -19,12 +19,13 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "linkdrop", "memory", "models",
+BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "leave", "linkdrop", "memory",
+           "models",
            "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
            "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
-MULTIHOST = {"chaos", "gpu_check", "linkdrop", "outer_step", "peer", "quality", "stragglers",
+MULTIHOST = {"chaos", "gpu_check", "leave", "linkdrop", "outer_step", "peer", "quality", "stragglers",
              "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -263,6 +264,17 @@ def check_wan(result: dict, out: str) -> None:
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
+def check_leave(result: dict) -> None:
+  """--smoke: 2 hosts in sync, host 1 SIGKILLed after round 2's line: host 0 trains to the
+  end alone (K 2 -> 1 in its records), beside the uninterrupted run of the same hosts."""
+  (row,) = result["rows"]
+  assert row["mode"] == "sync" and row["uninterrupted"]["replicas"] == [2, 2, 2, 2]
+  left = row["with_kills"]
+  assert left["rounds"] == 4 and left["replicas"][:2] == [2, 2] and left["replicas"][-1] == 1
+  assert len(left["seconds_to_next_round"]) == 1
+  assert row["loss_ratio"] == left["final_eval_loss"] / row["uninterrupted"]["final_eval_loss"]
+
+
 def check_wire(result: dict) -> None:
   """--smoke: 2 hosts, gloo and the epoch wire (with and without a MAC) side by side, on
   loopback and on the slow-link pass; the wire's payload per host is the planner's float32
@@ -298,7 +310,7 @@ def check_plan(result: dict) -> None:
 
 
 CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data,
-          "eta": check_eta, "gpu_check": check_gpu_check,
+          "eta": check_eta, "gpu_check": check_gpu_check, "leave": check_leave,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
