@@ -566,3 +566,34 @@ def test_when_the_last_member_goes_the_pending_hosts_start_the_job_again():
   assert hosts.register(2, now=2.5)["pending"] is False  # as at start-up: no vote since
   assert ledger.epoch.hosts == (1, 2)
 
+
+def test_a_host_that_registers_while_two_members_commit_is_admitted_at_their_boundary():
+  port = free_port()
+  with coordinator(port), clients(port, 3) as (a, b, c):
+    a.register("tcp://a")
+    e = b.register("tcp://b").epoch.number
+
+    def both(step: int, boundary: bool):
+      verdicts = [None, None]
+
+      def vote(i, client):
+        verdicts[i] = client.commit(e, step, ok=True, boundary=boundary)
+
+      threads = [threading.Thread(target=vote, args=(i, x)) for i, x in enumerate((a, b))]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join(10)
+      assert verdicts[0] == verdicts[1] and verdicts[0].commit, verdicts
+      return verdicts[0]
+
+    assert both(0, boundary=True).admitted == ()  # nobody pending yet
+    joined = c.register("tcp://c")
+    assert joined.pending and joined.epoch.hosts == (0, 1) and joined.host == 2
+    assert a.heartbeat().number == e and a.pending == (2,)
+    assert both(1, boundary=False).admitted == ()
+    admitted = both(2, boundary=True)
+    assert admitted.admitted == (2,) and a.pending == b.pending == ()
+    epoch = c.heartbeat()
+    assert (epoch, c.pending) == (admitted.epoch, ())
+    assert (epoch.number, epoch.hosts, epoch.first_step) == (e + 1, (0, 1, 2), 3)

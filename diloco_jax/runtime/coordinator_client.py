@@ -1,5 +1,7 @@
 """A host's side of the membership coordinator (runtime/coordinator.py): register for a lease,
 heartbeat within it to learn the current epoch, vote on each cross-host op (commit), leave.
+A host that registers while the job runs is pending: its heartbeats show the epoch without it
+until the members admit it at a round boundary (a commit voted `boundary`), then with it.
 
 One blocking request at a time over a zmq REQ socket; a request with no answer within
 `timeout_s` raises `CoordinatorLost` (one line naming the coordinator) and the next request
@@ -34,14 +36,17 @@ class Registration:
   incarnation: str
   lease_s: float  # heartbeat well within it (a third, say)
   epoch: Epoch
+  pending: bool = False  # the job runs: not a member of `epoch` until a round boundary
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   """The coordinator's decision on one op: `commit` (every member holds the result: apply
-  it) or not (redo the op), and `epoch`, the one current when it decided: redo in it."""
+  it) or not (redo the op), and `epoch`, the one current when it decided: redo in it.
+  `admitted`: the pending hosts this commit made members of `epoch` (the op ended a round)."""
   commit: bool
   epoch: Epoch
+  admitted: tuple[int, ...] = ()
 
 
 class Client:
@@ -63,6 +68,7 @@ class Client:
     self.last_epoch = 0
     self.host: int | None = None  # the id this host had: it registers again under it
     self.registration: Registration | None = None
+    self.pending: tuple[int, ...] = ()  # the pending hosts, as the last answer that said
 
   def _ask(self, body: dict, what: str) -> dict:
     with self._lock:
@@ -130,7 +136,8 @@ class Client:
       self._seq = 0
       self.registration = Registration(int(answer["host"]), answer["incarnation"],
                                        float(answer["lease_s"]),
-                                       self._seen(Epoch.from_json(answer["epoch"])))
+                                       self._seen(Epoch.from_json(answer["epoch"])),
+                                       bool(answer.get("pending", False)))
       return self.registration
 
   def _renew(self, op: str, expect: tuple[str, ...], **fields) -> dict:
@@ -150,24 +157,28 @@ class Client:
 
   def heartbeat(self) -> Epoch | None:
     """Renews the lease; the current epoch, or None when the coordinator no longer knows this
-    incarnation (its lease ran out, or the coordinator restarted): register again."""
+    incarnation (its lease ran out, or the coordinator restarted): register again. Records
+    the pending hosts in `pending`."""
     answer = self._renew("heartbeat", ("epoch",))
     if answer["op"] == "unknown":
       return None
     with self._lock:
+      self.pending = tuple(int(h) for h in answer.get("pending", ()))
       return self._seen(Epoch.from_json(answer["epoch"]))
 
   def commit(self, epoch: int, step: int, ok: bool, suspect: int | None = None,
-             poll_s: float = 0.002, max_poll_s: float = 0.05) -> Verdict:
+             poll_s: float = 0.002, max_poll_s: float = 0.05, *,
+             boundary: bool = False) -> Verdict:
     """Votes on op `step` of `epoch` (`ok`: this host holds its result; else it failed, and
     `suspect` is the peer that went silent, if known) and waits for the verdict, polling from
-    every `poll_s` to every `max_poll_s`. Every member gets the same verdict. Raises
-    CoordinatorLost when a poll gets no answer in `timeout_s`, and CoordinatorError when the
-    coordinator no longer knows this host: it was dropped and must register again."""
+    every `poll_s` to every `max_poll_s`. `boundary`: the op ends a round, so its commit may
+    admit the pending hosts (when every member says so). Every member gets the same verdict.
+    Raises CoordinatorLost when a poll gets no answer in `timeout_s`, and CoordinatorError
+    when the coordinator no longer knows this host: it was dropped and must register again."""
     delay = poll_s
     while True:
       answer = self._renew("commit", ("verdict", "wait"), epoch=epoch, step=step, ok=ok,
-                           suspect=suspect)
+                           suspect=suspect, boundary=boundary)
       if answer["op"] == "unknown":
         raise CoordinatorError(
             f"host {self.host}: the coordinator no longer knows this host (its lease ran out "
@@ -181,7 +192,9 @@ class Client:
         with self._lock:
           # a verdict keeps the epoch of its decision: a later heartbeat may have seen newer
           self.last_epoch = max(self.last_epoch, after.number)
-        return Verdict(bool(answer["commit"]), after)
+          self.pending = tuple(int(h) for h in answer.get("pending", ()))
+        return Verdict(bool(answer["commit"]), after,
+                       tuple(int(h) for h in answer.get("admitted", ())))
       time.sleep(delay)
       delay = min(delay * 2, max_poll_s)
 
