@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from diloco_jax.runtime import coordinator as co
+from diloco_jax.runtime import lease as lease_lib
 from diloco_jax.runtime import ledger as ledger_lib
 from diloco_jax.runtime import security
 from diloco_jax.runtime.coordinator_client import Client, CoordinatorLost
@@ -485,7 +486,7 @@ def test_start_up_registrations_join_and_after_the_first_vote_one_is_pending():
 
 
 def test_a_boundary_commit_admits_the_pending_hosts_in_the_verdict_of_every_member():
-  ledger, hosts, log, e = ledger_of(2)
+  _, hosts, log, e = ledger_of(2)
   assert same(committed(hosts, e, 0, [0, 1], now=1.0))["admitted"] == []
   for h in (3, 2):
     assert hosts.register(h, now=1.5)["pending"] is True
@@ -503,7 +504,7 @@ def test_a_boundary_commit_admits_the_pending_hosts_in_the_verdict_of_every_memb
 
 
 def test_a_commit_mid_round_or_a_redo_admits_nobody():
-  ledger, hosts, log, e = ledger_of(2, accuse_s=1.0)
+  ledger, hosts, _, e = ledger_of(2, accuse_s=1.0)
   hosts.vote(0, e, 0, now=1.0)
   hosts.register(2, now=1.0)
   hosts.vote(1, e, 0, now=1.0)
@@ -597,3 +598,15 @@ def test_a_host_that_registers_while_two_members_commit_is_admitted_at_their_bou
     epoch = c.heartbeat()
     assert (epoch, c.pending) == (admitted.epoch, ())
     assert (epoch.number, epoch.hosts, epoch.first_step) == (e + 1, (0, 1, 2), 3)
+
+
+def test_a_lease_that_would_be_pending_stops_with_one_line_until_the_trainer_can_join():
+  port = free_port()
+  with coordinator(port) as log, clients(port, 1) as (a,):
+    e = a.register("tcp://a").epoch.number
+    a.commit(e, 0, ok=True)  # the job runs
+    with pytest.raises(lease_lib.MembershipError, match=rf"^host 1: the job is running \(epoch "
+                       rf"{e}, hosts \[0\]\) and this host cannot join it live yet"):
+      lease_lib.Lease.start(f"127.0.0.1:{port}", host=1, num_hosts=2, token=TOKEN, timeout_s=5,
+                            address="127.0.0.1:1")
+    assert log[-1] == "coordinator: pending host 1 left"

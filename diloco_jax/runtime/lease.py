@@ -69,6 +69,16 @@ class Lease:
     except coordinator_client.CoordinatorError as e:
       client.close()
       raise MembershipError(f"host {host}: {e}") from None
+    if registration.pending:  # the trainer cannot take the members' state yet (issue 46)
+      try:
+        client.leave()  # its pending lease, at once: else it waits for a boundary
+      except coordinator_client.CoordinatorError:
+        pass  # it runs out
+      client.close()
+      raise MembershipError(
+          f"host {host}: the job is running (epoch {registration.epoch.number}, hosts "
+          f"{list(registration.epoch.hosts)}) and this host cannot join it live yet: start it "
+          "with the whole job")
     lease = cls(client, registration, num_hosts)
     deadline = time.monotonic() + timeout_s
     while len(lease.epoch.members) < num_hosts:
