@@ -29,6 +29,7 @@ if REPO not in sys.path:  # run as a script, this file's folder is on the path, 
   sys.path.insert(0, REPO)
 
 from bench.figures import link  # noqa: E402
+from bench.figures import live  # noqa: E402
 from bench.figures import markdown  # noqa: E402
 from bench.figures import planner  # noqa: E402
 from bench.figures import quality  # noqa: E402
@@ -53,7 +54,7 @@ SECTIONS = {
     "eta": runs.eta, "restart": runs.restart, "chaos": runs.chaos,
     "stragglers": runs.stragglers, "models": training.models, "memory": training.memory,
     "data": training.data, "linkdrop": runs.linkdrop, "poison": runs.poison,
-    "peer": runs.peer, "plan": planner.plan,
+    "peer": runs.peer, "plan": planner.plan, "leave": live.leave, "wan_live": live.wan_live,
 }
 
 

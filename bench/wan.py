@@ -25,9 +25,9 @@ Ctrl-C or SIGTERM. Needs root (ip netns, tc).
 
 --smoke runs the same orchestration, figures, table and plot in seconds and without root:
 no namespaces and no shaping (the hosts are plain processes on 127.0.0.1), 2 rounds of 2
-inner steps of 2 sequences of a one-block model, modes none and sync; with no veth to read,
-the bytes on the wire are host 0's own count (its metrics' `bytes_sent`). It writes to
---out or a temporary directory.
+inner steps of 2 sequences of a one-block model, modes none, sync and sync-live-mac; with
+no veth to read, the bytes on the wire are host 0's own count (its metrics' `bytes_sent`).
+It writes to --out or a temporary directory.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
-             smoke: bool = False, eval_every: int = 4, pin_cores: bool = False) -> dict:
+             smoke: bool = False, eval_every: int = 4, pin_cores: bool = False,
+             train_flags: tuple[str, ...] = ()) -> dict:
   """One run of RUNS on every host; figures from host 0's metrics and every host's veth
   (Localhost: host 0's metrics only). `pin_cores`: host i runs on core i mod the cores
   (the reference's one-host jobs too), so that hosts do not trade cores between runs."""
@@ -143,7 +144,7 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   args = [*common, f"--config.num_rounds={num_rounds}",
           f"--config.inner_steps={h}",
           f"--config.outer.lr={OUTER_LR[mode]}",
-          f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra]
+          f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra, *train_flags]
   cores = os.cpu_count() or 1
 
   def pinned(i: int, argv: list[str]) -> list[str]:
@@ -243,9 +244,12 @@ def main():
   parser.add_argument("--subnet", type=int, default=77, help="10.77.<subnet>.0/24")
   parser.add_argument("--workdir", default="", help="keep each mode's workdirs here")
   parser.add_argument("--eval_every", type=int, default=4, help="rounds between evals")
+  parser.add_argument("--train_flags", default="",
+                      help="trainer flags added to every run, space-separated (e.g. "
+                           "--config.checkpoint.every=0: checkpoints at the end only)")
   parser.add_argument("--pin_cores", action="store_true",
                       help="host i on core i mod the cores (taskset), the reference too")
-  args = _smoke.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync"))
+  args = _smoke.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync,sync-live-mac"))
   if not args.smoke and os.geteuid() != 0:
     sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs "
              "(--smoke does not)")
@@ -262,7 +266,8 @@ def main():
       t = time.time()
       try:
         rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, f"{i}-{mode}"),
-                             args.smoke, args.eval_every, args.pin_cores))
+                             args.smoke, args.eval_every, args.pin_cores,
+                             tuple(args.train_flags.split())))
       except RuntimeError as e:  # report it, keep the other runs' figures
         print(f"{mode}: FAILED\n{e}", flush=True)
         failed.append(mode)

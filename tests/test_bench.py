@@ -25,7 +25,8 @@ BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "leave", "linkdrop
            "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
-MULTIHOST = {"chaos", "gpu_check", "leave", "linkdrop", "outer_step", "peer", "quality", "stragglers",
+MULTIHOST = {"chaos", "gpu_check", "leave",
+             "linkdrop", "outer_step", "peer", "quality", "stragglers",
              "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -257,10 +258,17 @@ def check_stragglers(result: dict) -> None:
 
 def check_wan(result: dict, out: str) -> None:
   has(result, WAN_KEYS)
-  assert [r["mode"] for r in result["rows"]] == ["none", "sync"]
+  assert [r["mode"] for r in result["rows"]] == ["none", "sync", "sync-live-mac"]
   for row in result["rows"]:
     has(row, WAN_ROW_KEYS if row["mode"] == "none" else WAN_COMM_ROW_KEYS)
   assert result["rows"][1]["bytes_per_host"][0] > 0  # the trainer's own count, no veth
+  # Sync on gloo and on the epoch wire (live membership, a join token): on 2 hosts both sums
+  # are a + b, so the runs are the same bits; the payloads are the same but for the words
+  # riding with Δ (fixed: each host's steps and seconds; live: the replicas and hosts of
+  # the sum), a few dozen bytes a round.
+  sync, live = result["rows"][1], result["rows"][2]
+  assert live["final_eval_loss"] == sync["final_eval_loss"]
+  assert abs(live["bytes_per_host_counted"] - sync["bytes_per_host_counted"]) <= 2 * 64
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
 
