@@ -237,7 +237,8 @@ def main():
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--hosts", type=int, default=2)
-  parser.add_argument("--rate_mbit", type=float, default=8.0)
+  parser.add_argument("--rate_mbit", type=float, default=8.0,
+                      help="each host's link, each way (0: unshaped, the veths' own speed)")
   parser.add_argument("--rounds", type=int, default=32)
   parser.add_argument("--modes", default="none,sync,delayed,eager,ddp",
                       help=f"runs, comma-separated, from {', '.join(RUNS)}")
@@ -256,7 +257,8 @@ def main():
   signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
   rows, failed = [], []
   network = (Localhost(args.hosts) if args.smoke
-             else Network(args.hosts, f"10.77.{args.subnet}", args.rate_mbit, tag="dj"))
+             else Network(args.hosts, f"10.77.{args.subnet}", args.rate_mbit or None,
+                          tag="dj"))
   with network as net, tempfile.TemporaryDirectory() as scratch:
     tmp = args.workdir or scratch
     unknown = set(args.modes.split(",")) - set(RUNS)
@@ -281,7 +283,9 @@ def main():
   for r in rows:
     r["compute_utilization"] = r["tokens_per_sec"] / reference if reference else None
   title = (f"smoke: {args.hosts} hosts on 127.0.0.1, unshaped, H={SMOKE_H}" if args.smoke else
-           f"{args.hosts} hosts, {args.rate_mbit:g} Mbit/s each way, H=25, tiny model unless "
+           f"{args.hosts} hosts, "
+           + (f"{args.rate_mbit:g} Mbit/s each way" if args.rate_mbit else "unshaped links")
+           + ", H=25, tiny model unless "
            "the run names another")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

@@ -182,7 +182,10 @@ class Trainer:
   def _save(self, r: int) -> None:
     """Starts a checkpoint of round r and writes its record if its figures are in (async
     modes: once its sum arrives, and again after a resume), so that the metrics file and
-    the checkpoint agree."""
+    the checkpoint agree. Figures still being gathered across hosts are waited for first: a
+    host lost meanwhile must not leave a checkpoint whose record no one wrote (a resume from
+    it would never write it)."""
+    self.parts.log.settle(r)
     self.parts.log.add(r, checkpoint_blocking=self.parts.store.save(self.snapshot(r)))
     self.parts.log.write_through(r)
 

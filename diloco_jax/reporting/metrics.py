@@ -173,9 +173,8 @@ class OpenRound:
 
 
 class RoundLog:
-  """The open records of rounds not yet written, by round; `write_through(r)` writes, in
-  order, every record up to round r whose figures are all in (its loss-carrying sum,
-  fragment 0's, has arrived)."""
+  """The open records of rounds not yet written; `write_through(r)` writes, in order, every
+  record up to round r whose figures are all in (fragment 0's sum, with the loss, arrived)."""
 
   def __init__(self, writer: writers.MetricsWriter, bar: ProgressBar, *, num_rounds: int,
                inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
@@ -186,8 +185,7 @@ class RoundLog:
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
     self.tokens_per_round = tokens_per_round
     self.bytes_per_token = bytes_per_token  # per split; None: no bits per byte
-    # Model FLOPs per token, and the peak of every device of every host together (None:
-    # devices without a known peak, such as CPUs: FLOP/s only, no MFU).
+    # model FLOPs per token; the peak of all devices of all hosts (None: unknown, no MFU)
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self._open: dict[int, OpenRound] = {}
     self._round_times: list[float] = []
@@ -204,13 +202,10 @@ class RoundLog:
 
   def timed(self, r: int, seconds: float, steady: bool = True,
             tokens: int | None = None) -> None:
-    """Round r took `seconds` of wall time: its speed; and the time left: the rounds left
-    at the mean wall time from one steady round's end to the next (its save included),
-    plus the last checkpoint's write (`finish_estimate`: the run ends by writing one and
-    waiting for it); `tokens`: what round r trained, if not `tokens_per_round`. This
-    process's first round is not steady (it compiles the outer
-    step and the eval and opens the connections, after a resume too), nor is a round
-    with `steady` False (profiled)."""
+    """Round r took `seconds` of wall time (it trained `tokens`, or `tokens_per_round`): its
+    speed; and the time left: the rounds left at the mean wall time from one steady round's
+    end to the next (its save included), plus the last checkpoint's write (`finish_estimate`).
+    This process's first round (compiles, connections) and a profiled one are not steady."""
     now = self._clock()
     self._round_times.append(seconds)
     if steady and self._last_end is not None:
@@ -268,6 +263,11 @@ class RoundLog:
 
   def complete(self, r: int) -> bool:
     return r in self._open and "loss_sum" in self._open[r].figures
+
+  def settle(self, r: int) -> None:
+    """Waits for the Δ diagnostics still being gathered for rounds <= r (before save r)."""
+    for q in [q for q in sorted(self._open) if q <= r and self._open[q].diagnostics]:
+      self._open[q].diagnostics.result()
 
   def rejoin_requested(self, r: int) -> bool:
     return r in self._open and bool(self._open[r].figures.get("rejoin"))
