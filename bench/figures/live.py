@@ -24,7 +24,7 @@ def wan_live(results: Results) -> dict:
   """Per rate, sync on gloo against sync-live (the epoch wire) and sync-live-mac (with a
   join token): each run's tokens/s (the mean where a run was listed twice) and the ratio."""
   rows, ratios = [], []
-  for rate in (8, 32):
+  for rate in (0, 8, 32):  # 0: unshaped veths, this machine's own speed
     d = results(f"wan_live_{rate}")
     speed: dict[str, list[float]] = {}
     for r in d["rows"]:
@@ -33,6 +33,6 @@ def wan_live(results: Results) -> dict:
     for mode in ("sync-live", "sync-live-mac"):
       ratio = mean[mode] / mean["sync"]
       ratios.append(ratio)
-      rows.append([f"{d['rate_mbit']:g}", mode, f"{mean['sync']:,.0f}", f"{mean[mode]:,.0f}",
+      rows.append([f"{d['rate_mbit']:g}" if d["rate_mbit"] else "unshaped", mode, f"{mean['sync']:,.0f}", f"{mean[mode]:,.0f}",
                    f"{ratio:.2f}", len(speed[mode])])
   return {"table": rows, "lowest": min(ratios)}
