@@ -282,6 +282,8 @@ def main(argv):
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
     if multi_host_elastic:
       elastic.finish()
+    elif jax.process_count() > 1:
+      cluster.leave_together()
   except trainer.RestartForRejoin:
     _exit(elastic.EXIT_RESTART)
   except dispatch.CollectiveError as e:

@@ -131,19 +131,37 @@ class Hosts:
       except subprocess.TimeoutExpired:
         self.coordinator.kill()
 
-  def wait_live(self) -> int:
+  def wait_live(self, rejoin_after: float | None = None, max_restarts: int = 0) -> int:
     """Live membership: every host runs to its own end. 0 when every host exited 0 or was
     killed by a signal (the others trained on without it) and at least one finished; else
-    the code of the first host that failed, once all have ended."""
+    the code of the first host that failed, once all have ended. `rejoin_after`: a host
+    that dies while another still runs is started again this many seconds later (up to
+    `max_restarts` starts in all), and joins the running job."""
     reported: set[int] = set()
+    restarts, due = 0, {}  # host -> when it starts again
     while True:
       codes = [p.poll() for p in self.procs]
       for host, code in enumerate(codes):
         if code not in (None, 0) and host not in reported:
           reported.add(host)
+          again = (rejoin_after is not None and restarts < max_restarts
+                   and any(c is None for c in codes))
           print(f"[launcher] host {host} {_reason(code)}; live membership: the other hosts "
-                "go on", flush=True)
-      if all(c is not None for c in codes):
+                "go on" + (f"; it starts again in {rejoin_after:g} s and joins them"
+                           if again else ""), flush=True)
+          if again:
+            restarts += 1
+            due[host] = time.monotonic() + rejoin_after
+      for host, when in list(due.items()):
+        if time.monotonic() >= when:
+          del due[host]
+          if any(p.poll() is None for p in self.procs):
+            print(f"[launcher] starting host {host} again (restart {restarts}/"
+                  f"{max_restarts}): it joins the running job", flush=True)
+            self.procs[host] = self._start(host)
+            reported.discard(host)
+            codes[host] = None
+      if all(c is not None for c in codes) and not due:
         self.stop_coordinator()
         self._drain()
         failed = sorted(((h, c) for h, c in enumerate(codes) if c is not None and c > 0),
@@ -225,10 +243,12 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--hosts", type=int, required=True, help="host processes to start")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
   parser.add_argument("--max_restarts", type=int, default=0,
-                      help="after a host fails, start all hosts again up to this many times")
+                      help="after a host fails, start all hosts again up to this many times "
+                           "(--live --rejoin_after: restarts of dead hosts, in all)")
   parser.add_argument("--rejoin_after", type=float, default=None,
-                      help="elastic mode (--config.elastic=True): start a dead host other "
-                           "than 0 again after this many seconds, without stopping the others")
+                      help="start a dead host again after this many seconds, without "
+                           "stopping the others: --live, any host, which joins the running "
+                           "job; elastic mode (--config.elastic=True), a host other than 0")
   parser.add_argument("--live", action="store_true",
                       help="live membership: start a membership coordinator beside the "
                            "hosts; a host that dies is dropped and the others train on "
@@ -250,9 +270,10 @@ def main(argv: list[str]) -> int:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
   if args.lease_s <= 0:
     parser.error(f"--lease_s={args.lease_s}: must be > 0")
-  if args.live and (args.max_restarts or args.rejoin_after is not None):
-    parser.error("--live keeps the others training when a host dies: --max_restarts and "
-                 "--rejoin_after (restarts of every host) do not apply")
+  if args.live and args.max_restarts and args.rejoin_after is None:
+    parser.error("--live keeps the others training when a host dies: --max_restarts (a "
+                 "restart of every host) does not apply; --rejoin_after=S restarts a dead "
+                 "host, which joins the others (--max_restarts: how many times in all)")
   if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
     parser.error("--workdir_per_host needs the trainer's --workdir=DIR (with `=`) after `--`")
   if args.max_restarts < 0:
@@ -280,12 +301,13 @@ def main(argv: list[str]) -> int:
     current.append(Hosts(args.hosts, train_args, args.port or free_port(),
                          args.workdir_per_host, args.live, args.lease_s))
     try:
-      code = (current[-1].wait_live() if args.live else current[-1].wait(args.rejoin_after))
+      code = (current[-1].wait_live(args.rejoin_after, args.max_restarts) if args.live
+              else current[-1].wait(args.rejoin_after))
     except KeyboardInterrupt:
       current[-1].kill_all()
       current[-1].stop_coordinator()
       return 130
-    if code == 0 or terminated.is_set():
+    if code == 0 or terminated.is_set() or args.live:  # live: dead hosts rejoin, if asked
       return code
     if code == EXIT_RESTART:  # elastic: a host returned; all resume from a checkpoint
       print(f"[launcher] every host asked for a restart: starting all {args.hosts} hosts "

@@ -57,10 +57,8 @@ def _describe(dtype, shape) -> str:
   return f"{np.dtype(dtype).name}{list(shape)}"
 
 
-def write(path: str, tree: Any) -> dict[str, Any]:
-  """Writes `tree` to `path`, on disk (fsynced) when it returns; its record for
-  meta.json: sha256 and bytes of the file, the leaves' names in tree order, and the
-  dtypes of leaves stored as bits."""
+def _tensors(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """The leaves by name, as safetensors stores them, and the dtypes stored as bits."""
   tensors, bits = {}, {}
   for name, leaf in _named(tree):
     a = np.asarray(leaf)
@@ -70,6 +68,23 @@ def write(path: str, tree: Any) -> dict[str, Any]:
       bits[name] = a.dtype.name
       a = a.view(np.dtype(f"u{a.dtype.itemsize}"))
     tensors[name] = a
+  return tensors, bits
+
+
+def encode(tree: Any) -> tuple[bytes, dict[str, Any]]:
+  """`tree` as the bytes of a safetensors file, and their record (as `write`'s): a state
+  sent to a host that joins a live job, checked by `to_tree` as a file read from disk."""
+  tensors, bits = _tensors(tree)
+  data = safetensors.numpy.save(tensors)
+  return data, {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                "leaves": list(tensors), **({"bits": bits} if bits else {})}
+
+
+def write(path: str, tree: Any) -> dict[str, Any]:
+  """Writes `tree` to `path`, on disk (fsynced) when it returns; its record for
+  meta.json: sha256 and bytes of the file, the leaves' names in tree order, and the
+  dtypes of leaves stored as bits."""
+  tensors, bits = _tensors(tree)
   safetensors.numpy.save_file(tensors, path)
   digest, size = hashlib.sha256(), 0
   with open(path, "rb") as f:  # hashed as read back: what the disk was given

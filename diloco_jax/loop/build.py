@@ -169,13 +169,18 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   store_lib.check_writable(workdir)  # after the data's checks: they may refuse
   membership = membership_lib.of(config)
   collective = membership.collective
-  membership.connect(dispatcher)
-  # Before anything in the workdir is written: the lock, and whether the hosts share one
-  # workdir or each has its own (runtime/workdir.py).
-  claim = workdir_lib.claim(
-      workdir, host=host, num_hosts=num_hosts, restart_from_scratch=restart_from_scratch,
-      allgather=lambda words: dispatcher.run(collective.allgather, words,
-                                             what="agreeing on the workdir"))
+  # A host joining a live job talks to no one until the members admit it (loop/join.py).
+  if world.joining:
+    claim, workdir = workdir_lib.claim_joining(workdir, host=host, num_hosts=num_hosts,
+                                               restart_from_scratch=restart_from_scratch)
+  else:
+    membership.connect(dispatcher)
+    # Before anything in the workdir is written: the lock, and whether the hosts share one
+    # workdir or each has its own (runtime/workdir.py).
+    claim = workdir_lib.claim(
+        workdir, host=host, num_hosts=num_hosts, restart_from_scratch=restart_from_scratch,
+        allgather=lambda words: dispatcher.run(collective.allgather, words,
+                                               what="agreeing on the workdir"))
   shared_storage = claim.shared and not (num_hosts == 1 and per_host.present(workdir))
   if not claim.shared and config.elastic and not world.live:
     claim.release()

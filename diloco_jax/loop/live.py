@@ -41,6 +41,8 @@ def start(config: ml_collections.ConfigDict, spec: cluster.Cluster, membership: 
                                 address=wire_address)
   collective = epochs.EpochCollective(lease, token=token, timeout_s=config.elastic_timeout)
   world.set_live(lease, token, collective)
+  if lease.joining:  # the job runs: its config comes with the members' state (loop/join.py)
+    return lease
   collective.connect()
   cluster.check_same_config_over(collective.allgather, c.host_id, config_lib.flatten(config))
   return lease

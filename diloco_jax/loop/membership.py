@@ -67,6 +67,9 @@ class Membership(Protocol):
   def started(self) -> None:
     """Training begins (after resume, before round 1 of this process)."""
 
+  def join_due(self) -> bool:
+    """Whether the hosts admit a host waiting to join at this round's end (live only)."""
+
   def signal_restart(self) -> None:
     """Host 0, after checkpointing for a returning host: every host must restart."""
 
@@ -104,6 +107,10 @@ class Fixed:
 
   def started(self) -> None:
     pass
+
+  @staticmethod
+  def join_due() -> bool:
+    return False  # a fixed job admits no one while it runs
 
   def signal_restart(self) -> None:
     pass  # no host returns to a fixed job: its sums carry no rejoin requests
@@ -147,6 +154,10 @@ class Elastic:
     if self.host == 0:  # a host that connects from now on is a returning one
       elastic.mark_running()
 
+  @staticmethod
+  def join_due() -> bool:
+    return False  # a returning host restarts every host instead (rejoin requests)
+
   def signal_restart(self) -> None:
     elastic.signal_restart()
 
@@ -171,7 +182,8 @@ class Live:
     self.collective = world.collective
     self.save_timeout = None  # a save is this host's own: nothing to wait for
     self.host = world.host
-    self.riders = (LiveReplicas(replicas_per_host),)
+    self.riders = (LiveReplicas(replicas_per_host, lambda: world.lease.pending),)
+    self._join_due = False
 
   def connect(self, dispatcher: dispatch.Dispatcher) -> None:
     dispatcher.run(self.collective.connect, what="connecting the hosts")
@@ -185,7 +197,15 @@ class Live:
     words = riders.get(LiveReplicas.name)
     if words is None:
       return {}
+    self._join_due |= bool(words["pending"])
     return {"replicas": int(words["replicas"]), "live_hosts": int(words["hosts"])}
+
+  def join_due(self) -> bool:
+    """Whether a sum since the last call said that a host waits to join: the same answer
+    on every member (it comes from the sums), so all of them admit it at the same round
+    boundary (`loop/join.py`)."""
+    due, self._join_due = self._join_due, False
+    return due
 
   def started(self) -> None:
     pass
@@ -207,18 +227,20 @@ class Live:
 
 class LiveReplicas:
   """Live membership's rider of every sum: each host's replicas and a 1, summed into the
-  replicas the mean divides by and the hosts that took part."""
+  replicas the mean divides by and the hosts that took part, and whether this host has
+  seen a host waiting to join (`pending`: the coordinator's last word)."""
   name, keep, divisor = "members", False, "replicas"
 
-  def __init__(self, replicas_per_host: int):
-    self.replicas_per_host = replicas_per_host
+  def __init__(self, replicas_per_host: int, pending: Callable[[], bool] = lambda: False):
+    self.replicas_per_host, self.pending = replicas_per_host, pending
 
   def words(self, round_: int) -> exchange_lib.Words:
     del round_
-    return {"replicas": np.float32(self.replicas_per_host), "hosts": np.float32(1)}
+    return {"replicas": np.float32(self.replicas_per_host), "hosts": np.float32(1),
+            "pending": np.float32(self.pending())}
 
   def like(self) -> exchange_lib.Words:
-    return {"replicas": np.float32(0), "hosts": np.float32(0)}
+    return {"replicas": np.float32(0), "hosts": np.float32(0), "pending": np.float32(0)}
 
 
 class Members:
@@ -265,6 +287,6 @@ def rejoin(outer_step, snap, init_replicas: Callable, data, steps_done: int):
       opt_state=state_lib.with_step_count(replicas.opt_state, steps_done))
   if data is not None:
     data.set_state(snap.meta["data_state"])
-  print(f"host {jax.process_index()}: rejoining at round {snap.round + 1}: replicas from the "
+  print(f"host {world_lib.current().host}: rejoining at round {snap.round + 1}: replicas from the "
         f"anchor with fresh optimizer moments (step {steps_done})", flush=True)
   return outer, replicas

@@ -19,6 +19,7 @@ import ml_collections
 
 from diloco_jax.algo import state as algo_state
 from diloco_jax.loop import build as build_lib
+from diloco_jax.loop import join as join_lib
 from diloco_jax.loop import resume as resume_lib
 from diloco_jax.loop import rounds
 from diloco_jax.loop import runinfo
@@ -28,6 +29,7 @@ from diloco_jax.reporting import metrics
 from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import hostmem
+from diloco_jax.runtime import world as world_lib
 from diloco_jax.wire import dispatch
 
 
@@ -75,7 +77,11 @@ class Trainer:
   def run(self) -> TrainResult:
     parts = self.parts
     runinfo.announce(parts)
-    done = self.resume()
+    if world_lib.current().joining:  # the members' state, at their next round boundary
+      self.state = join_lib.receive(parts, self.state)
+      done = self.state.round
+    else:
+      done = self.resume()
     # jax keeps every program it compiled for the life of the process, with its traces:
     # start-up's one-off programs (params and optimizer-state init) are dropped. The inner
     # step keeps its own executable; what else runs later compiles on first use.
@@ -112,6 +118,8 @@ class Trainer:
       if preempted and r < parts.num_rounds:
         preempted_at = r
         break
+      if parts.membership.join_due() and r < parts.num_rounds:  # live: a host waits
+        self.state = join_lib.admit(parts, self.state, r)
       t_round = time.perf_counter()  # the save's blocking part is in the next round
 
     parts.bar.close()

@@ -35,6 +35,8 @@ from diloco_jax.runtime import watchdog
 
 _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOCO_NUM_HOSTS",
         "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT"}
+_LEFT = "diloco_jax/end/left/"  # a host's key once it is leaving (leave_together)
+_watchdog: watchdog.LinkWatchdog | None = None  # this host's, when one runs
 
 
 class StartupError(errors.DilocoError, RuntimeError):
@@ -131,8 +133,45 @@ def initialize(cluster: Cluster) -> bool:
                   else max(1, c.heartbeat_timeout * 2 // 5))
   # Elastic mode (recoverability) outlives a lost host by design: no watchdog there.
   if link_timeout and not jax.config.jax_enable_recoverability:
-    watchdog.LinkWatchdog(link_timeout).start()
+    global _watchdog
+    _watchdog = watchdog.LinkWatchdog(link_timeout)
+    _watchdog.start()
   return True
+
+
+
+def leave_together(timeout_s: int = 600) -> None:
+  """The clean end of a job of several hosts on `jax.distributed` (it ran to the end, or
+  stopped at a preemption's round with a checkpoint): every host meets the others at a
+  barrier of its own, then exits 0 without JAX's shutdown, host 0 (whose coordination
+  service the others use until then) last, once each has said it is leaving.
+
+  JAX's own shutdown (its preemption manager, then a barrier that waits
+  `shutdown_timeout_seconds`) aborted hosts with signal 6 in CI after a preemption: host 0
+  still inside the preemption manager's shutdown while host 1's barrier ran out. Nothing
+  is left to do at this point (checkpoints, metrics and logs are closed), so it is skipped.
+  """
+  client = coordination.coordination_client()
+  me, hosts = jax.process_index(), jax.process_count()
+  if _watchdog is not None:
+    _watchdog.stop()  # marks this host done: no false alarm while the others finish
+  try:
+    client.wait_at_barrier("diloco_jax/end", timeout_s * 1000)
+    if me == 0:
+      # The others' keys, not their liveness: a host that has exited is seen as dead only
+      # after the heartbeat timeout.
+      deadline = time.monotonic() + 10
+      while (len(client.key_value_dir_get(_LEFT)) < hosts - 1
+             and time.monotonic() < deadline):
+        time.sleep(0.05)
+    else:
+      client.key_value_set(f"{_LEFT}{me}", "1")
+  except Exception as e:  # noqa: BLE001 -- the store's errors: a host gone, a timeout
+    sys.stderr.write(f"host {me}: the hosts did not all reach the end together "
+                     f"({type(e).__name__}); this host's work is saved, exiting\n")
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)
 
 
 def _security_checks(c: Cluster) -> tuple[security.JoinToken | None, str | None]:

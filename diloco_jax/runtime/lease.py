@@ -30,6 +30,12 @@ class MembershipError(errors.DilocoError, RuntimeError):
   prefix = "Membership"
 
 
+class JobEnded(MembershipError):
+  """A host that was to join found no member left: the job ended (or every member failed,
+  and says so in its own log) before it was admitted. Nothing of this host's is lost."""
+  exit_code = 0
+
+
 def wire_address(coordinator: str, given: str | None = None) -> str:
   """host:port where this host's peers reach its wire: `given`, else the address of the
   interface that routes to the coordinator and a port free on it now."""
@@ -48,12 +54,15 @@ def wire_address(coordinator: str, given: str | None = None) -> str:
 class Lease:
   """The registration of host `host` and the thread that renews it."""
 
-  def __init__(self, client: coordinator_client.Client, registration, num_hosts: int):
-    self.client, self.num_hosts = client, num_hosts
+  def __init__(self, client: coordinator_client.Client, registration, num_hosts: int,
+               address: str):
+    self.client, self.num_hosts, self.address = client, num_hosts, address
     self.host = registration.host
-    self.address = next(m.address for m in registration.epoch.members if m.host == self.host)
     self.lease_s = registration.lease_s
     self.epoch = registration.epoch  # the newest the coordinator announced
+    # The job was running when this host registered: it joins at a round boundary (`join`)
+    # once it is ready to take the members' state, and is in no epoch until then.
+    self.joining = registration.pending
     self.lost: str | None = None  # why this host is out of the job, once it is
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -64,22 +73,21 @@ class Lease:
             address: str | None = None) -> Lease:
     """Registers, then waits up to `timeout_s` for an epoch of `num_hosts` hosts."""
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s))
+    address = wire_address(coordinator, address)
     try:
-      registration = client.register(wire_address(coordinator, address), host)
+      registration = client.register(address, host)
     except coordinator_client.CoordinatorError as e:
       client.close()
       raise MembershipError(f"host {host}: {e}") from None
-    if registration.pending:  # the trainer cannot take the members' state yet (issue 46)
+    lease = cls(client, registration, num_hosts, address)
+    if lease.joining:
+      # The members would admit it at their next round boundary and then wait for it to
+      # take their state: it leaves until it is built and can (`join`).
       try:
-        client.leave()  # its pending lease, at once: else it waits for a boundary
+        client.leave()
       except coordinator_client.CoordinatorError:
-        pass  # it runs out
-      client.close()
-      raise MembershipError(
-          f"host {host}: the job is running (epoch {registration.epoch.number}, hosts "
-          f"{list(registration.epoch.hosts)}) and this host cannot join it live yet: start it "
-          "with the whole job")
-    lease = cls(client, registration, num_hosts)
+        pass  # its pending lease runs out
+      return lease
     deadline = time.monotonic() + timeout_s
     while len(lease.epoch.members) < num_hosts:
       if time.monotonic() > deadline:
@@ -93,6 +101,49 @@ class Lease:
     lease._thread = threading.Thread(target=lease._renew, name="lease", daemon=True)
     lease._thread.start()
     return lease
+
+  def join(self, timeout_s: float) -> None:
+    """A host that found the job running (`joining`): registers again, now ready, and waits
+    up to `timeout_s` for the members to admit it at a round boundary (an epoch with it)."""
+    try:
+      registration = self.client.register(self.address, self.host)
+    except coordinator_client.CoordinatorError as e:
+      raise MembershipError(f"host {self.host}: {e}") from None
+    self.epoch = registration.epoch
+    if not registration.pending:
+      self._ended()
+    print(f"host {self.host}: the job is running (epoch {self.epoch.number}, hosts "
+          f"{list(self.epoch.hosts)}); waiting to be admitted at a round boundary", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while self.host not in self.epoch.hosts:
+      if self.lost is not None:
+        raise MembershipError(self.lost)
+      if time.monotonic() > deadline:
+        raise MembershipError(
+            f"host {self.host}: not admitted within {timeout_s:g} s by hosts "
+            f"{list(self.epoch.hosts)} (a round boundary comes once per round: is the job "
+            "stuck, or is its round longer than that?)")
+      time.sleep(min(0.05, self.lease_s / 8))
+      self._heartbeat()
+    if self.epoch.hosts == (self.host,):  # the last member left while this host waited
+      self._ended()
+    self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)
+    self._thread.start()
+
+  def _ended(self) -> None:
+    try:
+      self.client.leave()
+    except coordinator_client.CoordinatorError:
+      pass
+    self.lost = (f"host {self.host}: the job it was to join has no members left (it ended, "
+                 "or its hosts stopped: their logs say why); nothing to join. To go on "
+                 "training, start the whole job again: it resumes from the hosts' checkpoints")
+    raise JobEnded(self.lost)
+
+  @property
+  def pending(self) -> bool:
+    """Whether a host waits to join (as the coordinator last said)."""
+    return bool(self.client.pending)
 
   def _heartbeat(self) -> None:
     try:
@@ -121,12 +172,14 @@ class Lease:
       return f"the coordinator dropped host(s) {gone} (epoch {self.epoch.number})"
     return None
 
-  def commit(self, epoch: int, step: int, ok: bool, suspect: int | None):
-    """The coordinator's verdict on op `step` of `epoch` (`coordinator_client.Verdict`)."""
+  def commit(self, epoch: int, step: int, ok: bool, suspect: int | None,
+             boundary: bool = False):
+    """The coordinator's verdict on op `step` of `epoch` (`coordinator_client.Verdict`);
+    `boundary`: the op ends a round, and its commit admits the hosts waiting to join."""
     if self.lost is not None:
       raise MembershipError(self.lost)
     try:
-      verdict = self.client.commit(epoch, step, ok, suspect)
+      verdict = self.client.commit(epoch, step, ok, suspect, boundary=boundary)
     except coordinator_client.CoordinatorError as e:
       self.lost = str(e)
       raise MembershipError(str(e)) from None

@@ -227,3 +227,17 @@ def claim(workdir: str, *, host: int, num_hosts: int,
                          "another host found its --workdir in use by another run (its log "
                          "names the holder)", held=lock)
   return Claim(lock, shared=False)
+
+
+def claim_joining(workdir: str, *, host: int, num_hosts: int,
+                  restart_from_scratch: bool) -> tuple[Claim, str]:
+  """A host joining a live job (no one to agree with until it is admitted): its lock and
+  the directory it writes. A workdir that holds another host's `host<j>/` directory is the
+  job's shared one, where live membership keeps each host's in `host<i>/`; else it is this
+  host's own."""
+  others = [j for j in range(num_hosts)
+            if j != host and os.path.isdir(os.path.join(workdir, f"host{j}"))]
+  if others:
+    workdir = os.path.join(workdir, f"host{host}")
+    os.makedirs(workdir, exist_ok=True)
+  return Claim(_take(workdir, restart_from_scratch), shared=False), workdir

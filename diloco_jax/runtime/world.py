@@ -28,6 +28,11 @@ class World:
   def live(self) -> bool:
     return self.lease is not None
 
+  @property
+  def joining(self) -> bool:
+    """A live host that found the job running: it joins at a round boundary."""
+    return self.lease is not None and self.lease.joining
+
 
 _LIVE: World | None = None
 

@@ -58,6 +58,14 @@ class EpochCollective:
     self._peers: Peers | None = None
     self.live = list(self._epoch.hosts)
     self.left: list[int] = []  # hosts that left, in the order they did
+    self.joined: list[int] = []  # hosts admitted since the start, in the order they were
+
+  def admitted(self) -> None:
+    """A host that joined: the epoch that admitted it (`lease.join`), whose ops it numbers
+    from the epoch's first, like its members."""
+    self._epoch = wire_epoch(self.lease.epoch)
+    self.step = self.lease.epoch.first_step
+    self.live = list(self._epoch.hosts)
 
   def _open(self) -> Peers:
     if self._peers is None:
@@ -79,13 +87,15 @@ class EpochCollective:
       self._peers = None
     lost = sorted(set(old.hosts) - set(self._epoch.hosts))
     self.left.extend(lost)
+    self.joined.extend(sorted(set(self._epoch.hosts) - set(old.hosts)))
     self.live = list(self._epoch.hosts)
     if lost and self.host_index == min(self.live):
       self._log(f"WARNING: host(s) {lost} left (epoch {self._epoch.number}); continuing "
                 f"with hosts {self.live}; {what} is done again without them")
 
-  def _unit(self, what: str, op: Callable[[Peers], Any]) -> Any:
-    """`op` among the current epoch's members until the coordinator commits it."""
+  def _unit(self, what: str, op: Callable[[Peers], Any], boundary: bool = False) -> Any:
+    """`op` among the current epoch's members until the coordinator commits it (`boundary`:
+    the op ends a round, and its commit admits the hosts waiting to join)."""
     while True:
       ok, suspect, result = True, None, None
       peers = None
@@ -100,14 +110,14 @@ class EpochCollective:
       finally:
         if peers is not None:
           self.bytes_sent += peers.bytes_sent - sent
-      verdict = self.lease.commit(self._epoch.number, self.step, ok, suspect)
+      verdict = self.lease.commit(self._epoch.number, self.step, ok, suspect, boundary)
       if verdict.commit:
         if not ok:  # cannot happen: a commit needs every member's ok vote
           raise WireError(f"{what}: the coordinator committed op {self.step} that this "
                           "host failed")
         self.step += 1
         self._move_to(verdict.epoch, what)
-        return result
+        return verdict.admitted if boundary else result
       self._move_to(verdict.epoch, what)
 
   # -- collective.HostCollective's interface ---------------------------------------------
@@ -133,6 +143,41 @@ class EpochCollective:
                      **options) -> tuple[np.ndarray, np.ndarray]:
     return self._unit("the encoded sum",
                       lambda peers: peers.reduce_encoded(x_R, fmt, reduce, **options))
+
+  # -- joining -----------------------------------------------------------------------------
+
+  def boundary(self) -> tuple[int, ...]:
+    """The end of a round, where hosts waiting to join are admitted: a one-byte all-gather
+    committed as a boundary. Returns the hosts its commit admitted (members of the epoch
+    from the next op on)."""
+    return self._unit("the round's boundary", lambda peers: peers.connect(), boundary=True)
+
+  def transfer(self, to: tuple[int, ...], message: Callable[[], tuple[bytes, bytes]]
+               ) -> tuple[int, tuple[bytearray, bytearray] | None]:
+    """Point to point: the lowest member not in `to` (the source) sends `message()` (a
+    header and a body) to each host of `to` that is still a member. Returns the source and,
+    on a host of `to`, what it got (else None). An op like any: if the source or a receiver
+    is lost mid-way, the members left redo it, with the lowest of them as the source."""
+    def op(peers: Peers):
+      holders = [h for h in peers.epoch.hosts if h not in to]
+      if not holders:
+        raise lease_lib.JobEnded(f"host {self.host_index}: every member that held the run's "
+                                 "state left before sending it; nothing to join. To go on "
+                                 "training, start the whole job again: it resumes from the "
+                                 "hosts' checkpoints")
+      source = holders[0]
+      peers.connect()  # every member: the epoch's start, and the receivers are there
+      if self.host_index == source:
+        parts = message()
+        for dst in to:
+          if dst in peers.epoch.hosts:
+            for part in parts:
+              peers.send(dst, part)
+        return source, None
+      if self.host_index in to:
+        return source, (peers.recv(source), peers.recv(source))
+      return source, None
+    return self._unit("the state transfer", op)
 
   def close(self, leave: bool = True) -> None:
     if self._peers is not None:
