@@ -10,6 +10,7 @@ import pytest
 import diloco_jax
 from diloco_jax.algo import diloco
 from diloco_jax.algo import optim
+from diloco_jax.loop.join import own_for_joiner
 from tests.test_simulate import B
 from tests.test_simulate import D
 from tests.test_simulate import H
@@ -225,3 +226,201 @@ def test_eager_with_k_per_round_matches_numpy_float64():
                        strict=True):
     for n in params:
       np.testing.assert_allclose(got[n], want[n], atol=1e-10, rtol=0)
+
+
+# A host joins a live job (docs/algorithms.md §11): hosts of one replica each, replica h on
+# host h; hosts 0 and 1 train from round 1, host 2 is admitted at the end of round 3 and
+# trains rounds 4-7. The means of rounds 1-3 are over K = 2 (the static K), the later ones
+# over 3.
+JOIN_STARTS = (0, 0, 3)  # the round index (0-based) from which each host trains
+JOIN_ROUNDS = 7
+
+
+def join_problem(seed):
+  rng = np.random.default_rng(seed)
+  shape = (JOIN_ROUNDS, len(JOIN_STARTS), H, B, D)
+  batches = {"x": rng.normal(size=shape), "y": rng.normal(size=shape[:-1] + (O,))}
+  params = {"w": rng.normal(size=(D, O)) * 0.1, "b": np.zeros(O)}
+  return params, batches
+
+
+def joiner_adamw(inner, params, t):
+  """A joiner's inner optimizer, admitted at the end of round t: fresh moments at the
+  run's step count."""
+  opt = NumpyAdamW(inner, JOIN_ROUNDS * H, params)
+  opt.count = t * H
+  return opt
+
+
+def np_delayed_join(params, batches, inner, starts=JOIN_STARTS):
+  """Delayed with joiners, written from §3 and §11: a replica admitted at the end of round
+  t starts round t+1 from the shared anchor s_{t+1} with fresh moments, applies the mean
+  of round t (which it had no part in) like every member, and its Δ is in the means from
+  round t+1 on; each mean is divided by the replicas that took part in it. Returns (the
+  anchor after every round, s_{r+1}; the drained anchor)."""
+  s = {n: v.copy() for n, v in params.items()}
+  buf = {n: np.zeros_like(v) for n, v in params.items()}
+  opts = {m: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for m, t in enumerate(starts) if t == 0}
+  in_flight, anchors = None, []
+  for t in range(JOIN_ROUNDS):
+    live = [m for m, start in enumerate(starts) if start <= t]
+    opts.update({m: joiner_adamw(inner, params, t) for m in live if m not in opts})
+    deltas = []
+    for m in live:
+      local = inner_phase(s, opts[m], batches, t, m)
+      deltas.append({n: s[n] - local[n] for n in s})
+    if in_flight is not None:
+      s, buf = nesterov(s, buf, in_flight)
+    in_flight = {n: sum(d[n] for d in deltas) / len(live) for n in s}
+    anchors.append(s)
+  s, buf = nesterov(s, buf, in_flight)
+  return anchors, s
+
+
+def np_eager_join(params, batches, inner, starts=JOIN_STARTS, mu=MU):
+  """Eager with joiners, written from §4 ("K per round") and §11: a replica admitted at the
+  end of round t takes the first member's (θ_m, b_m, Δ_m,prev), fresh moments, and in round
+  t+1 applies Δ_j/K_t + (Δ̄^(t) − Δ_src^(t)/K_t) like every replica. Returns (θ_m after
+  every round, for the replicas there in that round; θ_m after the drain)."""
+  n_all = len(starts)
+  theta = [{n: v.copy() for n, v in params.items()} for _ in range(n_all)]
+  buf = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(n_all)]
+  prev = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(n_all)]
+  prev_mean = {n: np.zeros_like(v) for n, v in params.items()}
+  opts = {m: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for m, t in enumerate(starts) if t == 0}
+  k_prev = len(opts)  # the static K: no mean has arrived in round 1
+  history = []
+  for t in range(JOIN_ROUNDS):
+    live = [m for m, start in enumerate(starts) if start <= t]
+    for m in live:
+      if m not in opts:  # the sender is the first member
+        src = live[0]
+        theta[m], buf[m], prev[m] = ({n: v.copy() for n, v in tree[src].items()}
+                                     for tree in (theta, buf, prev))
+        opts[m] = joiner_adamw(inner, params, t)
+    deltas = {}
+    for m in live:
+      local = inner_phase(theta[m], opts[m], batches, t, m)
+      deltas[m] = {n: theta[m][n] - local[n] for n in params}
+    for m in live:
+      grad = {n: deltas[m][n] / k_prev + (prev_mean[n] - prev[m][n] / k_prev)
+              for n in params}
+      theta[m], buf[m] = nesterov(theta[m], buf[m], grad, mu=mu)
+    for m in live:
+      prev[m] = deltas[m]
+    prev_mean = {n: sum(d[n] for d in deltas.values()) / len(live) for n in params}
+    k_prev = len(live)
+    history.append([theta[m] for m in live])
+  final = [{n: theta[m][n] - LR * (1 + mu) * (prev_mean[n] - prev[m][n] / k_prev)
+            for n in params} for m in live]
+  return history, final
+
+
+def drive_join(rule, params, batches, inner, starts=JOIN_STARTS):
+  """The rule driven on each host as `OuterStep` drives it, with the join as
+  `loop/join.py` makes it: at the end of round t, after the members' outer step of round
+  t and the arrival of round t's mean, the joiner takes `rule.split` of the first member's
+  state (eager: its own part through `own_for_joiner`), and the mean of round t as it
+  arrived, with its K. Returns (per round, every host's start of the next round; per
+  host, the trained params; per round, the mean and the K it was divided by, and each
+  host's Δ)."""
+  hosts = range(len(starts))
+  opts = {h: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for h in hosts if starts[h] == 0}
+  static_k = len(opts)
+  apply, drain = jax.jit(rule.apply), jax.jit(rule.drain)
+  anchor = jax.tree.map(jnp.asarray, params)
+  states = {h: rule.init(anchor, 1) for h in opts}
+  mean, k = None, None  # round 1: no mean yet, the static K
+  history, means, sent_by_round = [], [], []
+  to_np = lambda tree: {n: np.asarray(v) for n, v in tree.items()}
+  for t in range(JOIN_ROUNDS):
+    for h in hosts:
+      if starts[h] == t and t > 0:
+        shared, own = rule.split(states[min(states)])
+        if own is not None:
+          own = own_for_joiner(own, 1)
+        states[h] = rule.join(shared, own)
+        opts[h] = joiner_adamw(inner, params, t)
+    sent = []
+    for h in sorted(states):
+      start = to_np(rule.start(states[h]))
+      if rule.per_replica:
+        start = {n: v[0] for n, v in start.items()}
+      local = inner_phase(start, opts[h], batches, t, h)
+      deltas_R = {n: jnp.asarray((start[n] - local[n])[None]) for n in params}
+      states[h] = apply(states[h], deltas_R, mean, k)
+      sent.append(deltas_R)
+    start_of = lambda state: (jax.tree.map(lambda x: x[0], rule.start(state))
+                              if rule.per_replica else rule.start(state))
+    history.append({h: to_np(start_of(states[h])) for h in states})
+    total = jax.tree.map(lambda *d: jnp.concatenate(d), *sent)
+    mean = diloco.divide(diloco.replica_sum(total), len(sent))
+    k = diloco.arrived_k(len(sent), static_k)
+    means.append((to_np(mean), len(sent)))
+    sent_by_round.append({h: {n: np.asarray(d[n][0]) for n in params}
+                          for h, d in zip(sorted(states), sent)})
+  final = {}
+  for h in sorted(states):
+    trained = rule.final(drain(states[h], mean, k))
+    final[h] = to_np(jax.tree.map(lambda x: x[0], trained) if rule.per_replica else trained)
+  return history, final, means, sent_by_round
+
+
+def outer_rule(mode, mu=MU):
+  return mode(optax.sgd(LR, momentum=mu, nesterov=True), sum(t == 0 for t in JOIN_STARTS))
+
+
+@pytest.mark.device
+def test_delayed_join_matches_numpy_float64():
+  """§11, delayed: the joiner starts from the shared s_{t+1} and momentum, applies the
+  mean of round t as it arrived, and is in the means from round t+1 on. The anchor after
+  every round is the same on every host, the joiner's from its first round."""
+  params, batches = join_problem(8)
+  inner = inner_config()
+  history, final, _, _ = drive_join(outer_rule(diloco.Delayed), params, batches, inner)
+  anchors, drained = np_delayed_join(params, batches, inner)
+  for t, (got, want) in enumerate(zip(history, anchors, strict=True)):
+    assert sorted(got) == [h for h, start in enumerate(JOIN_STARTS) if start <= t]
+    for h in got:
+      for n in params:
+        np.testing.assert_array_equal(got[h][n], got[0][n])  # bit for bit on every host
+        np.testing.assert_allclose(got[h][n], want[n], atol=1e-10, rtol=0)
+  for h in final:
+    for n in params:
+      np.testing.assert_array_equal(final[h][n], final[0][n])
+      np.testing.assert_allclose(final[h][n], drained[n], atol=1e-10, rtol=0)
+  _, alone = np_delayed_join(params, batches, inner, starts=JOIN_STARTS[:2])
+  assert not np.allclose(final[0]["w"], alone["w"], atol=1e-6)  # the join made a difference
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("mu", [MU, 0.0])
+def test_eager_join_matches_numpy_float64(mu):
+  """§11, eager: every replica of the joiner takes the sender's first replica's
+  (θ_m, b_m, Δ_m,prev) and applies the eager rule with K per round. Against
+  `np_eager_join` after every round and after the drain; with μ = 0, every replica after
+  round t+1, the joiner's included, is at θ⁰ − η[Σ_{s≤t} Δ̄^(s) + Δ_m^(t+1)/K_t]."""
+  params, batches = join_problem(9)
+  inner = inner_config()
+  rule = outer_rule(diloco.Eager, mu)
+  history, final, means, sent = drive_join(rule, params, batches, inner)
+  expected, expected_final = np_eager_join(params, batches, inner, mu=mu)
+  for got, want in zip(history, expected, strict=True):
+    assert len(got) == len(want)
+    for h, theta in zip(sorted(got), want):
+      for n in params:
+        np.testing.assert_allclose(got[h][n], theta[n], atol=1e-10, rtol=0)
+  for h, theta in zip(sorted(final), expected_final, strict=True):
+    for n in params:
+      np.testing.assert_allclose(final[h][n], theta[n], atol=1e-10, rtol=0)
+  if mu == 0.0:  # the telescoped form of §4, which the joiner reaches in its first round
+    t = JOIN_STARTS[-1]  # the round index of round t+1
+    past = {n: sum(means[s][0][n] for s in range(t)) for n in params}
+    k_t = means[t - 1][1]
+    for h, theta in history[t].items():
+      for n in params:
+        want = params[n] - LR * (past[n] + sent[t][h][n] / k_t)
+        np.testing.assert_allclose(theta[n], want, atol=1e-10, rtol=0)
+  _, alone = np_eager_join(params, batches, inner, starts=JOIN_STARTS[:2], mu=mu)
+  mean = lambda thetas: {n: sum(th[n] for th in thetas) / len(thetas) for n in params}
+  assert not np.allclose(mean(list(final.values()))["w"], mean(alone)["w"], atol=1e-6)
