@@ -224,13 +224,15 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
                                  grad_accum_steps=config.grad_accum_steps,
                                  collective=collective, dispatcher=dispatcher,
                                  num_replicas=num_replicas)
+  # A stop (SIGTERM, Ctrl-C) is a word on every round's sum (ddp: JAX's sync point).
+  preemption = preemption_lib.Preemption(rides_sums=not driver.per_step)
   exchange = exchange_lib.Exchange(
       config.outer, collective=collective, dispatcher=dispatcher,
       replicas_per_host=replicas_per_host, steps_finished=train_step.steps_finished,
       # every host's steps and seconds ride on the round's sum where the mode has one
       # sum per round (not streaming's fragments, not ddp's steps), and not in elastic
       # mode, whose sums leave out the hosts that are away
-      riders=(*membership.riders,
+      riders=(*membership.riders, preemption,
               *((pacer,) if driver.carries_pace and not config.elastic else ())))
   param_shapes = family.param_shapes(model_cfg)
   outer_step = driver.from_config(config, mesh=mesh, exchange=exchange, params=param_shapes,
@@ -276,7 +278,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       lock=claim.lock, shared_storage=shared_storage, store=store, exchange=exchange,
       driver=outer_step, pacer=pacer, eval_step=eval_step,
       eval_batches=eval_step.put(data.eval_batches), log=log, bar=bar,
-      preemption=preemption_lib.Preemption(),
+      preemption=preemption,
       profile=profiling.ProfileWindow(
           workdir, host, start=config.profile.start_round, rounds=config.profile.num_rounds,
           last_round=num_rounds, announce=host == 0),

@@ -123,8 +123,7 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
                                 "hashed: not used")
   own = None
   if "own" in tree:  # eager: every replica takes the sender's first replica's own state
-    rows = parts.replicas_per_host
-    own = {"outer": jax.tree.map(lambda x: np.repeat(x, rows, axis=0), tree["own"])}
+    own = {"outer": own_for_joiner(tree["own"], parts.replicas_per_host)}
   outer = parts.driver.join(tree["shared"], own)
   replicas = parts.init_replicas(parts.driver.model(outer, None))
   replicas = replicas.replace(opt_state=algo_state.with_step_count(
@@ -146,6 +145,12 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
     rounds.open_record(parts, r, resumed=True, round_time=0.0, tokens_per_sec=0.0,
                        elapsed=0.0, eta=0.0)
   return state
+
+
+def own_for_joiner(sent_own, replicas: int):
+  """Eager (docs/algorithms.md §11): each of a joiner's `replicas` takes the sender's first
+  replica's own outer state (θ_m, b_m, Δ_m,prev), a tree with a leading replica axis."""
+  return jax.tree.map(lambda x: np.repeat(np.asarray(x)[:1], replicas, axis=0), sent_own)
 
 
 def _header(raw: bytes, where: str) -> dict:

@@ -80,6 +80,7 @@ def take(parts, state: state_lib.RunState, r: int,
   parts.log.add_synced(update.synced)
   for s in update.synced:  # what rode the sums comes back as the round's figures
     parts.log.add_if_open(s.arrived.round, **parts.membership.figures(s.arrived.riders))
+    parts.preemption.arrived(s.arrived.riders)
     if (pace := s.arrived.riders.get(parts.pacer.name)) is not None:
       figures = parts.pacer.arrived(s.arrived.round, pace, now=r)
       parts.log.add_if_open(s.arrived.round, **figures, hosts_tokens=[

@@ -1,5 +1,5 @@
 """A preemption notice (SIGTERM) or Ctrl-C: finish the round, checkpoint, exit 0; every host
-stops after the same round."""
+of a job of fixed membership stops after the same round."""
 
 from __future__ import annotations
 
@@ -10,27 +10,56 @@ import sys
 import threading
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 
 class Preemption:
   """Whether the run should stop after this round with a checkpoint: a preemption notice
-  (SIGTERM) or a Ctrl-C (SIGINT) on any host. Several hosts: JAX's preemption notifier
-  (on by default) turns SIGTERM into a sync point that every host reaches at the same
-  round, through the coordination service; a first Ctrl-C sends this process SIGTERM. One
-  host: handlers installed for the run. A second Ctrl-C stops the process at once."""
+  (SIGTERM) or a Ctrl-C (SIGINT) on any host; a second Ctrl-C stops the process at once.
 
-  def __init__(self):
+  Several hosts, in a mode whose rounds end with a sum of pseudo-gradients (every DiLoCo
+  mode): the request is a word on that sum (this object is a `wire.exchange.Rider`), and
+  every host stops after the round in which a sum that carries it arrives: the same
+  round on every host, at the next round boundary (the next but one in the async modes,
+  whose sums arrive a round late). ddp (sums at every step): JAX's preemption notifier
+  turns SIGTERM into a sync point that every host reaches at the same round. A live job
+  (each host a JAX world of its own): the host that gets the signal stops alone and
+  leaves; the others carry on.
+  """
+  name, keep, divisor = "stop", False, None
+
+  def __init__(self, rides_sums: bool = True):
     self._requested = threading.Event()
+    self._agreed = False  # a sum said that some host was asked to stop
     self._interrupts = 0
+    self._words = rides_sums and jax.process_count() > 1
 
   def request(self) -> None:
     self._requested.set()
+
+  # A rider of every sum of pseudo-gradients (`wire.exchange.Rider`).
+
+  def words(self, round_: int):
+    del round_
+    return {"stop": np.float32(self._requested.is_set())}
+
+  @staticmethod
+  def like():
+    return {"stop": np.float32(0)}
+
+  def arrived(self, riders) -> None:
+    """A sum's riders (in the order every host takes them): stop if it says so."""
+    words = riders.get(self.name)
+    if words is not None and float(words["stop"]) > 0:
+      self._agreed = True
 
   def reached(self, r: int) -> bool:
     """Whether to stop after round r: the same answer on every host."""
     if jax.process_count() == 1:
       return self._requested.is_set()
+    if self._words:
+      return self._agreed
     try:
       return multihost_utils.reached_preemption_sync_point(r)
     except RuntimeError:  # the preemption service is off
@@ -45,7 +74,7 @@ class Preemption:
     sys.stderr.write("Ctrl-C: finishing this round, then saving a checkpoint and stopping "
                      "(Ctrl-C again stops at once)\n")
     sys.stderr.flush()
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and not self._words:
       os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier: every host stops alike
     else:
       self.request()
@@ -58,7 +87,7 @@ class Preemption:
       yield
       return
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, self._interrupted)}
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or self._words:  # else JAX's notifier takes SIGTERM
       previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda *_: self.request())
     try:
       yield
