@@ -1,17 +1,21 @@
-"""Live membership (issue 45): 3 hosts with a workdir each, launched with a membership
-coordinator (launch/local.py --live). Host 2 is SIGKILLed mid-run, later host 0 (the seat of
-the old coordinator, metrics writer and lock holder); host 1 trains to the end without a
-restart, in every mode that takes live membership. One run per mode, checked many ways:
-the launcher's exit, host 1's one process, its records (every round once; the replicas
-and hosts of each round's sum dropping 3 -> 2 -> 1), the hosts' anchors compared every
-round (debug_checks) and equal in the records of the rounds two hosts share, the final
-checkpoint on host 1's disk."""
+"""Live membership (issues 45, 46): 3 hosts with a workdir each, launched with a membership
+coordinator (launch/local.py --live --rejoin_after). Host 1 is SIGKILLed mid-run and its
+disk wiped; the launcher starts it again and it joins the running job; later host 0 (the
+seat of the old coordinator, metrics writer and lock holder) is SIGKILLed and stays dead;
+then a SIGTERM stops the others, each with a checkpoint. Host 2 trains throughout without a
+restart, in every mode that takes live membership (host 0 SIGKILLed, or leaving on SIGTERM). One run per mode, checked many ways:
+the launcher's exit, host 2's one process, the join's line and run.json, the records (the
+replicas and hosts of each round's sum going 3 -> 2 -> 3 -> 2), the hosts' anchors compared
+every round (debug_checks) and equal in the records of the rounds they share, the joiner's
+and host 2's checkpoints on their disks."""
 
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+import time
 
 import pytest
 
@@ -20,7 +24,6 @@ from tests import multihost
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 ROUNDS = 10
-KILLS = {3: 2, 6: 0}  # after the round line of round r, SIGKILL host h
 
 
 def records(workdir: str) -> list[dict]:
@@ -28,21 +31,26 @@ def records(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.parametrize("mode, per_host, extra", [
+@pytest.mark.parametrize("mode, per_host, leave, extra", [
     # A workdir per host (on disks of their own) or one shared: either way each host's
-    # checkpoints and records are in WORKDIR/host<i>.
-    ("sync", True, []), ("delayed", False, []), ("eager", True, []),
-    ("streaming", False, ["--config.outer.fragments=2", "--config.inner_steps=6"])])
-def test_survivors_train_on_without_host_2_and_then_without_host_0(tmp_path, mode, per_host,
-                                                                   extra):
+    # checkpoints and records are in WORKDIR/host<i>. Host 0 is SIGKILLed, or leaves on
+    # SIGTERM (a preemption of that host alone: a checkpoint of its own, exit 0).
+    ("sync", True, signal.SIGKILL, []), ("delayed", False, signal.SIGTERM, []),
+    ("eager", True, signal.SIGKILL, []),
+    ("streaming", False, signal.SIGTERM, ["--config.outer.fragments=2",
+                                          "--config.inner_steps=6"])])
+def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, per_host,
+                                                               leave, extra):
   launcher = multihost.start([
       sys.executable, "launch/local.py", "--hosts=3", "--live", "--lease_s=3",
+      "--rejoin_after=1", "--max_restarts=1",
       *(["--workdir_per_host"] if per_host else []), "--",
       "--config=configs/tiny.py", f"--workdir={tmp_path}", f"--config.mode={mode}",
-      "--config.replicas_per_host=1", f"--config.num_rounds={ROUNDS}",
+      # a cap: the run is stopped by SIGTERM a few rounds after host 0's loss
+      "--config.replicas_per_host=1", "--config.num_rounds=1000",
       "--config.inner_steps=5", "--config.inner.warmup_steps=5", "--config.eval_every=2",
       "--config.debug_checks=True", "--config.elastic_timeout=120", *extra])
-  kills, pids, lines = dict(KILLS), {}, []
+  pids, lines, joined, events = {}, [], None, []
   for line in launcher.stdout:
     lines.append(line)
     if len(pids) < 3:
@@ -51,39 +59,89 @@ def test_survivors_train_on_without_host_2_and_then_without_host_0(tmp_path, mod
         m = re.search(r"diloco_jax\.train .*--host_id=(\d)", cmd)
         if m:
           pids[int(m.group(1))] = pid
+    if joined is None and (m := re.search(r"\[host 1\] host 1 joined at round (\d+)", line)):
+      joined = int(m.group(1))
     m = re.search(r"\] round +(\d+)/", line)
-    if m and int(m.group(1)) in kills:
-      os.kill(pids[kills.pop(int(m.group(1)))], signal.SIGKILL)
+    if not m:
+      continue
+    r = int(m.group(1))
+    if r >= 3 and not events:
+      os.kill(pids[1], signal.SIGKILL)
+      _wait_dead(pids[1])
+      shutil.rmtree(os.path.join(tmp_path, "host1"))  # a new machine in its place
+      events.append("killed 1")
+    elif joined is not None and r >= joined + 3 and len(events) == 1:
+      os.kill(pids[0], leave)
+      events.append("killed 0")
+    elif len(events) == 2 and r >= joined + 6:
+      launcher.send_signal(signal.SIGTERM)  # the job stops: each host with a checkpoint
+      events.append("stopped")
   launcher.wait(timeout=600)
   text = "".join(lines)
   assert launcher.returncode == 0, text[-6000:]
-  assert not kills, ("not every kill happened", text[-6000:])
-  # Host 1 is the process it was at the start: registered once, never started again.
-  assert text.count("[host 1] host 1 of 3 hosts: registering") == 1, text[-6000:]
-  assert "starting host" not in text
-  assert "[host 2] killed" not in text and "host 2 killed by signal 9" in text
-  assert "host 0 killed by signal 9" in text
-  assert re.search(r"\[host 1\] final eval loss", text), text[-6000:]
+  assert events == ["killed 1", "killed 0", "stopped"], (events, text[-6000:])
+  # Host 2 is the process it was at the start: registered once, never started again.
+  assert text.count("[host 2] host 2 of 3 hosts: registering") == 1, text[-6000:]
+  assert "host 1 killed by signal 9" in text
+  if leave == signal.SIGKILL:
+    assert "host 0 killed by signal 9" in text
+  else:  # it left: its checkpoint, exit 0 (the launcher names only failures)
+    assert "[launcher] host 0" not in text, text[-6000:]
+    assert re.search(r"\[host 0\] preempted: stopped after round \d+", text), text[-6000:]
+  assert "starting host 1 again (restart 1/1): it joins the running job" in text
+  assert "starting host 0 again" not in text  # the budget was spent on host 1
+  # The join, in the members' line and the joiner's run.json.
+  m = re.search(r"host\(s\) \[1\] joined at round (\d+): state [0-9.]+ \w+ from host (\d) "
+                r"in [0-9.]+ s", text)
+  assert m and int(m.group(1)) == joined, text[-6000:]
+  with open(os.path.join(tmp_path, "host1", "run.json")) as f:
+    start = json.load(f)["start"]
+  assert start["joined"]["round"] == joined and start["joined"]["bytes"] > 0, start
+  assert start["joined"]["source"] == int(m.group(2))
   assert ("each host keeps its checkpoints and records in" in text) == (not per_host)
-  assert text.count("final eval loss") == 1, text[-6000:]  # the lowest live host prints
-  host1 = records(os.path.join(tmp_path, "host1"))
-  assert [r["round"] for r in host1] == list(range(1, ROUNDS + 1))
-  replicas = [r["replicas"] for r in host1]
-  hosts = [r["live_hosts"] for r in host1]
-  assert replicas == hosts, (replicas, hosts)  # one replica per host
-  assert replicas[0] == 3 and replicas[-1] == 1 and 2 in replicas, replicas
-  assert all(a >= b for a, b in zip(replicas, replicas[1:])), replicas
+  # Host 2's records: every round once; 3 replicas, 2 after host 1's loss, 3 once it has
+  # joined, 2 after host 0's loss. One replica per host.
+  host2 = records(os.path.join(tmp_path, "host2"))
+  rounds = [r["round"] for r in host2]
+  assert rounds == list(range(1, len(rounds) + 1)), rounds
+  replicas = [r["replicas"] for r in host2]
+  assert replicas == [r["live_hosts"] for r in host2]
+  changes = [replicas[0]] + [b for a, b in zip(replicas, replicas[1:]) if b != a]
+  assert changes == [3, 2, 3, 2], replicas
   # The anchors were compared across the live hosts after every round (debug_checks stops
-  # the run on a difference); host 0's records agree with host 1's where both have them.
-  host0 = {r["round"]: r for r in records(os.path.join(tmp_path, "host0"))}
-  shared = [r for r in host1 if r["round"] in host0]
-  assert len(shared) >= 3, (len(shared), sorted(host0))
-  for r in shared:
-    assert host0[r["round"]]["anchor_hash"] == r["anchor_hash"], r["round"]
-    assert host0[r["round"]]["replicas"] == r["replicas"], r["round"]
-  meta_path = os.path.join(tmp_path, "host1", "checkpoints", str(ROUNDS), "meta.json")
-  with open(meta_path) as f:
-    assert json.load(f)["finished"]
+  # the run on a difference); the joiner's and host 0's records agree with host 2's where
+  # they have the same round.
+  # (The joiner's record of the round it joined at, in the async modes, holds only the
+  # figures of the sum that was in flight: its outer step of that round was the members'.)
+  by_round = {r["round"]: r for r in host2}
+  for other in ("host1", "host0"):
+    theirs = [r for r in records(os.path.join(tmp_path, other))
+              if r["round"] in by_round and r["round"] > (joined if other == "host1" else 0)]
+    assert len(theirs) >= 3, (other, len(theirs))
+    for r in theirs:
+      assert by_round[r["round"]]["anchor_hash"] == r["anchor_hash"], (other, r["round"])
+  assert min(r["round"] for r in records(os.path.join(tmp_path, "host1"))) >= joined
+  # The stop: each of hosts 1 and 2 wrote its own checkpoint of the round it stopped at.
+  for host in (1, 2):
+    saved = [int(n) for n in os.listdir(os.path.join(tmp_path, f"host{host}", "checkpoints"))
+             if n.isdigit()]
+    assert max(saved) >= joined + 6, (host, saved)
+    with open(os.path.join(tmp_path, f"host{host}", "checkpoints", str(max(saved)),
+                           "meta.json")) as f:
+      assert not json.load(f)["finished"]
+
+
+def _wait_dead(pid: int, timeout: float = 10.0) -> None:
+  """Until process `pid` is gone or a zombie (its files are no longer written)."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+          return
+    except OSError:
+      return
+    time.sleep(0.05)
 
 
 def _live_job(workdir, *flags, rounds=ROUNDS):
