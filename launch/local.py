@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -131,24 +132,29 @@ class Hosts:
       except subprocess.TimeoutExpired:
         self.coordinator.kill()
 
-  def wait_live(self, rejoin_after: float | None = None, max_restarts: int = 0) -> int:
+  def wait_live(self, rejoin_after: float | None = None, max_restarts: int = 0,
+                stopping=lambda: False) -> int:
     """Live membership: every host runs to its own end. 0 when every host exited 0 or was
     killed by a signal (the others trained on without it) and at least one finished; else
     the code of the first host that failed, once all have ended. `rejoin_after`: a host
-    that dies while another still runs is started again this many seconds later (up to
-    `max_restarts` starts in all), and joins the running job."""
+    that dies while another still runs, or leaves it (SIGTERM to it alone: it exits 0 with
+    the run unfinished), is started again this many seconds later (up to `max_restarts`
+    starts in all), and joins the running job; not once `stopping()` (the job is asked to
+    stop)."""
     reported: set[int] = set()
     restarts, due = 0, {}  # host -> when it starts again
     while True:
       codes = [p.poll() for p in self.procs]
       for host, code in enumerate(codes):
-        if code not in (None, 0) and host not in reported:
+        left = code == 0 and not stopping() and self._left_unfinished(host)
+        if (code not in (None, 0) or left) and host not in reported:
           reported.add(host)
           again = (rejoin_after is not None and restarts < max_restarts
                    and any(c is None for c in codes))
-          print(f"[launcher] host {host} {_reason(code)}; live membership: the other hosts "
-                "go on" + (f"; it starts again in {rejoin_after:g} s and joins them"
-                           if again else ""), flush=True)
+          what = "left the job (its checkpoint saved)" if left else _reason(code)
+          print(f"[launcher] host {host} {what}; live membership: the other hosts go on"
+                + (f"; it starts again in {rejoin_after:g} s and joins them" if again else ""),
+                flush=True)
           if again:
             restarts += 1
             due[host] = time.monotonic() + rejoin_after
@@ -170,6 +176,21 @@ class Hosts:
           return failed[0][1]
         return 0 if 0 in codes else 1
       time.sleep(0.1)
+
+  def _left_unfinished(self, host: int) -> bool:
+    """Whether `host`'s newest checkpoint is not its run's finished one (it left on a
+    SIGTERM of its own); False where the workdir cannot tell."""
+    workdir = next((a.split("=", 1)[1] for a in self.train_args if a.startswith("--workdir=")),
+                   None)
+    if workdir is None:
+      return False
+    directory = os.path.join(workdir, f"host{host}", "checkpoints")
+    try:
+      newest = max(int(n) for n in os.listdir(directory) if n.isdigit())
+      with open(os.path.join(directory, str(newest), "meta.json")) as f:
+        return not json.load(f)["finished"]
+    except (OSError, ValueError, KeyError):
+      return False
 
   def kill_all(self) -> None:
     self.signal_all(signal.SIGKILL)
@@ -301,7 +322,8 @@ def main(argv: list[str]) -> int:
     current.append(Hosts(args.hosts, train_args, args.port or free_port(),
                          args.workdir_per_host, args.live, args.lease_s))
     try:
-      code = (current[-1].wait_live(args.rejoin_after, args.max_restarts) if args.live
+      code = (current[-1].wait_live(args.rejoin_after, args.max_restarts,
+                                    stopping=terminated.is_set) if args.live
               else current[-1].wait(args.rejoin_after))
     except KeyboardInterrupt:
       current[-1].kill_all()

@@ -19,13 +19,13 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("chaos", "checkpoint", "data", "eta", "gpu_check", "leave", "linkdrop", "memory",
+BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "leave", "linkdrop", "memory",
            "models",
            "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
            "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
-MULTIHOST = {"chaos", "gpu_check", "leave",
+MULTIHOST = {"chaos", "churn", "gpu_check", "leave",
              "linkdrop", "outer_step", "peer", "quality", "stragglers",
              "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
@@ -217,6 +217,28 @@ def check_chaos(result: dict) -> None:
   assert result["final_eval_loss"] > 0 and result["uninterrupted"]["final_eval_loss"] > 0
 
 
+def check_churn(result: dict) -> None:
+  """--smoke: 3 hosts, on each path one host killed with its disk wiped and one host
+  leaving on SIGTERM. Live: each time the host is started again and joins at a later round
+  with the state from another host, and the job is whole again; every round is kept once,
+  those without the host with fewer replicas. Restart: each event restarts the job, which
+  resumes; every round is kept with every host."""
+  assert [kind for kind, _ in result["plan"]] == ["kill_wipe", "leave"]
+  live, restart = result["paths"]["live"], result["paths"]["restart"]
+  for path in (live, restart):
+    for run in (path["uninterrupted"], path["churn"]):
+      assert run["exit"] == 0 and run["rounds_completed"] == result["rounds"]
+      assert run["final_eval_loss"] > 0
+    assert len(path["churn"]["events"]) == 2 and path["churn"]["goodput"] > 0
+  for e in live["churn"]["events"]:
+    assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
+    assert e["state_bytes"] > 0 and e["back_s"] > 0, e
+  full = restart["uninterrupted"]["kept_tokens"]
+  assert live["uninterrupted"]["kept_tokens"] == full == restart["churn"]["kept_tokens"]
+  assert 0 < live["churn"]["kept_tokens"] < full  # rounds without the host that was away
+  assert all(e["back_s"] > 0 and e["resumed_at"] >= 1 for e in restart["churn"]["events"])
+
+
 def check_restart(result: dict) -> None:
   """--smoke: a preempted run resumed once with the cache it filled and once without: the
   resume with the cache found every program there (its figures are for the full run)."""
@@ -317,7 +339,7 @@ def check_plan(result: dict) -> None:
   assert len(result["at_scale"]["rows"]) == 2 * 4 * 3 and len(result["at_scale"]["table6"]) == 4
 
 
-CHECKS = {"chaos": check_chaos, "checkpoint": check_checkpoint, "data": check_data,
+CHECKS = {"chaos": check_chaos, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
           "eta": check_eta, "gpu_check": check_gpu_check, "leave": check_leave,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,

@@ -1,0 +1,322 @@
+"""Goodput under churn: the same events on a live job and on a job that restarts.
+
+  python bench/churn.py [--hosts=4] [--rounds=240] [--events=10] [--seed=0]
+  python bench/churn.py --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, leave) per path
+
+Two paths train configs/tiny.py on hosts with a workdir each (`launch/local.py
+--workdir_per_host`, the outer state compared across hosts every round), each first
+uninterrupted, then through one list of events drawn at random (seed; every kind once, then
+more), the next event a few rounds after the job is whole again:
+
+  kill         SIGKILL a host (a lost machine).
+  kill_wipe    the same, and its workdir deleted (a new machine in its place).
+  leave        SIGTERM to one host (a spot preemption notice); the machine comes back.
+  freeze       SIGSTOP a host for --freeze_s (longer than a lease), then SIGCONT.
+  kill_writer  SIGKILL the host that prints and writes the run's lines (the lowest live one).
+
+live      `--live --rejoin_after=1`: a membership coordinator; a host that dies or leaves is
+          dropped, the others train on, and the launcher starts it again: it joins at a
+          round boundary.
+restart   jax.distributed: any event stops every host, and the same command starts all of
+          them again from their checkpoints (a frozen host stalls the others until it wakes).
+
+Goodput = the tokens the job kept (every round once, times the replicas that took part) ÷
+(the uninterrupted run's tokens/s on the same path × the wall time), as Decoupled DiLoCo
+counts it. Per event: the seconds until the job is whole again ("back": the joiner's line
+on the live path, the restarted job's first round line on the other), a joiner's start to
+its join and the state it received. Writes bench/results/churn.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench import _smoke  # noqa: E402
+
+KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer")
+SMOKE_EVENTS = ("kill_wipe", "leave")
+SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
+               "--config.model.mlp_dim=64", "--config.model.num_heads=2"]
+ROUND = re.compile(r"^\[host (\d+)\] round +(\d+)/")
+JOINED = re.compile(r"^\[host (\d+)\] host \d+ joined at round (\d+): state ([0-9.]+) (\w+) "
+                    r"from host (\d+) in ([0-9.]+) s")
+FINAL = re.compile(r"final eval loss ([0-9.]+)")
+UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+class Output:
+  """Lines of several processes, each with its arrival time, into one list and the log."""
+
+  def __init__(self, log):
+    self.lines: list[tuple[float, str]] = []
+    self._log, self._lock = log, threading.Lock()
+
+  def follow(self, proc: subprocess.Popen, prefix: str = "") -> threading.Thread:
+    def read():
+      for line in proc.stdout:
+        with self._lock:
+          self.lines.append((time.monotonic(), prefix + line))
+          self._log.write(prefix + line)
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+  def since(self, t: float) -> list[tuple[float, str]]:
+    with self._lock:
+      return [(when, line) for when, line in self.lines if when >= t]
+
+  def last_round(self) -> tuple[int, int]:
+    """(round, printing host) of the newest round line; (0, 0) before the first."""
+    with self._lock:
+      for _, line in reversed(self.lines):
+        if m := ROUND.match(line):
+          return int(m.group(2)), int(m.group(1))
+    return 0, 0
+
+
+def launcher(workdir: str, hosts: int, flags: list[str], live: bool) -> subprocess.Popen:
+  extra = (["--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1000"] if live
+           else [])
+  cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}",
+         "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
+  return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def host_pid(root: int, host: int) -> int | None:
+  """The trainer process of `host` below process `root` (the launcher), or None."""
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+      continue
+    try:
+      with open(f"/proc/{pid}/cmdline") as f:
+        cmd = f.read().split("\0")
+    except OSError:
+      continue
+    if f"--host_id={host}" in cmd and "diloco_jax.train" in cmd and _below(int(pid), root):
+      return int(pid)
+  return None
+
+
+def _below(pid: int, ancestor: int) -> bool:
+  while pid > 1:
+    if pid == ancestor:
+      return True
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+      return False
+  return False
+
+
+def wait_dead(pid: int, timeout: float = 30.0) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+          return
+    except OSError:
+      return
+    time.sleep(0.05)
+
+
+def records(workdir: str, hosts: int) -> dict[int, dict]:
+  """Every round's record, from whichever host has it (the same figures on every host)."""
+  out = {}
+  for h in range(hosts):
+    try:
+      with open(os.path.join(workdir, f"host{h}", "metrics.jsonl")) as f:
+        for line in f:
+          if line.strip():
+            r = json.loads(line)
+            out.setdefault(r["round"], r)
+    except OSError:
+      continue
+  return out
+
+
+def kept_tokens(recs: dict[int, dict], hosts: int) -> float:
+  """Σ over rounds of the replicas that took part × one replica's tokens of a round (live
+  records count the replicas; a fixed job's rounds had every host)."""
+  first = recs.get(1)
+  if not first:
+    return 0.0
+  per_replica = first["tokens"] / hosts  # round 1: every host, one replica each
+  return sum(r.get("replicas", hosts) * per_replica for r in recs.values())
+
+
+def wait_round(out: Output, job: subprocess.Popen, target: int) -> bool:
+  while out.last_round()[0] < target:
+    if job.poll() is not None:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[str, int]],
+        log, freeze_s: float, rng: random.Random) -> dict:
+  """Trains on `path` ('live' or 'restart') through `plan`; what happened."""
+  live, out = path == "live", Output(log)
+  t0 = time.monotonic()
+  job = launcher(workdir, hosts, flags, live)
+  readers, events = [out.follow(job)], []
+  back_round = 0
+  for kind, victim in plan:
+    if not wait_round(out, job, back_round + rng.randint(2, 5)):
+      break
+    r, writer = out.last_round()
+    victim = writer if kind == "kill_writer" else victim
+    pid = host_pid(job.pid, victim)
+    if pid is None:
+      break
+    t_event = time.monotonic()
+    if kind in ("kill", "kill_wipe", "kill_writer"):
+      os.kill(pid, signal.SIGKILL)
+      wait_dead(pid)
+    elif kind == "leave":
+      os.kill(pid, signal.SIGTERM)
+    elif kind == "freeze":
+      os.kill(pid, signal.SIGSTOP)
+      time.sleep(freeze_s)
+      os.kill(pid, signal.SIGCONT)
+    if kind == "kill_wipe":
+      shutil.rmtree(os.path.join(workdir, f"host{victim}"), ignore_errors=True)
+    event = {"kind": kind, "host": victim, "round": r}
+    if live:  # the launcher starts the host again (a host that left, too) and it joins
+      joined = _wait_joined(out, job, victim, t_event)
+      if joined is None:
+        events.append(event)
+        break
+      when, r_joined, size, source, seconds = joined
+      event.update(back_s=when - t_event, joined_at=r_joined, join_s=when - t_event,
+                   state_bytes=size, source=source, transfer_s=seconds)
+      back_round = r_joined
+    else:
+      if kind == "freeze":  # the others waited for it: back at the next round line
+        back = _next_round(out, job, t_event + freeze_s)
+      else:
+        code = job.wait()
+        if kind != "leave" and code == 0:
+          raise RuntimeError(f"{kind}: the launcher exited 0")
+        job = launcher(workdir, hosts, flags, live=False)
+        readers.append(out.follow(job))
+        back = _next_round(out, job, time.monotonic())
+      if back is None:
+        events.append(event)
+        break
+      event.update(back_s=back[0] - t_event, resumed_at=back[1])
+      back_round = back[1]
+    events.append(event)
+    print(f"{path}: {kind} host {victim} after round {r}; whole again in "
+          f"{event['back_s']:.1f} s", flush=True)
+  code = job.wait()
+  for thread in readers:
+    thread.join(timeout=10)
+  wall = time.monotonic() - t0
+  recs = records(workdir, hosts)
+  text = "".join(line for _, line in out.lines)
+  final = FINAL.findall(text)
+  return {"wall_s": wall, "exit": code, "rounds_completed": max(recs, default=0),
+          "kept_tokens": kept_tokens(recs, hosts), "events": events,
+          "final_eval_loss": float(final[-1]) if final else None}
+
+
+def _wait_joined(out: Output, job, host: int, since: float):
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and job.poll() is None:
+    for when, line in out.since(since):
+      m = JOINED.match(line)
+      if m and int(m.group(1)) == host:
+        size = float(m.group(3)) * UNITS.get(m.group(4), 1)
+        return when, int(m.group(2)), int(size), int(m.group(5)), float(m.group(6))
+    time.sleep(0.1)
+  return None
+
+
+def _next_round(out: Output, job, since: float):
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    for when, line in out.since(since):
+      if m := ROUND.match(line):
+        return when, int(m.group(2))
+    if job.poll() is not None and not out.since(since):
+      return None
+    time.sleep(0.05)
+  return None
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--hosts", type=int, default=4, help="hosts of the job")
+  parser.add_argument("--rounds", type=int, default=240, help="rounds of each run")
+  parser.add_argument("--inner_steps", type=int, default=5, help="inner steps per round")
+  parser.add_argument("--events", type=int, default=10, help="events (--smoke: 2 fixed)")
+  parser.add_argument("--freeze_s", type=float, default=8.0,
+                      help="how long a frozen host stays stopped (longer than the 3 s lease)")
+  parser.add_argument("--paths", default="live,restart", help="live, restart, or both")
+  parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
+  args = _smoke.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
+  paths = [p for p in args.paths.split(",") if p]
+  if args.hosts < 2 or not paths or set(paths) - {"live", "restart"}:
+    parser.error("--hosts must be >= 2 and --paths a list of live, restart")
+  rng = random.Random(args.seed)
+  kinds = (list(SMOKE_EVENTS) if args.smoke else
+           rng.sample(KINDS, min(args.events, len(KINDS)))
+           + [rng.choice(KINDS) for _ in range(args.events - len(KINDS))])
+  plan = [(kind, rng.randrange(args.hosts)) for kind in kinds]
+  flags = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
+           f"--config.num_rounds={args.rounds}", f"--config.inner_steps={args.inner_steps}",
+           "--config.inner.warmup_steps=2", "--config.debug_checks=True",
+           "--config.elastic_timeout=120", "--heartbeat_timeout=20",
+           *(SMOKE_FLAGS if args.smoke else [])]
+  root = tempfile.mkdtemp(prefix="bench_churn_")
+  log_dir = (os.path.dirname(args.out) if args.smoke
+             else tempfile.mkdtemp(prefix="bench_churn_log_"))
+  log_path = os.path.join(log_dir, "churn.log")
+  result = {"smoke": args.smoke, "hosts": args.hosts, "rounds": args.rounds,
+            "inner_steps": args.inner_steps, "seed": args.seed, "freeze_s": args.freeze_s,
+            "cpu_count": os.cpu_count(), "plan": [list(p) for p in plan], "paths": {},
+            "log": log_path}
+  try:
+    with open(log_path, "w") as log:
+      for path in paths:
+        ref = run(path, os.path.join(root, f"{path}_ref"), args.hosts, flags, [], log,
+                  args.freeze_s, random.Random(args.seed))
+        churn = run(path, os.path.join(root, path), args.hosts, flags, plan, log,
+                    args.freeze_s, random.Random(args.seed + 1))
+        rate = ref["kept_tokens"] / ref["wall_s"]
+        churn["goodput"] = churn["kept_tokens"] / (rate * churn["wall_s"])
+        result["paths"][path] = {"uninterrupted": ref, "churn": churn}
+        print(f"{path}: uninterrupted {ref['wall_s']:.1f} s; through {len(churn['events'])} "
+              f"events {churn['wall_s']:.1f} s, goodput {churn['goodput']:.2f}, final eval "
+              f"loss {churn['final_eval_loss']} (uninterrupted {ref['final_eval_loss']})",
+              flush=True)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  result.update(_smoke.provenance("churn", argv))
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
