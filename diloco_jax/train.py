@@ -73,6 +73,10 @@ _MEMBERSHIP = flags.DEFINE_string(
     "host may die and the others train on (docs/fault-tolerance.md). The hosts then run no "
     "jax.distributed job (--coordinator_address is not used); --num_hosts hosts must "
     "register before training starts (env DILOCO_MEMBERSHIP).")
+_MIN_HOSTS = flags.DEFINE_integer(
+    "min_hosts", None, "Live membership: train once this many of the --num_hosts hosts have "
+    "registered (default: all of them); host ids up to --num_hosts - 1 that start later "
+    "join the running job at a round boundary, each with its own data shards.")
 _WIRE_ADDRESS = flags.DEFINE_string(
     "wire_address", None, "Live membership: host:port where the other hosts reach this "
     "host's sums (default: this host's address toward the coordinator, a free port).")
@@ -322,7 +326,7 @@ def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> Non
   if not config.elastic:  # live membership is what elastic mode asks for
     config.elastic = True
   try:
-    live.start(config, spec, membership, _WIRE_ADDRESS.value)
+    live.start(config, spec, membership, _WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
   except dispatch.CollectiveError as e:
     if isinstance(e.__cause__, store.CheckpointError):

@@ -22,7 +22,10 @@ where a host that dies (host 0 included) is dropped and the others train on. Hos
 share fate: the launcher waits for every host, reports each one that died, and exits 0 when
 every host that was not killed finished; it stops the coordinator at the end. Live
 membership keeps each host's checkpoints and records its own: with a shared --workdir, in
-WORKDIR/host<i>/, as --workdir_per_host would.
+WORKDIR/host<i>/, as --workdir_per_host would. With --rejoin_after=S, a host that dies, or
+leaves on a SIGTERM of its own, is started again S seconds later (up to --max_restarts
+times in all) and joins the running job; with --max_hosts=M, host ids --hosts .. M-1 start
+--join_later seconds after the others and join it.
 """
 
 from __future__ import annotations
@@ -63,18 +66,22 @@ class Hosts:
 
   def __init__(self, num_hosts: int, train_args: list[str], port: int,
                workdir_per_host: bool = False, live: bool = False,
-               lease_s: float = LIVE_LEASE_S):
+               lease_s: float = LIVE_LEASE_S, max_hosts: int | None = None,
+               join_later: float = 0.0):
     self._env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                  "PYTHONUNBUFFERED": "1"}
     self._env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, self._env.get("PYTHONPATH")) if p)
     self.num_hosts, self.train_args, self.port = num_hosts, train_args, port
     self.workdir_per_host, self.live = workdir_per_host, live
+    # Live: the job's host ids go up to max_hosts - 1; those from num_hosts on start
+    # `join_later` seconds after the others and join the running job.
+    self.max_hosts = max_hosts or num_hosts
     self.coordinator: subprocess.Popen | None = None
     if live:
       self.coordinator = subprocess.Popen(
           [sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
-           f"--max_hosts={num_hosts}", f"--lease_s={lease_s}"],
+           f"--max_hosts={self.max_hosts}", f"--lease_s={lease_s}"],
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
           start_new_session=True, preexec_fn=_die_with_parent)
       threading.Thread(target=self._copy, args=("coordinator", self.coordinator),
@@ -85,14 +92,16 @@ class Hosts:
     self._threads = []
     for host in range(num_hosts):
       self.procs.append(self._start(host))
+    self.later_at = time.monotonic() + join_later  # when hosts num_hosts.. start
 
   def _start(self, host: int) -> subprocess.Popen:
     args = self.train_args
     if self.workdir_per_host:
       args = [f"{a}/host{host}" if a.startswith("--workdir=") else a for a in args]
     where = "membership" if self.live else "coordinator_address"
+    more = ([f"--min_hosts={self.num_hosts}"] if self.max_hosts > self.num_hosts else [])
     cmd = [sys.executable, "-m", "diloco_jax.train", *args,
-           f"--{where}=127.0.0.1:{self.port}", f"--num_hosts={self.num_hosts}",
+           f"--{where}=127.0.0.1:{self.port}", f"--num_hosts={self.max_hosts}", *more,
            f"--host_id={host}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=self._env, start_new_session=True,
@@ -144,6 +153,10 @@ class Hosts:
     reported: set[int] = set()
     restarts, due = 0, {}  # host -> when it starts again
     while True:
+      if len(self.procs) < self.max_hosts and time.monotonic() >= self.later_at:
+        for host in range(len(self.procs), self.max_hosts):
+          print(f"[launcher] starting host {host}: it joins the running job", flush=True)
+          self.procs.append(self._start(host))
       codes = [p.poll() for p in self.procs]
       for host, code in enumerate(codes):
         left = code == 0 and not stopping() and self._left_unfinished(host)
@@ -277,6 +290,13 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--lease_s", type=float, default=LIVE_LEASE_S,
                       help="--live: seconds without a heartbeat after which the coordinator "
                            "drops a host")
+  parser.add_argument("--max_hosts", type=int, default=None,
+                      help="--live: the job's host ids go up to this many; the ids from "
+                           "--hosts on start --join_later seconds after the others (which "
+                           "train once --hosts have registered) and join the running job")
+  parser.add_argument("--join_later", type=float, default=30.0,
+                      help="--live --max_hosts: seconds after the start at which the later "
+                           "hosts start")
   parser.add_argument("--workdir_per_host", action="store_true",
                       help="host i gets --workdir=WORKDIR/host<i>: a disk of its own, as on "
                            "machines that share no filesystem")
@@ -295,6 +315,8 @@ def main(argv: list[str]) -> int:
     parser.error("--live keeps the others training when a host dies: --max_restarts (a "
                  "restart of every host) does not apply; --rejoin_after=S restarts a dead "
                  "host, which joins the others (--max_restarts: how many times in all)")
+  if args.max_hosts is not None and (not args.live or args.max_hosts < args.hosts):
+    parser.error(f"--max_hosts={args.max_hosts}: needs --live and must be >= --hosts")
   if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
     parser.error("--workdir_per_host needs the trainer's --workdir=DIR (with `=`) after `--`")
   if args.max_restarts < 0:
@@ -320,7 +342,8 @@ def main(argv: list[str]) -> int:
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
     current.append(Hosts(args.hosts, train_args, args.port or free_port(),
-                         args.workdir_per_host, args.live, args.lease_s))
+                         args.workdir_per_host, args.live, args.lease_s, args.max_hosts,
+                         args.join_later))
     try:
       code = (current[-1].wait_live(args.rejoin_after, args.max_restarts,
                                     stopping=terminated.is_set) if args.live

@@ -31,26 +31,27 @@ def records(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.parametrize("mode, per_host, leave, extra", [
+@pytest.mark.parametrize("mode, per_host, leave, hosts, extra", [
     # A workdir per host (on disks of their own) or one shared: either way each host's
     # checkpoints and records are in WORKDIR/host<i>. Host 0 is SIGKILLed, or leaves on
-    # SIGTERM (a preemption of that host alone: a checkpoint of its own, exit 0).
-    ("sync", True, signal.SIGKILL, []), ("delayed", False, signal.SIGTERM, []),
-    ("eager", True, signal.SIGKILL, []),
-    ("streaming", False, signal.SIGTERM, ["--config.outer.fragments=2",
-                                          "--config.inner_steps=6"])])
+    # SIGTERM (a preemption of that host alone: a checkpoint of its own, exit 0). sync: a
+    # fourth host id, never seen before, joins too, a second after the start.
+    ("sync", True, signal.SIGKILL, 4, []), ("delayed", False, signal.SIGTERM, 3, []),
+    ("eager", True, signal.SIGKILL, 3, []),
+    ("streaming", False, signal.SIGTERM, 3, ["--config.outer.fragments=2",
+                                             "--config.inner_steps=6"])])
 def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, per_host,
-                                                               leave, extra):
+                                                               leave, hosts, extra):
   launcher = multihost.start([
-      sys.executable, "launch/local.py", "--hosts=3", "--live", "--lease_s=3",
-      "--rejoin_after=1", "--max_restarts=1",
+      sys.executable, "launch/local.py", "--hosts=3", f"--max_hosts={hosts}",
+      "--join_later=1", "--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1",
       *(["--workdir_per_host"] if per_host else []), "--",
       "--config=configs/tiny.py", f"--workdir={tmp_path}", f"--config.mode={mode}",
       # a cap: the run is stopped by SIGTERM a few rounds after host 0's loss
       "--config.replicas_per_host=1", "--config.num_rounds=1000",
       "--config.inner_steps=5", "--config.inner.warmup_steps=5", "--config.eval_every=2",
       "--config.debug_checks=True", "--config.elastic_timeout=120", *extra])
-  pids, lines, joined, events = {}, [], None, []
+  pids, lines, joined, events, whole = {}, [], None, [], False
   for line in launcher.stdout:
     lines.append(line)
     if len(pids) < 3:
@@ -61,11 +62,12 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
           pids[int(m.group(1))] = pid
     if joined is None and (m := re.search(r"\[host 1\] host 1 joined at round (\d+)", line)):
       joined = int(m.group(1))
+    whole = whole or hosts == 3 or "[host 3] host 3 joined at round" in line
     m = re.search(r"\] round +(\d+)/", line)
     if not m:
       continue
     r = int(m.group(1))
-    if r >= 3 and not events:
+    if r >= 3 and not events and whole:  # (the fourth host has joined first)
       os.kill(pids[1], signal.SIGKILL)
       _wait_dead(pids[1])
       shutil.rmtree(os.path.join(tmp_path, "host1"))  # a new machine in its place
@@ -81,7 +83,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
   assert launcher.returncode == 0, text[-6000:]
   assert events == ["killed 1", "killed 0", "stopped"], (events, text[-6000:])
   # Host 2 is the process it was at the start: registered once, never started again.
-  assert text.count("[host 2] host 2 of 3 hosts: registering") == 1, text[-6000:]
+  assert text.count(f"[host 2] host 2 of {hosts} hosts: registering") == 1, text[-6000:]
   assert "host 1 killed by signal 9" in text
   if leave == signal.SIGKILL:
     assert "host 0 killed by signal 9" in text
@@ -107,7 +109,10 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
   replicas = [r["replicas"] for r in host2]
   assert replicas == [r["live_hosts"] for r in host2]
   changes = [replicas[0]] + [b for a, b in zip(replicas, replicas[1:]) if b != a]
-  assert changes == [3, 2, 3, 2], replicas
+  if hosts == 4:  # host 3 joined first: from then on, one host more
+    assert re.search(r"\[host 3\] host 3 joined at round \d+: state", text), text[-6000:]
+    changes = changes[changes.index(4):]
+  assert changes == [hosts, hosts - 1, hosts, hosts - 1], replicas
   # The anchors were compared across the live hosts after every round (debug_checks stops
   # the run on a difference); the joiner's and host 0's records agree with host 2's where
   # they have the same round.

@@ -202,6 +202,9 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
     p = plan([decode(t) for t in tables], paths)
     if p.round == 0:
       return None, None
+    # The plan numbers hosts by their rows; a live job's rows are its live hosts, in order.
+    ids = list(getattr(c.collective, "live", None) or range(len(tables)))
+    p = dataclasses.replace(p, source=ids[p.source], heal=tuple(ids[h] for h in p.heal))
     snap, error, sent = None, None, None
     if c.host not in p.heal:
       try:
@@ -236,8 +239,8 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
   send = c.host == p.source
 
   def bcast(payload):
-    return run(lambda: broadcast(payload, p.source, sum_=c.collective.sum,
-                                 allgather=c.collective.allgather, host=c.host),
+    return run(lambda: broadcast(payload, ids.index(p.source), sum_=c.collective.sum,
+                                 allgather=c.collective.allgather, host=ids.index(c.host)),
                what="healing a host")
 
   raw_meta = bcast(sent[0] if send else None)

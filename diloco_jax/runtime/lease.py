@@ -70,8 +70,9 @@ class Lease:
   @classmethod
   def start(cls, coordinator: str, *, host: int, num_hosts: int,
             token: security.JoinToken | None, timeout_s: float,
-            address: str | None = None) -> Lease:
-    """Registers, then waits up to `timeout_s` for an epoch of `num_hosts` hosts."""
+            address: str | None = None, min_hosts: int | None = None) -> Lease:
+    """Registers, then waits up to `timeout_s` for an epoch of `min_hosts` hosts (None:
+    `num_hosts`); a host that finds the job running returns at once, `joining`."""
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s))
     address = wire_address(coordinator, address)
     try:
@@ -89,11 +90,12 @@ class Lease:
         pass  # its pending lease runs out
       return lease
     deadline = time.monotonic() + timeout_s
-    while len(lease.epoch.members) < num_hosts:
+    wanted = num_hosts if min_hosts is None else min_hosts
+    while len(lease.epoch.members) < wanted:
       if time.monotonic() > deadline:
         client.close()
         raise MembershipError(
-            f"host {host}: only hosts {list(lease.epoch.hosts)} of {num_hosts} registered "
+            f"host {host}: only hosts {list(lease.epoch.hosts)} of {wanted} registered "
             f"with the coordinator at {coordinator} within {timeout_s:g} s (did every host "
             "start, with the same --membership address and join token?)")
       time.sleep(min(0.05, lease.lease_s / 8))
