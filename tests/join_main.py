@@ -28,8 +28,8 @@ JOIN_ADMIT_AT=N, members run a round boundary once one of them sees N hosts wait
 1); JOIN_BARRIER=DIR:N, a joiner registers ready only once N joiners have found the job
 running (a file each in DIR). Together they admit N joiners at one boundary for certain;
 JOIN_WIRE_TIMEOUT_S, how long the wire waits for a silent peer still in the epoch (60);
-JOIN_LEAVE_DELAY_S, how long a host that found the job running waits before it leaves again
-in `Lease.start` (registered, not ready: the members may admit it in that time).
+JOIN_READY_DELAY_S, how long a host that found the job running waits before it registers
+ready (it is in no list of the coordinator's until then: no boundary may admit it).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
-from diloco_jax.runtime import coordinator_client
 from diloco_jax.runtime import lease as lease_lib
 from diloco_jax.wire import epochs
 from diloco_jax.wire import peers as peers_lib
@@ -54,7 +53,7 @@ ROUND_S = float(os.environ.get("JOIN_ROUND_S", "0.1"))
 ADMIT_AT = int(os.environ.get("JOIN_ADMIT_AT", "1"))
 BARRIER = os.environ.get("JOIN_BARRIER", "")
 WIRE_TIMEOUT_S = float(os.environ.get("JOIN_WIRE_TIMEOUT_S", "60"))
-LEAVE_DELAY_S = float(os.environ.get("JOIN_LEAVE_DELAY_S", "0"))
+READY_DELAY_S = float(os.environ.get("JOIN_READY_DELAY_S", "0"))
 
 
 def say(line: str) -> None:
@@ -94,17 +93,6 @@ def install(fault: str, host: int) -> None:
     peers_lib.Peers.send = dying_send
 
 
-def install_leave_delay() -> None:
-  """JOIN_LEAVE_DELAY_S (module docstring)."""
-  leave = coordinator_client.Client.leave
-
-  def late_leave(self):
-    if self.registration is not None and self.registration.pending:
-      time.sleep(LEAVE_DELAY_S)
-    leave(self)
-  coordinator_client.Client.leave = late_leave
-
-
 def rounds(host: int, lease, coll, first: int, last: int, size: int) -> int:
   """Rounds first..last, as a member (module docstring); returns the last one it ran."""
   done = first - 1
@@ -138,6 +126,7 @@ def join(host: int, lease, coll) -> int:
         say(f"host {host}: not {n} joiners in {where} within 60 s")
         sys.exit(1)
       time.sleep(0.01)
+  time.sleep(READY_DELAY_S)
   lease.join(60)
   coll.admitted()
   source, got = coll.transfer((host,), None)
@@ -168,8 +157,6 @@ def main(host, port, num_hosts, num_rounds, size, fault="") -> int:
   if fault not in FAULTS:
     raise SystemExit(f"FAULT {fault!r}: one of {FAULTS}")
   install(fault, host)
-  if LEAVE_DELAY_S:
-    install_leave_delay()
   lease, coll = start(host, port, num_hosts)
   while True:
     try:

@@ -600,13 +600,28 @@ def test_a_host_that_registers_while_two_members_commit_is_admitted_at_their_bou
     assert (epoch.number, epoch.hosts, epoch.first_step) == (e + 1, (0, 1, 2), 3)
 
 
-def test_a_lease_that_would_be_pending_stops_with_one_line_until_the_trainer_can_join():
+def test_a_host_that_finds_the_job_running_probes_then_is_admitted_once_ready():
+  """`Lease.start` on a running job only probes (not ready: no lease, in no list, so no
+  boundary admits a host still building); `Lease.join` registers ready, and the members'
+  next boundary admits it, numbered from the op after it."""
   port = free_port()
   with coordinator(port) as log, clients(port, 1) as (a,):
     e = a.register("tcp://a").epoch.number
     a.commit(e, 0, ok=True)  # the job runs
-    with pytest.raises(lease_lib.MembershipError, match=rf"^host 1: the job is running \(epoch "
-                       rf"{e}, hosts \[0\]\) and this host cannot join it live yet"):
-      lease_lib.Lease.start(f"127.0.0.1:{port}", host=1, num_hosts=2, token=TOKEN, timeout_s=5,
-                            address="127.0.0.1:1")
-    assert log[-1] == "coordinator: pending host 1 left"
+    lease = lease_lib.Lease.start(f"127.0.0.1:{port}", host=1, num_hosts=2, token=TOKEN,
+                                  timeout_s=5, address="127.0.0.1:1")
+    assert lease.joining and lease.epoch.hosts == (0,)
+    assert a.heartbeat().number == e and a.pending == ()  # no one waits: nothing to admit
+    assert not [line for line in log if "pending" in line], log
+    assert not a.commit(e, 1, ok=True, boundary=True).admitted
+    joined = threading.Thread(target=lease.join, args=(5.0,))
+    joined.start()
+    deadline = time.monotonic() + 5
+    while a.heartbeat() and a.pending != (1,) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert a.pending == (1,)
+    verdict = a.commit(e, 2, ok=True, boundary=True)
+    joined.join(timeout=5)
+    assert verdict.admitted == (1,) and lease.epoch.hosts == (0, 1)
+    assert (lease.epoch.number, lease.epoch.first_step) == (e + 1, 3)
+    lease.close()

@@ -113,11 +113,13 @@ class Client:
     self.last_epoch = epoch.number
     return epoch
 
-  def register(self, address: str, host: int | None = None) -> Registration:
+  def register(self, address: str, host: int | None = None,
+               ready: bool = True) -> Registration:
     """Joins as `host` (None: the id it had before, else the lowest free one), reachable by
     peers at `address`. A host that registers again is a new incarnation: under an id that
     is taken, it replaces the holder (a restarted host). A coordinator that has just started
-    gives out free ids only after one lease: this waits for it."""
+    gives out free ids only after one lease: this waits for it. `ready` False: if the job
+    runs, only learn it (`pending`, and no lease): register again, ready, to be admitted."""
     host = self.host if host is None else host
     while True:
       nonce = secrets.token_hex(16)
@@ -125,7 +127,8 @@ class Client:
                            nonce=nonce)
       challenge = hello["challenge"]
       answer = self._ask({"op": "register", "challenge": challenge, "host": host,
-                          "address": address, "last_epoch": self.last_epoch}, "register")
+                          "address": address, "last_epoch": self.last_epoch,
+                          "ready": ready}, "register")
       if answer["op"] != "retry":
         break
       self._expect(answer, "retry", challenge=challenge)

@@ -76,18 +76,15 @@ class Lease:
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s))
     address = wire_address(coordinator, address)
     try:
-      registration = client.register(address, host)
+      # Not ready: if the job runs, the members would admit it at their next round
+      # boundary and wait for it to take their state; it registers again once it can.
+      registration = client.register(address, host, ready=False)
     except coordinator_client.CoordinatorError as e:
       client.close()
       raise MembershipError(f"host {host}: {e}") from None
     lease = cls(client, registration, num_hosts, address)
     if lease.joining:
-      # The members would admit it at their next round boundary and then wait for it to
-      # take their state: it leaves until it is built and can (`join`).
-      try:
-        client.leave()
-      except coordinator_client.CoordinatorError:
-        pass  # its pending lease runs out
+      client.registration = None  # a probe's: it holds no lease
       return lease
     deadline = time.monotonic() + timeout_s
     wanted = num_hosts if min_hosts is None else min_hosts
@@ -136,7 +133,7 @@ class Lease:
     try:
       self.client.leave()
     except coordinator_client.CoordinatorError:
-      pass
+      pass  # its lease runs out
     self.lost = (f"host {self.host}: the job it was to join has no members left (it ended, "
                  "or its hosts stopped: their logs say why); nothing to join. To go on "
                  "training, start the whole job again: it resumes from the hosts' checkpoints")
@@ -183,8 +180,9 @@ class Lease:
     try:
       verdict = self.client.commit(epoch, step, ok, suspect, boundary=boundary)
     except coordinator_client.CoordinatorError as e:
-      self.lost = str(e)
-      raise MembershipError(str(e)) from None
+      # (the heartbeat thread may have found this host unknown first: its line says why)
+      self.lost = self.lost or f"host {self.host}: {e}"
+      raise MembershipError(self.lost) from None
     if verdict.epoch.number > self.epoch.number:
       self.epoch = verdict.epoch
     if self.host not in verdict.epoch.hosts:

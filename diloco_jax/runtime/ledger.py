@@ -234,8 +234,17 @@ class Ledger:
       self._forget(self._pending, host)
     incarnation = secrets.token_hex(8)
     member = Member(host, incarnation, str(req["address"]))
-    self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
     pending = self._running and bool(members)
+    if pending and not req.get("ready", True):
+      # A probe: the host learns that the job runs (and an old incarnation of it is gone)
+      # and registers again once it can take the members' state; until then it is in no
+      # list, so no boundary admits a host that is not ready.
+      if replaced:
+        self._open(members, last_epoch, why)
+      return {"op": "registered", "challenge": challenge, "host": host,
+              "incarnation": incarnation, "lease_s": self.lease_s,
+              "epoch": self.epoch.to_json(), "pending": True}
+    self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
     if pending:  # the members run on; it waits for a round boundary, when they admit it
       if replaced:
         self._open(members, last_epoch, why)

@@ -154,27 +154,30 @@ class EpochCollective:
 
   def transfer(self, to: tuple[int, ...], message: Callable[[], tuple[bytes, bytes]]
                ) -> tuple[int, tuple[bytearray, bytearray] | None]:
-    """Point to point: the lowest member not in `to` (the source) sends `message()` (a
-    header and a body) to each host of `to` that is still a member. Returns the source and,
-    on a host of `to`, what it got (else None). An op like any: if the source or a receiver
-    is lost mid-way, the members left redo it, with the lowest of them as the source."""
+    """Point to point: a host of `to` (those admitted, as this host knows them; a joiner
+    names itself) receives; every other member holds the state. The members say which
+    they are in a one-byte all-gather, and the lowest holder (the source) sends
+    `message()` (a header and a body) to each receiver: a joiner need not know who else
+    was admitted with it. Returns the source and, on a receiver, what it got (else None).
+    An op like any: if the source or a receiver is lost mid-way, the members left redo it,
+    with the lowest holder left as the source."""
     def op(peers: Peers):
-      holders = [h for h in peers.epoch.hosts if h not in to]
+      holds = peers.allgather(np.array([self.host_index not in to], np.uint8))[:, 0]
+      holders = [h for h, f in zip(peers.epoch.hosts, holds) if f]
+      receivers = [h for h, f in zip(peers.epoch.hosts, holds) if not f]
       if not holders:
         raise lease_lib.JobEnded(f"host {self.host_index}: every member that held the run's "
                                  "state left before sending it; nothing to join. To go on "
                                  "training, start the whole job again: it resumes from the "
                                  "hosts' checkpoints")
       source = holders[0]
-      peers.connect()  # every member: the epoch's start, and the receivers are there
       if self.host_index == source:
         parts = message()
-        for dst in to:
-          if dst in peers.epoch.hosts:
-            for part in parts:
-              peers.send(dst, part)
+        for dst in receivers:
+          for part in parts:
+            peers.send(dst, part)
         return source, None
-      if self.host_index in to:
+      if self.host_index in receivers:
         return source, (peers.recv(source), peers.recv(source))
       return source, None
     return self._unit("the state transfer", op)
