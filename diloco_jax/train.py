@@ -248,7 +248,6 @@ def main(argv):
   from diloco_jax.checkpoints import shared_dir
   from diloco_jax.loop import trainer
   from diloco_jax.runtime import cluster
-  from diloco_jax.runtime import elastic
   from diloco_jax.wire import dispatch
   # pylint: enable=import-outside-toplevel
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
@@ -264,32 +263,21 @@ def main(argv):
   if membership:
     _train_live(config, spec, membership)
     return
-  if config.elastic and _needs_live(config.mode):
-    sys.exit(f"Invalid config: config.elastic with config.mode = {config.mode!r} needs live "
-             "membership (--membership, a coordinator of its own; launch/local.py --live: "
-             "docs/fault-tolerance.md): on jax.distributed alone, elastic mode takes only a "
-             "mode with one sum per round, waited for")
+  if config.elastic:  # one switch for a job that outlives its hosts: live membership
+    sys.exit("Invalid config: config.elastic is set by live membership: run every host with "
+             "--membership=HOST:PORT of a membership coordinator (launch/local.py --live on "
+             "one machine; docs/fault-tolerance.md), where any host may die or join while "
+             "the others train on. Without it, the hosts share fate and restart from their "
+             "checkpoints (launch/local.py --max_restarts)")
   try:
-    if config.elastic:
-      elastic.enable(config.elastic_timeout)
-      # Orbax's barriers (coordination service) otherwise wait for a dead host.
-      shared_dir.set_barrier_timeout(config.elastic_timeout)
-    else:  # a save waiting for a host at a barrier gives up with the save's own timeout
-      shared_dir.set_barrier_timeout(config.checkpoint.timeout)
+    # A save waiting for a host at a barrier gives up with the save's own timeout.
+    shared_dir.set_barrier_timeout(config.checkpoint.timeout)
     cluster.initialize(spec)
-    multi_host_elastic = config.elastic and jax.process_count() > 1
-    if multi_host_elastic and elastic.is_returning():
-      elastic.return_and_wait()
-      _exit(elastic.EXIT_RESTART)
     # Before validation: hosts that disagree must all stop, not wait for each other.
     cluster.check_same_config(config_lib.flatten(config), timeout_s=_INIT_TIMEOUT.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
-    if multi_host_elastic:
-      elastic.finish()
-    elif jax.process_count() > 1:
+    if jax.process_count() > 1:
       cluster.leave_together()
-  except trainer.RestartForRejoin:
-    _exit(elastic.EXIT_RESTART)
   except dispatch.CollectiveError as e:
     if isinstance(e.__cause__, store.CheckpointError):  # a save on the dispatch thread
       _fail(f"Checkpoint error: {e.__cause__}")
@@ -306,14 +294,6 @@ def main(argv):
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
 
 
-def _needs_live(mode: str) -> bool:
-  """Whether elastic `mode` needs live membership: the older elastic path on jax.distributed
-  (wire/live.py) regroups between sums, so it takes no sum in flight and no fragments."""
-  from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
-  driver = registry.driver(mode)
-  return driver.asynchronous or driver.fragments
-
-
 def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> None:
   """A job whose membership is live (--membership; loop/live.py): every exit is this
   process's own, with its one line."""
@@ -323,8 +303,7 @@ def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> Non
   from diloco_jax.loop import trainer
   from diloco_jax.wire import dispatch
   # pylint: enable=import-outside-toplevel
-  if not config.elastic:  # live membership is what elastic mode asks for
-    config.elastic = True
+  config.elastic = True  # live membership: the hosts come and go
   try:
     live.start(config, spec, membership, _WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
@@ -368,11 +347,8 @@ def _fail(message: str, code: int = 1) -> None:
   same error, meet at JAX's shutdown barrier as usual."""
   sys.stderr.write(message + "\n")
   import jax  # pylint: disable=import-outside-toplevel  # main has imported it
-  if jax.process_count() > 1 and not jax.config.jax_enable_recoverability:
+  if jax.process_count() > 1:
     sys.exit(code)
-  if jax.process_count() > 1:  # elastic: JAX's shutdown barrier aborts (signal 6) instead
-    from diloco_jax.runtime import elastic  # pylint: disable=import-outside-toplevel
-    elastic.stop_together()
   _exit(code)
 
 

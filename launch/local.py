@@ -42,7 +42,6 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXIT_RESTART = 75  # diloco_jax.elastic.EXIT_RESTART: every host asks to be started again
 LIVE_LEASE_S = 5.0  # --live: a host silent this long is dropped (--lease_s)
 _PR_SET_PDEATHSIG = 1
 
@@ -215,34 +214,14 @@ class Hosts:
       except (ProcessLookupError, PermissionError):
         pass
 
-  def wait(self, rejoin_after: float | None = None) -> int:
-    """0 when every host exits 0; EXIT_RESTART when every host asks for a restart; else
-    the code of the host that failed first (by exit time), the rest killed. With
-    `rejoin_after` (elastic mode), a dead host other than 0 does not stop the others: it
-    is started again that many seconds later, and returns to the job."""
-    restart_at: dict[int, float] = {}
+  def wait(self) -> int:
+    """0 when every host exits 0; else the code of the host that failed first (by exit
+    time), the rest killed."""
     while True:
       codes = [p.poll() for p in self.procs]
-      if all(c == EXIT_RESTART for c in codes):
-        self._drain()
-        return EXIT_RESTART
-      failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0, EXIT_RESTART)]
       now = time.monotonic()
-      due = [h for h, t in restart_at.items() if now >= t]
-      for host in due:
-        print(f"[launcher] starting host {host} again", flush=True)
-        self.procs[host] = self._start(host)
-        del restart_at[host]
-      if due:
-        continue  # the codes above are the dead processes'
-      failed = sorted(((h, c) for h, c in failed if h not in restart_at),
+      failed = sorted(((h, c) for h, c in enumerate(codes) if c not in (None, 0)),
                       key=lambda hc: self.exited_at.get(self.procs[hc[0]].pid, now))
-      if failed and rejoin_after is not None and failed[0][0] != 0:
-        host, code = failed[0]
-        print(f"[launcher] host {host} {_reason(code)}; elastic: the other hosts go on; "
-              f"starting it again in {rejoin_after:.0f}s", flush=True)
-        restart_at[host] = now + rejoin_after
-        continue
       if failed:
         host, code = failed[0]
         print(f"[launcher] host {host} {_reason(code)}; stopping the other hosts", flush=True)
@@ -280,9 +259,9 @@ def main(argv: list[str]) -> int:
                       help="after a host fails, start all hosts again up to this many times "
                            "(--live --rejoin_after: restarts of dead hosts, in all)")
   parser.add_argument("--rejoin_after", type=float, default=None,
-                      help="start a dead host again after this many seconds, without "
-                           "stopping the others: --live, any host, which joins the running "
-                           "job; elastic mode (--config.elastic=True), a host other than 0")
+                      help="--live: start a host that died, or left on a SIGTERM of its own, "
+                           "again after this many seconds, without stopping the others: it "
+                           "joins the running job")
   parser.add_argument("--live", action="store_true",
                       help="live membership: start a membership coordinator beside the "
                            "hosts; a host that dies is dropped and the others train on "
@@ -311,6 +290,9 @@ def main(argv: list[str]) -> int:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
   if args.lease_s <= 0:
     parser.error(f"--lease_s={args.lease_s}: must be > 0")
+  if args.rejoin_after is not None and not args.live:
+    parser.error("--rejoin_after needs --live: without live membership the hosts share fate "
+                 "(--max_restarts starts them all again)")
   if args.live and args.max_restarts and args.rejoin_after is None:
     parser.error("--live keeps the others training when a host dies: --max_restarts (a "
                  "restart of every host) does not apply; --rejoin_after=S restarts a dead "
@@ -347,17 +329,13 @@ def main(argv: list[str]) -> int:
     try:
       code = (current[-1].wait_live(args.rejoin_after, args.max_restarts,
                                     stopping=terminated.is_set) if args.live
-              else current[-1].wait(args.rejoin_after))
+              else current[-1].wait())
     except KeyboardInterrupt:
       current[-1].kill_all()
       current[-1].stop_coordinator()
       return 130
     if code == 0 or terminated.is_set() or args.live:  # live: dead hosts rejoin, if asked
       return code
-    if code == EXIT_RESTART:  # elastic: a host returned; all resume from a checkpoint
-      print(f"[launcher] every host asked for a restart: starting all {args.hosts} hosts "
-            f"again; they resume from the newest checkpoint", flush=True)
-      continue
     if attempt == args.max_restarts:
       return code
     attempt += 1

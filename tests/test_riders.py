@@ -12,6 +12,7 @@ import pytest
 from diloco_jax import config as config_lib
 from diloco_jax.loop import membership
 from diloco_jax.loop import pacing
+from diloco_jax.runtime import preemption
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange
 
@@ -74,20 +75,29 @@ def test_riders_that_would_collide_are_refused(riders, message):
 
 
 def test_the_loops_riders():
-  """The pacer keeps its words under 'speed' only; elastic's members count the replicas
-  that the mean divides by, and their sum comes back as the round's figures."""
+  """The pacer keeps its words under 'speed' only; live membership's members count the
+  replicas that the mean divides by and say whether a host waits to join, and their sum
+  comes back as the round's figures; the stop word rides every sum."""
   config = config_lib.get_default_config()
   fixed = pacing.Pacer(config, host=1, num_hosts=2, replicas_per_host=3)
   config.balance = "speed"
   speed = pacing.Pacer(config, host=1, num_hosts=2, replicas_per_host=3)
   assert (fixed.name, fixed.keep, speed.keep, fixed.divisor) == ("pace", False, True, None)
   assert jax.tree.map(np.shape, speed.words(4)) == jax.tree.map(np.shape, speed.like())
-  members = membership.Members(host=1, replicas_per_host=3)
+  members = membership.LiveReplicas(replicas_per_host=3, pending=lambda: True)
   assert (members.name, members.keep, members.divisor) == ("members", False, "replicas")
-  assert members.words(4) == {"replicas": 3, "rejoin": 0}  # host 1 relays no request
+  assert members.words(4) == {"replicas": 3, "hosts": 1, "pending": 1}
+  assert jax.tree.map(np.shape, members.words(4)) == jax.tree.map(np.shape, members.like())
   assert membership.Fixed.riders == () and membership.Fixed.figures({}) == {}
-  summed = {"members": {"replicas": np.float32(5), "rejoin": np.float32(1)}}
-  assert membership.Elastic.figures(summed) == {"replicas": 5, "rejoin": True}
+  stop = preemption.Preemption()
+  assert (stop.name, stop.keep, stop.divisor, stop.words(4)) == ("stop", False, None,
+                                                                 {"stop": 0})
+  stop.request()
+  assert stop.words(4) == {"stop": 1}
+  stop.arrived({"stop": {"stop": np.float32(0)}})
+  assert not stop._agreed  # pylint: disable=protected-access
+  stop.arrived({"stop": {"stop": np.float32(2)}})  # two hosts were asked
+  assert stop._agreed  # pylint: disable=protected-access
 
 
 def test_the_wire_names_no_feature():

@@ -142,7 +142,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
   c.balance_tolerance = 0.1  # 'speed': hosts within it of the slowest train H; steps move by more.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
-  c.elastic = False  # Survivors of a dead host train on (live with --membership: fault tolerance).
+  c.elastic = False  # Set by live membership (--membership): hosts come and go, the rest train on.
   c.elastic_timeout = 60  # Elastic: seconds a sum waits on a silent peer still in the epoch.
   return c
 

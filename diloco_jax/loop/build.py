@@ -167,6 +167,10 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   inner_optimizer = optim.inner_optimizer(config.inner, num_rounds * h)
   mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
   store_lib.check_writable(workdir)  # after the data's checks: they may refuse
+  if config.elastic and not world.live:
+    raise config_lib.ConfigError(
+        "config.elastic is set by live membership (train's --membership, a membership "
+        "coordinator; launch/local.py --live): without it the hosts share fate")
   membership = membership_lib.of(config)
   collective = membership.collective
   # A host joining a live job talks to no one until the members admit it (loop/join.py).
@@ -182,13 +186,6 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
         allgather=lambda words: dispatcher.run(collective.allgather, words,
                                                what="agreeing on the workdir"))
   shared_storage = claim.shared and not (num_hosts == 1 and per_host.present(workdir))
-  if not claim.shared and config.elastic and not world.live:
-    claim.release()
-    raise store_lib.CheckpointError(
-        "config.elastic on jax.distributed needs one --workdir shared by every host (with "
-        "a workdir per host, a returning host's older checkpoints would roll the others "
-        "back); with a workdir per host, use live membership: launch/local.py --live, or "
-        "train's --membership (docs/fault-tolerance.md)")
   if claim.shared and world.live and num_hosts > 1:
     # Live membership keeps every host's checkpoints and records its own, so that any host
     # may die: on a shared disk, in a directory per host.
@@ -209,9 +206,9 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
         allgather=lambda words: dispatcher.run(collective.allgather, words,
                                                what="agreeing on the workdir"))
     shared_storage = False
-  # Opening the shared checkpoint directory waits at a barrier for every host (elastic:
-  # for only `elastic_timeout` seconds): it comes right after the lock's agreement, before
-  # the compiles that finish at different times on different hosts.
+  # Opening the shared checkpoint directory waits at a barrier for every host: it comes
+  # right after the lock's agreement, before the compiles that finish at different times
+  # on different hosts.
   if shared_storage:
     store = shared_dir.SharedDirStore(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher, collective=collective,
@@ -230,8 +227,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       config.outer, collective=collective, dispatcher=dispatcher,
       replicas_per_host=replicas_per_host, steps_finished=train_step.steps_finished,
       # every host's steps and seconds ride on the round's sum where the mode has one
-      # sum per round (not streaming's fragments, not ddp's steps), and not in elastic
-      # mode, whose sums leave out the hosts that are away
+      # sum per round (not streaming's fragments, not ddp's steps), and not under live
+      # membership, whose sums leave out the hosts that are away
       riders=(*membership.riders, preemption,
               *((pacer,) if driver.carries_pace and not config.elastic else ())))
   param_shapes = family.param_shapes(model_cfg)

@@ -5,15 +5,9 @@ coordinator's current epoch sum over the epoch wire (`wire/epochs.py`), any host
 and the others redo the op it left and train on, every host keeps its own workdir's
 records, and the lowest live host prints.
 
-`Fixed` is the default: the hosts share fate, the collective covers all of them, a hash of
-the outer state travels through the coordination service, and a checkpoint save runs in
-the background with orbax's own timeout. `Elastic` (config.elastic on jax.distributed) keeps
-training when a host dies: its collective sums over the live hosts, the hashes travel
-with them, every save finishes within its job and may fail without stopping the run,
-and a host that returns asks to rejoin, which ends the round with a checkpoint and a
-restart of every host (runtime/elastic.py has why). What it needs summed with each
-round's Δ (the replicas taking part, the rejoin requests) rides the sum as `Members`, a
-rider of the exchange (`wire.exchange.Rider`), and comes back as the round's figures.
+`Fixed` is the default: the hosts share fate (one `jax.distributed` job), the collective
+covers all of them, a hash of the outer state travels through the coordination service,
+and a checkpoint save runs in the background with orbax's own timeout.
 
 The round loop never asks which kind it has: it calls the same methods on both.
 """
@@ -32,13 +26,11 @@ from absl import logging
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.runtime import coordination
-from diloco_jax.runtime import elastic
 from diloco_jax.runtime import world as world_lib
 from diloco_jax.wire import collective as collective_lib
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib
 from diloco_jax.wire import integrity
-from diloco_jax.wire import live
 
 
 class Membership(Protocol):
@@ -69,9 +61,6 @@ class Membership(Protocol):
 
   def join_due(self) -> bool:
     """Whether the hosts admit a host waiting to join at this round's end (live only)."""
-
-  def signal_restart(self) -> None:
-    """Host 0, after checkpointing for a returning host: every host must restart."""
 
   def prints(self, host: int) -> bool:
     """Whether `host` prints the run's lines now (one host does)."""
@@ -112,58 +101,9 @@ class Fixed:
   def join_due() -> bool:
     return False  # a fixed job admits no one while it runs
 
-  def signal_restart(self) -> None:
-    pass  # no host returns to a fixed job: its sums carry no rejoin requests
-
   @staticmethod
   def prints(host: int) -> bool:
     return host == 0
-
-  @staticmethod
-  def writes(host: int) -> bool:
-    return host == 0
-
-
-class Elastic:
-  """The live hosts (config.elastic): survivors of a dead host keep training."""
-
-  def __init__(self, timeout_s: int, replicas_per_host: int):
-    self.collective = live.LiveCollective(timeout_s)
-    self.save_timeout = timeout_s
-    self.host = jax.process_index()
-    self.riders = (Members(self.host, replicas_per_host),)
-
-  def connect(self, dispatcher: dispatch.Dispatcher) -> None:
-    pass  # the live hosts meet at a barrier before each collective instead
-
-  def hash_exchange(self, dispatcher: dispatch.Dispatcher) -> integrity.HashExchange:
-    # The collective knows which hosts are still in the job; the store does not.
-    return integrity.CollectiveExchange(lambda words: dispatcher.run(
-        self.collective.allgather, words, what="comparing the outer state's hash"), self.host)
-
-  @staticmethod
-  def figures(riders: Mapping[str, exchange_lib.Words]) -> dict[str, Any]:
-    """The replicas in the round's mean and whether a host asks to rejoin (the round
-    loop restarts every host then)."""
-    words = riders.get(Members.name)
-    if words is None:
-      return {}
-    return {"replicas": int(words["replicas"]), "rejoin": bool(words["rejoin"])}
-
-  def started(self) -> None:
-    if self.host == 0:  # a host that connects from now on is a returning one
-      elastic.mark_running()
-
-  @staticmethod
-  def join_due() -> bool:
-    return False  # a returning host restarts every host instead (rejoin requests)
-
-  def signal_restart(self) -> None:
-    elastic.signal_restart()
-
-  @staticmethod
-  def prints(host: int) -> bool:
-    return host == 0  # host 0's loss ends this job anyway
 
   @staticmethod
   def writes(host: int) -> bool:
@@ -210,9 +150,6 @@ class Live:
   def started(self) -> None:
     pass
 
-  def signal_restart(self) -> None:
-    pass  # a host that returns is issue 46's join, not a restart of all
-
   def prints(self, host: int) -> bool:
     return host == min(self.collective.live)
 
@@ -243,32 +180,12 @@ class LiveReplicas:
     return {"replicas": np.float32(0), "hosts": np.float32(0), "pending": np.float32(0)}
 
 
-class Members:
-  """Elastic's rider of every sum (`wire.exchange.Rider`): each host's replicas, summed
-  into the count of the live ones that the mean divides by, and host 0's relay of the
-  returning hosts' requests to rejoin."""
-  name, keep, divisor = "members", False, "replicas"
-
-  def __init__(self, host: int, replicas_per_host: int):
-    self.host, self.replicas_per_host = host, replicas_per_host
-
-  def words(self, round_: int) -> exchange_lib.Words:
-    del round_  # the same every round
-    return {"replicas": np.float32(self.replicas_per_host),
-            "rejoin": np.float32(self.host == 0 and bool(elastic.rejoin_requested()))}
-
-  def like(self) -> exchange_lib.Words:
-    return {"replicas": np.float32(0), "rejoin": np.float32(0)}
-
-
 def of(config: ml_collections.ConfigDict) -> Membership:
-  """The membership `config` asks for on this job's hosts (elastic needs two or more; a
-  live lease, train's --membership, makes it live)."""
+  """The membership of this job's hosts: live under a lease (train's --membership), else
+  fixed."""
   world = world_lib.current()
   if world.live:
     return Live(world, config.elastic_timeout, config.replicas_per_host)
-  if config.elastic and jax.process_count() > 1:
-    return Elastic(config.elastic_timeout, config.replicas_per_host)
   return Fixed()
 
 

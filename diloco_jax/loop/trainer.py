@@ -3,8 +3,10 @@ state (`state.RunState`, a value each round replaces), and runs the rounds, the
 checkpoints and the end of the run.
 
 The round itself is `rounds.run_round`; a start that continues a checkpoint is
-`resume.resume`. Only host 0 prints and writes files; the metrics writer reads each round's
-figures one round late, so the devices never wait for logging.
+`resume.resume`; a host that joins a live job starts from its members' state instead
+(`join.receive`), and a member admits it (`join.admit`). One host prints (host 0, or the
+lowest live one) and writes files (live: every host its own); the metrics writer reads
+each round's figures one round late, so the devices never wait for logging.
 """
 
 from __future__ import annotations
@@ -46,10 +48,6 @@ class TrainResult(NamedTuple):
   records: list[dict[str, Any]]
   traces: dict[str, int]
   preempted_at: int | None = None
-
-
-class RestartForRejoin(Exception):  # noqa: N818 -- a request, not a failure
-  """Elastic mode: a host returned; a checkpoint is written and every host must restart."""
 
 
 class Trainer:
@@ -110,8 +108,6 @@ class Trainer:
       parts.log.timed(r, time.perf_counter() - t_round, steady=not parts.profile.covers(r),
                       tokens=sum(parts.pacer.steps(r)) * parts.replicas_per_host
                       * parts.tokens_per_replica_step)
-      if parts.log.rejoin_requested(r) and r < parts.num_rounds:
-        self._restart_for_rejoin(r)
       preempted = parts.preemption.reached(r)
       if r < parts.num_rounds and (preempted or (every and r % every == 0)):
         self._save(r)
@@ -173,19 +169,6 @@ class Trainer:
       parts.store.wait()  # the last line's "ETA 0s" is printed once it is on disk
       parts.log.write_through(num_rounds)
     return final_params, final_eval
-
-  def _restart_for_rejoin(self, r: int) -> None:
-    """Elastic mode, a host has returned: checkpoint this round boundary, let the
-    returning host go, and stop every host so that the launcher restarts them all."""
-    parts = self.parts
-    self._save(r)
-    parts.store.wait()
-    parts.log.writer.close()
-    if parts.is_host0:
-      print(f"round {r}: a host returned; checkpoint {r} written; every host restarts "
-            f"and resumes from it", flush=True)
-      parts.membership.signal_restart()
-    raise RestartForRejoin(f"restart after round {r} for a returning host")
 
   def _save(self, r: int) -> None:
     """Starts a checkpoint of round r and writes its record if its figures are in (async

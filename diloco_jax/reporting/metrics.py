@@ -47,7 +47,7 @@ def round_line(r: Mapping[str, Any], num_rounds: int, total_steps: int) -> str:
   if "eval_loss" in r:
     floor = f" (floor {r['floor']:.4f})" if r.get("floor") is not None else ""
     parts.append(f"eval {r['eval_loss']:.4f}{_bpb(r, 'eval')}{floor}")
-  parts += [f"{int(r[k])} {unit}" for k, unit in (  # elastic: the replicas in the round's
+  parts += [f"{int(r[k])} {unit}" for k, unit in (  # live: the replicas in the round's
       ("replicas", "replicas"), ("live_hosts", "hosts")) if k in r]  # mean, hosts in its sum
   if len(set(r.get("hosts_steps", ()))) > 1:  # balance 'speed': the slowest and fastest host's
     parts.append(f"steps/host {min(r['hosts_steps'])}-{max(r['hosts_steps'])}")
@@ -269,9 +269,6 @@ class RoundLog:
     for q in [q for q in sorted(self._open) if q <= r and self._open[q].diagnostics]:
       self._open[q].diagnostics.result()
 
-  def rejoin_requested(self, r: int) -> bool:
-    return r in self._open and bool(self._open[r].figures.get("rejoin"))
-
   def write_through(self, r: int) -> None:
     for q in sorted(self._open):
       if q > r or not self.complete(q):
@@ -281,7 +278,7 @@ class RoundLog:
   def _write(self, open_round: OpenRound) -> None:
     record, arrived, diagnostics = open_round.figures, open_round.arrived, open_round.diagnostics
     syncs = [a for a in arrived if a.collective_time is not None]
-    live = int(record.get("replicas", self.num_replicas))  # elastic: the live replicas
+    live = int(record.get("replicas", self.num_replicas))  # live membership: the replicas
     terms = open_round.loss_terms or live * self.h
     record["train_loss"] = float(record.pop("loss_sum")) / terms
     if "eval_loss" in record:
@@ -307,7 +304,7 @@ class RoundLog:
       # the last round's line comes once the final checkpoint is written: the end
       record["eta"] = max(record["eta"] - since, 0.0) if record["round"] < self.num_rounds else 0.0
     if diagnostics is not None:  # [hosts, R, 3] -> per replica, in replica order
-      stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # live replicas (elastic)
+      stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # the live replicas
       record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
                     param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
     if self.printing:

@@ -43,7 +43,7 @@ GROUPS = {
 TAGS = {field: f"{group}/{field.removeprefix(group + '_')}"
         for group, fields in GROUPS.items() for field in fields}
 # Record fields that are not plotted: the x axis and position, wall-clock time, flags.
-NOT_PLOTTED = ("round", "tokens", "inner_step", "time", "resumed", "rejoin")
+NOT_PLOTTED = ("round", "tokens", "inner_step", "time", "resumed")
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:

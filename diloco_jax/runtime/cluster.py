@@ -29,7 +29,6 @@ import jax
 from diloco_jax import errors
 from diloco_jax._version import __version__
 from diloco_jax.runtime import coordination
-from diloco_jax.runtime import elastic
 from diloco_jax.runtime import security
 from diloco_jax.runtime import watchdog
 
@@ -131,8 +130,7 @@ def initialize(cluster: Cluster) -> bool:
   _keep_coordinator_connections(c.heartbeat_timeout)
   link_timeout = (c.link_timeout if c.link_timeout is not None
                   else max(1, c.heartbeat_timeout * 2 // 5))
-  # Elastic mode (recoverability) outlives a lost host by design: no watchdog there.
-  if link_timeout and not jax.config.jax_enable_recoverability:
+  if link_timeout:
     global _watchdog
     _watchdog = watchdog.LinkWatchdog(link_timeout)
     _watchdog.start()
@@ -210,12 +208,6 @@ def _start_jax(c: Cluster, bind: str | None) -> None:
 
 def _agree_on_token(token: security.JoinToken | None, timeout_s: int) -> None:
   me = jax.process_index()
-  if jax.config.jax_enable_recoverability:
-    if elastic.is_returning():
-      # An elastic host joining a running job: the others are training, not agreeing.
-      # It can only ask them to restart, and after the restart every host (this one
-      # too) goes through the agreement again, on a fresh coordination service.
-      return
   try:
     security.agree_on_token(coordination.coordination_client(), me, jax.process_count(), token,
                             timeout_s)
