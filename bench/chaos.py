@@ -98,20 +98,28 @@ class Job:
     return "".join(line for _, line in self.lines)
 
   def host_pid(self, host: int) -> int:
-    for pid in os.listdir("/proc"):
-      if pid.isdigit():
-        try:
-          with open(f"/proc/{pid}/cmdline") as f:
-            cmd = f.read().split("\0")
-        except OSError:
-          continue
-        if (f"--host_id={host}" in cmd and "diloco_jax.train" in cmd
-            and _parent_chain_has(int(pid), self.proc.pid)):
-          return int(pid)
-    raise RuntimeError(f"host {host} is not running")
+    pid = host_pid(self.proc.pid, host)
+    if pid is None:
+      raise RuntimeError(f"host {host} is not running")
+    return pid
 
 
-def _parent_chain_has(pid: int, ancestor: int) -> bool:
+def host_pid(root: int, host: int) -> int | None:
+  """The trainer process of `host` below process `root` (a launcher), or None."""
+  for pid in os.listdir("/proc"):
+    if pid.isdigit():
+      try:
+        with open(f"/proc/{pid}/cmdline") as f:
+          cmd = f.read().split("\0")
+      except OSError:
+        continue
+      if (f"--host_id={host}" in cmd and "diloco_jax.train" in cmd
+          and parent_chain_has(int(pid), root)):
+        return int(pid)
+  return None
+
+
+def parent_chain_has(pid: int, ancestor: int) -> bool:
   while pid > 1:
     if pid == ancestor:
       return True

@@ -46,6 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
+from bench import chaos  # noqa: E402
 
 KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer")
 SMOKE_EVENTS = ("kill_wipe", "leave")
@@ -95,33 +96,6 @@ def launcher(workdir: str, hosts: int, flags: list[str], live: bool) -> subproce
          "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
   return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-
-
-def host_pid(root: int, host: int) -> int | None:
-  """The trainer process of `host` below process `root` (the launcher), or None."""
-  for pid in os.listdir("/proc"):
-    if not pid.isdigit():
-      continue
-    try:
-      with open(f"/proc/{pid}/cmdline") as f:
-        cmd = f.read().split("\0")
-    except OSError:
-      continue
-    if f"--host_id={host}" in cmd and "diloco_jax.train" in cmd and _below(int(pid), root):
-      return int(pid)
-  return None
-
-
-def _below(pid: int, ancestor: int) -> bool:
-  while pid > 1:
-    if pid == ancestor:
-      return True
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        pid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-      return False
-  return False
 
 
 def wait_dead(pid: int, timeout: float = 30.0) -> None:
@@ -182,7 +156,7 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       break
     r, writer = out.last_round()
     victim = writer if kind == "kill_writer" else victim
-    pid = host_pid(job.pid, victim)
+    pid = chaos.host_pid(job.pid, victim)
     if pid is None:
       break
     t_event = time.monotonic()

@@ -16,10 +16,10 @@ import re
 import shutil
 import signal
 import sys
-import time
 
 import pytest
 
+from bench import churn
 from tests import multihost
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -70,7 +70,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
     r = int(m.group(1))
     if r >= 3 and not events and whole:  # (the fourth host has joined first)
       os.kill(pids[1], signal.SIGKILL)
-      _wait_dead(pids[1])
+      churn.wait_dead(pids[1])  # its files are no longer written
       shutil.rmtree(os.path.join(tmp_path, "host1"))  # a new machine in its place
       events.append("killed 1")
     elif joined is not None and r >= joined + 3 and len(events) == 1:
@@ -135,19 +135,6 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
     with open(os.path.join(tmp_path, f"host{host}", "checkpoints", str(max(saved)),
                            "meta.json")) as f:
       assert not json.load(f)["finished"]
-
-
-def _wait_dead(pid: int, timeout: float = 10.0) -> None:
-  """Until process `pid` is gone or a zombie (its files are no longer written)."""
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-          return
-    except OSError:
-      return
-    time.sleep(0.05)
 
 
 def _live_job(workdir, *flags, rounds=ROUNDS):
