@@ -18,7 +18,8 @@ live      `--live --rejoin_after=1`: a membership coordinator; a host that dies 
           dropped, the others train on, and the launcher starts it again: it joins at a
           round boundary.
 restart   jax.distributed: any event stops every host, and the same command starts all of
-          them again from their checkpoints (a frozen host stalls the others until it wakes).
+          them again from their checkpoints (a frozen host stalls the others until it wakes,
+          or, frozen longer than --link_timeout, stops the job too).
 
 Goodput = the tokens the job kept (every round once, times the replicas that took part) ÷
 (the uninterrupted run's tokens/s on the same path × the wall time), as Decoupled DiLoCo
@@ -182,11 +183,12 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
                    state_bytes=size, source=source, transfer_s=seconds)
       back_round = r_joined
     else:
-      if kind == "freeze":  # the others waited for it: back at the next round line
-        back = _next_round(out, job, t_event + freeze_s)
-      else:
+      back = None
+      if kind == "freeze":  # the others waited for it: back at the next round line, or the
+        back = _next_round(out, job, t_event + freeze_s)  # job stopped (a link lost)
+      if back is None:
         code = job.wait()
-        if kind != "leave" and code == 0:
+        if kind not in ("leave", "freeze") and code == 0:
           raise RuntimeError(f"{kind}: the launcher exited 0")
         job = launcher(workdir, hosts, flags, live=False)
         readers.append(out.follow(job))
@@ -224,13 +226,16 @@ def _wait_joined(out: Output, job, host: int, since: float):
 
 
 def _next_round(out: Output, job, since: float):
+  """(time, round) of the first round line after `since`; None if the job ends first."""
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline:
     for when, line in out.since(since):
       if m := ROUND.match(line):
         return when, int(m.group(2))
-    if job.poll() is not None and not out.since(since):
-      return None
+    if job.poll() is not None:
+      time.sleep(0.5)  # its last lines
+      return next(((when, int(m.group(2))) for when, line in out.since(since)
+                   if (m := ROUND.match(line))), None)
     time.sleep(0.05)
   return None
 
