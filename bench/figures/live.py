@@ -1,5 +1,6 @@
-"""Figures of live membership: hosts that leave a running job (bench/leave.py), and sync on
-the epoch wire beside sync on gloo through slow links (bench/wan.py's live runs)."""
+"""Figures of live membership: hosts that leave a running job (bench/leave.py), sync on the
+epoch wire beside sync on gloo through slow links (bench/wan.py's live runs), and goodput
+through churn, live beside restarts (bench/churn.py)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,38 @@ def wan_live(results: Results) -> dict:
       rows.append([f"{d['rate_mbit']:g}" if d["rate_mbit"] else "unshaped", mode, f"{mean['sync']:,.0f}", f"{mean[mode]:,.0f}",
                    f"{ratio:.2f}", len(speed[mode])])
   return {"table": rows, "lowest": min(ratios)}
+
+
+CHURN_EVENTS = {"kill": "SIGKILL host {host}", "kill_wipe": "SIGKILL host {host}, wipe its disk",
+                "leave": "SIGTERM host {host} (it comes back)",
+                "freeze": "SIGSTOP host {host} for {freeze_s:g} s",
+                "kill_writer": "SIGKILL host {host} (the printing host)"}
+
+
+def churn(results: Results) -> dict:
+  """Per event, each path's seconds until the job is whole again; per path, goodput, the
+  wall time against the uninterrupted run's and the final eval loss."""
+  d = results("churn")
+  live, restart = d["paths"]["live"]["churn"], d["paths"]["restart"]["churn"]
+  rows = []
+  for i, (kind, host) in enumerate(d["plan"]):
+    a = live["events"][i] if i < len(live["events"]) else None
+    b = restart["events"][i] if i < len(restart["events"]) else None
+    name = CHURN_EVENTS[kind].format(host=(a or b or {}).get("host", host),
+                                     freeze_s=d["freeze_s"])
+    rows.append([i + 1, name,
+                 f"{a['back_s']:.1f}" if a and "back_s" in a else "–",
+                 f"{a['state_bytes']:,} from host {a['source']} in {a['transfer_s']:.1f} s"
+                 if a and "state_bytes" in a else "–",
+                 f"{b['back_s']:.1f}" if b and "back_s" in b else "–"])
+  paths = []
+  for name in ("live", "restart"):
+    p = d["paths"][name]
+    ref, run = p["uninterrupted"], p["churn"]
+    paths.append([name, f"{run['goodput']:.2f}", f"{run['wall_s']:.0f}", f"{ref['wall_s']:.0f}",
+                  f"{run['rounds_completed']}", len(run["events"]),
+                  f"{run['final_eval_loss']:.4f}", f"{ref['final_eval_loss']:.4f}"])
+  joins = [e["join_s"] for e in live["events"] if "join_s" in e]
+  return {**d, "table": rows, "paths_table": paths,
+          "goodput": {n: d["paths"][n]["churn"]["goodput"] for n in ("live", "restart")},
+          "joins": (min(joins), max(joins)) if joins else None}
