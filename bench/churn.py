@@ -99,15 +99,18 @@ def launcher(workdir: str, hosts: int, flags: list[str], live: bool) -> subproce
                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+def alive(pid: int) -> bool:
+  """Whether process `pid` still runs (not gone, not a zombie whose files are closed)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
 def wait_dead(pid: int, timeout: float = 30.0) -> None:
   deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-          return
-    except OSError:
-      return
+  while alive(pid) and time.monotonic() < deadline:
     time.sleep(0.05)
 
 

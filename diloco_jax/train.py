@@ -307,6 +307,10 @@ def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> Non
   try:
     live.start(config, spec, membership, _WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value)
     trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
+    # Everything is written and the lease given back: exit now, not after the interpreter's
+    # teardown, in which a second SIGTERM (the rest of the job being stopped) would find no
+    # handler and kill a host that has already left cleanly.
+    _exit(0)
   except dispatch.CollectiveError as e:
     if isinstance(e.__cause__, store.CheckpointError):
       _fail(f"Checkpoint error: {e.__cause__}")
