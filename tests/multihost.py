@@ -193,3 +193,10 @@ def alive(pid: int) -> bool:
       return f.read().rsplit(")", 1)[1].split()[0] != "Z"
   except OSError:
     return False
+
+
+def wait_dead(pid: int, timeout: float = 30.0) -> None:
+  """Until process `pid` is gone or a zombie (its files are no longer written)."""
+  deadline = time.monotonic() + timeout
+  while alive(pid) and time.monotonic() < deadline:
+    time.sleep(0.05)

@@ -19,7 +19,6 @@ import sys
 
 import pytest
 
-from bench import churn
 from tests import multihost
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -70,13 +69,13 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
     r = int(m.group(1))
     if r >= 3 and not events and whole:  # (the fourth host has joined first)
       os.kill(pids[1], signal.SIGKILL)
-      churn.wait_dead(pids[1])  # its files are no longer written
+      multihost.wait_dead(pids[1])  # its files are no longer written
       shutil.rmtree(os.path.join(tmp_path, "host1"))  # a new machine in its place
       events.append("killed 1")
     elif joined is not None and r >= joined + 3 and len(events) == 1:
       os.kill(pids[0], leave)
       events.append("killed 0")
-    elif len(events) == 2 and r >= joined + 6 and not churn.alive(pids[0]):
+    elif len(events) == 2 and r >= joined + 6 and not multihost.alive(pids[0]):
       launcher.send_signal(signal.SIGTERM)  # the job stops: each host with a checkpoint
       events.append("stopped")
   launcher.wait(timeout=600)
