@@ -25,7 +25,10 @@ membership keeps each host's checkpoints and records its own: with a shared --wo
 WORKDIR/host<i>/, as --workdir_per_host would. With --rejoin_after=S, a host that dies, or
 leaves on a SIGTERM of its own, is started again S seconds later (up to --max_restarts
 times in all) and joins the running job; with --max_hosts=M, host ids --hosts .. M-1 start
---join_later seconds after the others and join it.
+--join_later seconds after the others (or one by one, each on a SIGUSR1 to the launcher)
+and join it. SIGTERM (or a first Ctrl-C) to a live launcher goes to the coordinator, which
+stops the whole job: every host after the same round, with a checkpoint, so that the same
+command resumes them together.
 """
 
 from __future__ import annotations
@@ -91,7 +94,9 @@ class Hosts:
     self._threads = []
     for host in range(num_hosts):
       self.procs.append(self._start(host))
-    self.later_at = time.monotonic() + join_later  # when hosts num_hosts.. start
+    # when hosts num_hosts.. start (join_later < 0: only one by one, each on a SIGUSR1)
+    self.later_at = time.monotonic() + join_later if join_later >= 0 else float("inf")
+    self.start_next = 0  # hosts to start now, ahead of `later_at` (SIGUSR1s)
 
   def _start(self, host: int) -> subprocess.Popen:
     args = self.train_args
@@ -132,6 +137,13 @@ class Hosts:
         except ProcessLookupError:
           pass
 
+  def stop_job(self) -> None:
+    """Live: asks the coordinator to stop the job (every host after the same round, with
+    a checkpoint; hosts not yet admitted exit 0); it ends once they have left. A SIGTERM
+    to each host instead would make each leave alone, at rounds of its own."""
+    if self.coordinator is not None and self.coordinator.poll() is None:
+      self.coordinator.send_signal(signal.SIGTERM)
+
   def stop_coordinator(self) -> None:
     if self.coordinator is not None and self.coordinator.poll() is None:
       self.coordinator.terminate()
@@ -152,10 +164,13 @@ class Hosts:
     reported: set[int] = set()
     restarts, due = 0, {}  # host -> when it starts again
     while True:
-      if len(self.procs) < self.max_hosts and time.monotonic() >= self.later_at:
-        for host in range(len(self.procs), self.max_hosts):
+      if len(self.procs) < self.max_hosts and (self.start_next or
+                                               time.monotonic() >= self.later_at):
+        until = self.max_hosts if time.monotonic() >= self.later_at else len(self.procs) + 1
+        for host in range(len(self.procs), until):
           print(f"[launcher] starting host {host}: it joins the running job", flush=True)
           self.procs.append(self._start(host))
+        self.start_next = 0
       codes = [p.poll() for p in self.procs]
       for host, code in enumerate(codes):
         left = code == 0 and not stopping() and self._left_unfinished(host)
@@ -275,7 +290,8 @@ def main(argv: list[str]) -> int:
                            "train once --hosts have registered) and join the running job")
   parser.add_argument("--join_later", type=float, default=30.0,
                       help="--live --max_hosts: seconds after the start at which the later "
-                           "hosts start")
+                           "hosts start (< 0: never by themselves); SIGUSR1 to the launcher "
+                           "starts the next of them now")
   parser.add_argument("--workdir_per_host", action="store_true",
                       help="host i gets --workdir=WORKDIR/host<i>: a disk of its own, as on "
                            "machines that share no filesystem")
@@ -308,7 +324,9 @@ def main(argv: list[str]) -> int:
 
   def on_sigterm(*_):
     terminated.set()
-    if current:
+    if current and args.live:  # the coordinator stops them, every host after one round
+      current[-1].stop_job()
+    elif current:
       current[-1].signal_all(signal.SIGTERM)
 
   def on_sigint(*_):
@@ -318,8 +336,13 @@ def main(argv: list[str]) -> int:
           "(Ctrl-C again kills them)", flush=True)
     on_sigterm()
 
+  def on_sigusr1(*_):  # one more host joins now (live, up to --max_hosts)
+    if current and current[-1].live:
+      current[-1].start_next += 1
+
   signal.signal(signal.SIGTERM, on_sigterm)
   signal.signal(signal.SIGINT, on_sigint)
+  signal.signal(signal.SIGUSR1, on_sigusr1)
   attempt = 0
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.

@@ -216,9 +216,20 @@ def test_as_a_process_it_stops_on_sigterm_and_its_loss_is_one_line_on_a_host():
       host.timeout_s = 5.0
       assert host.heartbeat() is None
       assert host.register("tcp://h").epoch.number == 2
+      # SIGTERM stops the job: the coordinator answers until its last host has left
       os.kill(proc.pid, signal.SIGTERM)
+      deadline = time.monotonic() + 5
+      while not host.stopping and time.monotonic() < deadline:
+        host.heartbeat()
+      assert host.stopping and proc.poll() is None
+      with clients(port, 1, timeout_s=5.0) as (late,):
+        with pytest.raises(ledger_lib.JobStopping, match="the job is stopping"):
+          late.register("tcp://late")
+      host.leave()
       assert proc.wait(5) == 0
-      assert proc.stderr.read().splitlines()[-1] == "coordinator: stopped"
+      lines = proc.stderr.read().splitlines()
+      assert lines[-1] == "coordinator: stopped", lines
+      assert any("asked to stop: every host stops after the same round" in x for x in lines)
   finally:
     if proc.poll() is None:
       os.kill(proc.pid, signal.SIGKILL)
@@ -566,6 +577,28 @@ def test_when_the_last_member_goes_the_pending_hosts_start_the_job_again():
   assert log[-1].endswith("(host 0 left; the job stopped: pending host(s) 1 start it again)")
   assert hosts.register(2, now=2.5)["pending"] is False  # as at start-up: no vote since
   assert ledger.epoch.hosts == (1, 2)
+
+
+def test_a_stop_is_said_to_every_member_admits_nobody_and_ends_when_all_have_left():
+  ledger, hosts, log, e = ledger_of(2)
+  same(committed(hosts, e, 0, [0, 1], now=1.0))
+  hosts.register(2, now=1.0)  # pending
+  assert hosts.heartbeat(0, now=1.5)["stopping"] is False
+  ledger.stop("asked")
+  assert log[-1] == ("coordinator: stopping the job (asked): every host stops after the same "
+                     "round (hosts 0,1; pending 2 not admitted)")
+  body = same(committed(hosts, e, 1, [0, 1], now=2.0, boundary=True))
+  assert (body["commit"], body["admitted"], body["stopping"]) == (True, [], True)
+  assert [hosts.heartbeat(h, now=2.5)["stopping"] for h in (0, 1, 2)] == [True] * 3
+  refused = hosts.ledger.handle({"op": "register", "host": 3, "address": "tcp://h3",
+                                 "last_epoch": 0, "challenge": hosts.ledger.handle(
+                                     {"op": "hello", "nonce": "n"}, 3.0)["challenge"]}, 3.0)
+  assert (refused["op"], refused["stopping"]) == ("refused", True)
+  for h in (0, 1):  # the last member leaves: the pending host does not start it again
+    hosts.leave(h, now=3.5)
+  assert ledger.epoch.hosts == () and not ledger.idle
+  hosts.leave(2, now=4.0)
+  assert ledger.idle
 
 
 def test_a_host_that_registers_while_two_members_commit_is_admitted_at_their_boundary():

@@ -126,14 +126,20 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
     for r in theirs:
       assert by_round[r["round"]]["anchor_hash"] == r["anchor_hash"], (other, r["round"])
   assert min(r["round"] for r in records(os.path.join(tmp_path, "host1"))) >= joined
-  # The stop: each of hosts 1 and 2 wrote its own checkpoint of the round it stopped at.
-  for host in (1, 2):
+  # The stop (the launcher's SIGTERM goes to the coordinator): every host left stopped after
+  # the same round, with its own checkpoint of it, and its records end there.
+  assert "[coordinator] coordinator: stopping the job" in text, text[-6000:]
+  stopped_at, last_records = set(), set()
+  for host in (1, 2, 3)[:hosts - 1]:
     saved = [int(n) for n in os.listdir(os.path.join(tmp_path, f"host{host}", "checkpoints"))
              if n.isdigit()]
     assert max(saved) >= joined + 6, (host, saved)
     with open(os.path.join(tmp_path, f"host{host}", "checkpoints", str(max(saved)),
                            "meta.json")) as f:
       assert not json.load(f)["finished"]
+    stopped_at.add(max(saved))
+    last_records.add(records(os.path.join(tmp_path, f"host{host}"))[-1]["round"])
+  assert len(stopped_at) == 1 and len(last_records) == 1, (stopped_at, last_records)
 
 
 def _live_job(workdir, *flags, rounds=ROUNDS):

@@ -98,6 +98,17 @@ def test_the_loops_riders():
   assert not stop._agreed  # pylint: disable=protected-access
   stop.arrived({"stop": {"stop": np.float32(2)}})  # two hosts were asked
   assert stop._agreed  # pylint: disable=protected-access
+  # Live: a host's own SIGTERM is its alone (it leaves); the coordinator's stop of the whole
+  # job is the word, and every host stops once a sum brings it.
+  job = [False]
+  live = preemption.Preemption(job_stopping=lambda: job[0])
+  live.request()
+  assert live.words(4) == {"stop": 0} and live.reached(4)
+  live = preemption.Preemption(job_stopping=lambda: job[0])
+  job[0] = True
+  assert live.words(4) == {"stop": 1} and not live.reached(4)
+  live.arrived({"stop": {"stop": np.float32(1)}})
+  assert live.reached(4)
 
 
 def test_the_wire_names_no_feature():

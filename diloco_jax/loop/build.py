@@ -221,8 +221,11 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
                                  grad_accum_steps=config.grad_accum_steps,
                                  collective=collective, dispatcher=dispatcher,
                                  num_replicas=num_replicas)
-  # A stop (SIGTERM, Ctrl-C) is a word on every round's sum (ddp: JAX's sync point).
-  preemption = preemption_lib.Preemption(rides_sums=not driver.per_step)
+  # A stop (SIGTERM, Ctrl-C) is a word on every round's sum (ddp: JAX's sync point); live,
+  # the word is the coordinator's stop of the whole job, and a host's own stop is its own.
+  preemption = preemption_lib.Preemption(
+      rides_sums=not driver.per_step,
+      job_stopping=(lambda: world.lease.stopping) if world.live else None)
   exchange = exchange_lib.Exchange(
       config.outer, collective=collective, dispatcher=dispatcher,
       replicas_per_host=replicas_per_host, steps_finished=train_step.steps_finished,

@@ -35,6 +35,11 @@ however late, gets the same one. It costs one round trip per op plus waiting for
 member; a member that accuses a live peer waits `accuse_s` (a lease, unless set) before the
 ledger drops that peer.
 
+Stopping the job: the first SIGTERM (or Ctrl-C) to the coordinator stops the whole job, every
+host after the same round with a checkpoint (`Ledger.stop`); the coordinator ends once every
+host has left or its lease has run out. A second ends it at once. A SIGTERM to one host makes
+that host alone leave.
+
 Admission at a round boundary: once a vote has been cast, a host that registers is pending
 (leased, but in no epoch: it has no state, and the members' next op would wait for it). The
 commit of an op that every member voted `boundary` (it ends a round) opens the next epoch with
@@ -98,9 +103,10 @@ def _log(line: str) -> None:
 
 def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "127.0.0.1",
           stop: threading.Event | None = None, log: Callable[[str], None] = _log,
-          accuse_s: float | None = None) -> None:
-  """Answers hosts on tcp://bind:port until `stop` is set."""
-  stop = stop or threading.Event()
+          accuse_s: float | None = None, drain: threading.Event | None = None) -> None:
+  """Answers hosts on tcp://bind:port until `stop` is set, or, once `drain` is set, until
+  the job it stops (every host after the same round) has no host left."""
+  stop, drain = stop or threading.Event(), drain or threading.Event()
   ledger = Ledger(max_hosts, lease_s, log, time.monotonic(), accuse_s)
   ctx = zmq.Context()
   sock = ctx.socket(zmq.ROUTER)
@@ -127,6 +133,10 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
           answer = [json.dumps({"op": "dropped", "why": str(e)}).encode(), b""]
         sock.send_multipart(route + answer)
       ledger.expire(time.monotonic())
+      if drain.is_set():
+        ledger.stop("the coordinator was asked to stop it")
+        if ledger.idle:
+          break
   finally:
     ctx.destroy(linger=0)
 
@@ -148,15 +158,23 @@ def main(argv: list[str] | None = None) -> int:
                       help="the job's join token (else $DILOCO_JOIN_TOKEN_FILE, "
                            "$DILOCO_JOIN_TOKEN); frames are authenticated with a key from it")
   args = parser.parse_args(argv)
-  stop = threading.Event()
+  stop, drain = threading.Event(), threading.Event()
+
+  def on_signal(*_):  # the first stops the job, every host after the same round
+    (stop if drain.is_set() else drain).set()
+    if not stop.is_set():
+      _log("coordinator: asked to stop: every host stops after the same round, with a "
+           "checkpoint; the coordinator ends when they have left (signal it again to end "
+           "it now)")
+
   for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, lambda *_: stop.set())
+    signal.signal(sig, on_signal)
   try:
     token = security.JoinToken.from_environment(args.join_token_file)
     if token is None:
       _log("coordinator: no join token: any process that reaches the port can register")
     serve(args.port, args.max_hosts, args.lease_s, key_for(token), args.bind, stop,
-          accuse_s=args.accuse_s)
+          accuse_s=args.accuse_s, drain=drain)
   except errors.DilocoError as e:
     print(errors.describe(e), file=sys.stderr)
     return e.exit_code

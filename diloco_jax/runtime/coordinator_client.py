@@ -23,6 +23,7 @@ import zmq
 from diloco_jax.runtime import security
 from diloco_jax.runtime.coordinator import C2S, S2C, CoordinatorError, Dropped, Epoch, key_for
 from diloco_jax.runtime.coordinator import seal, unseal
+from diloco_jax.runtime.ledger import JobStopping
 
 
 class CoordinatorLost(CoordinatorError):
@@ -69,6 +70,7 @@ class Client:
     self.host: int | None = None  # the id this host had: it registers again under it
     self.registration: Registration | None = None
     self.pending: tuple[int, ...] = ()  # the pending hosts, as the last answer that said
+    self.stopping = False  # the job stops (every host after the same round), as last said
 
   def _ask(self, body: dict, what: str) -> dict:
     with self._lock:
@@ -99,6 +101,9 @@ class Client:
                              f"frame we dropped: {e}") from None
 
   def _expect(self, answer: dict, op: str, **echo) -> dict:
+    if answer["op"] == "refused" and op == "registered" and answer.get("stopping"):
+      self.stopping = True
+      raise JobStopping(f"the coordinator at {self.address} refused us: {answer['why']}")
     if answer["op"] == "refused" and op == "registered":
       raise CoordinatorError(f"the coordinator at {self.address} refused us: {answer['why']}")
     if answer["op"] != op or any(answer.get(k) != v for k, v in echo.items()):
@@ -167,6 +172,7 @@ class Client:
       return None
     with self._lock:
       self.pending = tuple(int(h) for h in answer.get("pending", ()))
+      self.stopping = self.stopping or bool(answer.get("stopping", False))
       return self._seen(Epoch.from_json(answer["epoch"]))
 
   def commit(self, epoch: int, step: int, ok: bool, suspect: int | None = None,
@@ -196,6 +202,7 @@ class Client:
           # a verdict keeps the epoch of its decision: a later heartbeat may have seen newer
           self.last_epoch = max(self.last_epoch, after.number)
           self.pending = tuple(int(h) for h in answer.get("pending", ()))
+          self.stopping = self.stopping or bool(answer.get("stopping", False))
         return Verdict(bool(answer["commit"]), after,
                        tuple(int(h) for h in answer.get("admitted", ())))
       time.sleep(delay)

@@ -79,6 +79,9 @@ class Lease:
       # Not ready: if the job runs, the members would admit it at their next round
       # boundary and wait for it to take their state; it registers again once it can.
       registration = client.register(address, host, ready=False)
+    except coordinator_client.JobStopping as e:
+      client.close()
+      raise JobEnded(f"host {host}: {e}") from None
     except coordinator_client.CoordinatorError as e:
       client.close()
       raise MembershipError(f"host {host}: {e}") from None
@@ -89,6 +92,8 @@ class Lease:
     deadline = time.monotonic() + timeout_s
     wanted = num_hosts if min_hosts is None else min_hosts
     while len(lease.epoch.members) < wanted:
+      if client.stopping:
+        lease._ended("the job was stopped before it started")
       if time.monotonic() > deadline:
         client.close()
         raise MembershipError(
@@ -106,6 +111,8 @@ class Lease:
     up to `timeout_s` for the members to admit it at a round boundary (an epoch with it)."""
     try:
       registration = self.client.register(self.address, self.host)
+    except coordinator_client.JobStopping as e:
+      raise JobEnded(f"host {self.host}: {e}") from None
     except coordinator_client.CoordinatorError as e:
       raise MembershipError(f"host {self.host}: {e}") from None
     self.epoch = registration.epoch
@@ -117,6 +124,9 @@ class Lease:
     while self.host not in self.epoch.hosts:
       if self.lost is not None:
         raise MembershipError(self.lost)
+      if self.stopping:
+        self._ended("the job it was to join is stopping (every member after the same round, "
+                    "with a checkpoint): nothing to join")
       if time.monotonic() > deadline:
         raise MembershipError(
             f"host {self.host}: not admitted within {timeout_s:g} s by hosts "
@@ -129,15 +139,21 @@ class Lease:
     self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)
     self._thread.start()
 
-  def _ended(self) -> None:
+  def _ended(self, why: str = "the job it was to join has no members left (it ended, or "
+             "its hosts stopped: their logs say why); nothing to join") -> None:
     try:
       self.client.leave()
     except coordinator_client.CoordinatorError:
       pass  # its lease runs out
-    self.lost = (f"host {self.host}: the job it was to join has no members left (it ended, "
-                 "or its hosts stopped: their logs say why); nothing to join. To go on "
-                 "training, start the whole job again: it resumes from the hosts' checkpoints")
+    self.lost = (f"host {self.host}: {why}. To go on training, start the whole job again: "
+                 "it resumes from the hosts' checkpoints")
     raise JobEnded(self.lost)
+
+  @property
+  def stopping(self) -> bool:
+    """Whether the whole job stops (the coordinator was asked to): every host after the
+    same round, which a word on the sums decides (runtime/preemption.py)."""
+    return self.client.stopping
 
   @property
   def pending(self) -> bool:

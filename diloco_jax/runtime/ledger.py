@@ -24,6 +24,11 @@ class CoordinatorError(errors.DilocoError, RuntimeError):
   prefix = "Coordinator"
 
 
+class JobStopping(CoordinatorError):
+  """The job is stopping (its coordinator was asked to stop it): nothing to join."""
+  exit_code = 0
+
+
 class Dropped(errors.DilocoError):
   """A frame that is not authenticated, a replay, or malformed: dropped and named."""
   prefix = "Dropped"
@@ -82,6 +87,11 @@ class Ledger:
   wait for it) until an op that every member voted `boundary` commits: that decision opens
   the next epoch with it. A job whose last member goes has stopped: its pending hosts, and
   whoever registers next, start it again as at start-up.
+
+  `stop` (the coordinator got SIGTERM): the whole job stops at one round on every host. Each
+  answer to a member says `stopping`; the hosts put it on their next sum, so every host
+  learns it in the same round and stops after it (runtime/preemption.py). From then on no
+  host is admitted or registered, and the hosts leave one by one: `idle` once all have.
   """
 
   def __init__(self, max_hosts: int, lease_s: float, log: Callable[[str], None],
@@ -113,6 +123,20 @@ class Ledger:
     self._verdicts: collections.OrderedDict[
         tuple[int, int], tuple[bool, dict, tuple[int, ...]]] = collections.OrderedDict()
     self._forgotten = (-1, -1)  # the highest (epoch, step) whose verdict was let go
+    self.stopping: str | None = None  # why the job stops (`stop`), once it does
+
+  def stop(self, why: str) -> None:
+    """The whole job stops: every host after the same round (see the class docstring)."""
+    if self.stopping is None:
+      self.stopping = why
+      self._log(f"coordinator: stopping the job ({why}): every host stops after the same "
+                f"round (hosts {_ids(self.epoch.hosts) or 'none'}; pending "
+                f"{_ids(self._pending) or 'none'} not admitted)")
+
+  @property
+  def idle(self) -> bool:
+    """No member and no pending host: nobody is left to answer."""
+    return not self.epoch.members and not self._pending
 
   def _open(self, members: dict[int, Member], at_least: int, why: str,
             first_step: int | None = None) -> None:
@@ -122,7 +146,7 @@ class Ledger:
     number = max(self.epoch.number, at_least) + 1
     if first_step is None:
       first_step = min(self._votes, default=self._next_step)
-    if not members and self._running:
+    if not members and self._running and self.stopping is None:
       members = self._stopped()
       first_step = 0
       if members:
@@ -214,6 +238,9 @@ class Ledger:
     members = self._members()
     host, last_epoch = req["host"], int(req["last_epoch"])
     why = ""
+    if self.stopping is not None:
+      return {"op": "refused", "challenge": challenge, "stopping": True,
+              "why": f"the job is stopping ({self.stopping}): nothing to join"}
     if host is None and now < self._rebuilt_at:
       return {"op": "retry", "challenge": challenge, "after_s": self._rebuilt_at - now}
     if host is None:  # the lowest free id
@@ -289,7 +316,7 @@ class Ledger:
     if op == "commit":
       return {**echo, **self._commit(host, incarnation, *vote, now)}
     return {"op": "epoch", **echo, "epoch": self.epoch.to_json(),
-            "pending": sorted(self._pending)}
+            "pending": sorted(self._pending), "stopping": self.stopping is not None}
 
   def _commit(self, host: int, incarnation: str, e: int, step: int, ok: bool,
               suspect: int | None, boundary: bool, now: float) -> dict:
@@ -324,13 +351,15 @@ class Ledger:
       return {"op": "wait"}
     commit, after, admitted = self._verdicts[key]
     return {"op": "verdict", "epoch": e, "step": step, "commit": commit, "next": after,
-            "admitted": list(admitted), "pending": sorted(self._pending)}
+            "admitted": list(admitted), "pending": sorted(self._pending),
+            "stopping": self.stopping is not None}
 
   def _admit(self, e: int, step: int, votes: dict) -> tuple[int, ...]:
     """The pending hosts admitted by the commit of op `step` of epoch `e` (`votes`: every
     member's): all of them, into the next epoch, when every member voted it a round
     boundary; none otherwise (mid-round, a joiner has no state to take part with)."""
-    if not self._pending or not all(votes[h][2] for h in self.epoch.hosts):
+    if (not self._pending or self.stopping is not None
+        or not all(votes[h][2] for h in self.epoch.hosts)):
       return ()
     admitted = tuple(sorted(self._pending))
     members = {**self._members(), **self._pending}

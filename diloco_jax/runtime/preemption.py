@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -25,15 +26,18 @@ class Preemption:
   whose sums arrive a round late). ddp (sums at every step): JAX's preemption notifier
   turns SIGTERM into a sync point that every host reaches at the same round. A live job
   (each host a JAX world of its own): the host that gets the signal stops alone and
-  leaves; the others carry on.
+  leaves; the others carry on. The whole live job stops when its coordinator is asked to
+  (`job_stopping()` turns true on each host as its coordinator's answers say so, at
+  different times): that is the word on the sums, so every host stops after one round.
   """
   name, keep, divisor = "stop", False, None
 
-  def __init__(self, rides_sums: bool = True):
+  def __init__(self, rides_sums: bool = True, job_stopping: Callable[[], bool] | None = None):
     self._requested = threading.Event()
     self._agreed = False  # a sum said that some host was asked to stop
     self._interrupts = 0
-    self._words = rides_sums and jax.process_count() > 1
+    self._job_stopping = job_stopping  # live membership: whether the coordinator says so
+    self._words = rides_sums and (jax.process_count() > 1 or job_stopping is not None)
 
   def request(self) -> None:
     self._requested.set()
@@ -42,6 +46,8 @@ class Preemption:
 
   def words(self, round_: int):
     del round_
+    if self._job_stopping is not None:  # live: this host's own stop is its alone
+      return {"stop": np.float32(self._job_stopping())}
     return {"stop": np.float32(self._requested.is_set())}
 
   @staticmethod
@@ -55,7 +61,10 @@ class Preemption:
       self._agreed = True
 
   def reached(self, r: int) -> bool:
-    """Whether to stop after round r: the same answer on every host."""
+    """Whether to stop after round r: the same answer on every host (live: also this
+    host's own stop, when it alone leaves)."""
+    if self._job_stopping is not None:
+      return self._requested.is_set() or self._agreed
     if jax.process_count() == 1:
       return self._requested.is_set()
     if self._words:
@@ -74,7 +83,7 @@ class Preemption:
     sys.stderr.write("Ctrl-C: finishing this round, then saving a checkpoint and stopping "
                      "(Ctrl-C again stops at once)\n")
     sys.stderr.flush()
-    if jax.process_count() > 1 and not self._words:
+    if jax.process_count() > 1 and not self._words:  # (never live: one process per world)
       os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier: every host stops alike
     else:
       self.request()
