@@ -1,7 +1,7 @@
 """Goodput under churn: the same events on a live job and on a job that restarts.
 
   python bench/churn.py [--hosts=4] [--rounds=240] [--events=10] [--seed=0]
-  python bench/churn.py --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, leave) per path
+  python bench/churn.py --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, join_new) per path
 
 Two paths train configs/tiny.py on hosts with a workdir each (`launch/local.py
 --workdir_per_host`, the outer state compared across hosts every round), each first
@@ -13,17 +13,21 @@ more), the next event a few rounds after the job is whole again:
   leave        SIGTERM to one host (a spot preemption notice); the machine comes back.
   freeze       SIGSTOP a host for --freeze_s (longer than a lease), then SIGCONT.
   kill_writer  SIGKILL the host that prints and writes the run's lines (the lowest live one).
+  join_new     one host more, an id never seen before (at most once per run).
 
 live      `--live --rejoin_after=1`: a membership coordinator; a host that dies or leaves is
           dropped, the others train on, and the launcher starts it again: it joins at a
-          round boundary.
+          round boundary. The job's ids go up to --hosts + 1 (`--max_hosts`); join_new is a
+          SIGUSR1 to the launcher, which starts the spare id, and it joins the same way.
 restart   jax.distributed: any event stops every host, and the same command starts all of
           them again from their checkpoints (a frozen host stalls the others until it wakes,
-          or, frozen longer than --link_timeout, stops the job too).
+          or, frozen longer than --link_timeout, stops the job too); join_new stops every
+          host with a checkpoint (SIGTERM) and starts one more than before.
 
 Goodput = the tokens the job kept (every round once, times the replicas that took part) ÷
 (the uninterrupted run's tokens/s on the same path × the wall time), as Decoupled DiLoCo
-counts it. Per event: the seconds until the job is whole again ("back": the joiner's line
+counts it; the uninterrupted run has --hosts hosts, and after a join_new the job has one
+more (on a machine whose cores every host shares, that adds replicas, not tokens/s). Per event: the seconds until the job is whole again ("back": the joiner's line
 on the live path, the restarted job's first round line on the other), a joiner's start to
 its join and the state it received. Writes bench/results/churn.json.
 """
@@ -49,8 +53,9 @@ sys.path.insert(0, REPO)
 from bench import _smoke  # noqa: E402
 from bench import chaos  # noqa: E402
 
-KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer")
-SMOKE_EVENTS = ("kill_wipe", "leave")
+KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer", "join_new")
+ONCE = ("join_new",)  # one spare host id
+SMOKE_EVENTS = ("kill_wipe", "join_new")
 SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
                "--config.model.mlp_dim=64", "--config.model.num_heads=2"]
 ROUND = re.compile(r"^\[host (\d+)\] round +(\d+)/")
@@ -90,8 +95,11 @@ class Output:
     return 0, 0
 
 
-def launcher(workdir: str, hosts: int, flags: list[str], live: bool) -> subprocess.Popen:
-  extra = (["--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1000"] if live
+def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
+             spare: bool = False) -> subprocess.Popen:
+  """`spare` (live): one host id more, started on a SIGUSR1 to the launcher."""
+  extra = (["--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
+            *([f"--max_hosts={hosts + 1}", "--join_later=-1"] if spare else [])] if live
            else [])
   cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}",
          "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
@@ -129,14 +137,19 @@ def records(workdir: str, hosts: int) -> dict[int, dict]:
   return out
 
 
-def kept_tokens(recs: dict[int, dict], hosts: int) -> float:
-  """Σ over rounds of the replicas that took part × one replica's tokens of a round (live
-  records count the replicas; a fixed job's rounds had every host)."""
+def kept_tokens(recs: dict[int, dict], num_hosts: int, hosts_from: list[tuple[int, int]]
+                ) -> float:
+  """Σ over rounds of the replicas that took part × one replica's tokens of a round. Live
+  records count the replicas; a fixed job's rounds had every host of the job that trained
+  them (`hosts_from`: (first round, hosts) of each start). `num_hosts`: the host ids the
+  job was started with (a record's tokens count one replica on each)."""
   first = recs.get(1)
   if not first:
     return 0.0
-  per_replica = first["tokens"] / hosts  # round 1: every host, one replica each
-  return sum(r.get("replicas", hosts) * per_replica for r in recs.values())
+  per_replica = first["tokens"] / num_hosts  # tokens after round 1, over the job's ids
+  def fixed(r: int) -> int:
+    return next(h for start, h in reversed(hosts_from) if start <= r)
+  return sum(rec.get("replicas", fixed(r)) * per_replica for r, rec in recs.items())
 
 
 def wait_round(out: Output, job: subprocess.Popen, target: int) -> bool:
@@ -148,23 +161,26 @@ def wait_round(out: Output, job: subprocess.Popen, target: int) -> bool:
 
 
 def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[str, int]],
-        log, freeze_s: float, rng: random.Random) -> dict:
-  """Trains on `path` ('live' or 'restart') through `plan`; what happened."""
+        log, freeze_s: float, rng: random.Random, spare: bool = False) -> dict:
+  """Trains on `path` ('live' or 'restart') through `plan`; what happened. `spare` (live):
+  the job has one host id more, which only a join_new starts."""
   live, out = path == "live", Output(log)
   t0 = time.monotonic()
-  job = launcher(workdir, hosts, flags, live)
+  job = launcher(workdir, hosts, flags, live, spare)
   readers, events = [out.follow(job)], []
-  back_round = 0
+  back_round, now_hosts, hosts_from = 0, hosts, [(1, hosts)]
   for kind, victim in plan:
     if not wait_round(out, job, back_round + rng.randint(2, 5)):
       break
     r, writer = out.last_round()
-    victim = writer if kind == "kill_writer" else victim
-    pid = chaos.host_pid(job.pid, victim)
+    victim = {"kill_writer": writer, "join_new": hosts}.get(kind, victim)
+    pid = chaos.host_pid(job.pid, victim) if kind != "join_new" else job.pid
     if pid is None:
       break
     t_event = time.monotonic()
-    if kind in ("kill", "kill_wipe", "kill_writer"):
+    if kind == "join_new":  # live: the launcher starts the spare id; else all stop
+      job.send_signal(signal.SIGUSR1 if live else signal.SIGTERM)
+    elif kind in ("kill", "kill_wipe", "kill_writer"):
       os.kill(pid, signal.SIGKILL)
       wait_dead(pid)
     elif kind == "leave":
@@ -191,9 +207,10 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
         back = _next_round(out, job, t_event + freeze_s)  # job stopped (a link lost)
       if back is None:
         code = job.wait()
-        if kind not in ("leave", "freeze") and code == 0:
+        if kind not in ("leave", "freeze", "join_new") and code == 0:
           raise RuntimeError(f"{kind}: the launcher exited 0")
-        job = launcher(workdir, hosts, flags, live=False)
+        now_hosts += kind == "join_new"
+        job = launcher(workdir, now_hosts, flags, live=False)
         readers.append(out.follow(job))
         back = _next_round(out, job, time.monotonic())
       if back is None:
@@ -201,6 +218,8 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
         break
       event.update(back_s=back[0] - t_event, resumed_at=back[1])
       back_round = back[1]
+      if now_hosts != hosts_from[-1][1]:
+        hosts_from.append((back[1], now_hosts))
     events.append(event)
     print(f"{path}: {kind} host {victim} after round {r}; whole again in "
           f"{event['back_s']:.1f} s", flush=True)
@@ -208,11 +227,12 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
   for thread in readers:
     thread.join(timeout=10)
   wall = time.monotonic() - t0
-  recs = records(workdir, hosts)
+  recs = records(workdir, hosts + 1)
   text = "".join(line for _, line in out.lines)
   final = FINAL.findall(text)
   return {"wall_s": wall, "exit": code, "rounds_completed": max(recs, default=0),
-          "kept_tokens": kept_tokens(recs, hosts), "events": events,
+          "kept_tokens": kept_tokens(recs, hosts + (live and spare), hosts_from),
+          "events": events,
           "final_eval_loss": float(final[-1]) if final else None}
 
 
@@ -260,9 +280,10 @@ def main(argv: list[str] | None = None) -> None:
   if args.hosts < 2 or not paths or set(paths) - {"live", "restart"}:
     parser.error("--hosts must be >= 2 and --paths a list of live, restart")
   rng = random.Random(args.seed)
+  again = [k for k in KINDS if k not in ONCE]
   kinds = (list(SMOKE_EVENTS) if args.smoke else
            rng.sample(KINDS, min(args.events, len(KINDS)))
-           + [rng.choice(KINDS) for _ in range(args.events - len(KINDS))])
+           + [rng.choice(again) for _ in range(args.events - len(KINDS))])
   plan = [(kind, rng.randrange(args.hosts)) for kind in kinds]
   flags = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
            f"--config.num_rounds={args.rounds}", f"--config.inner_steps={args.inner_steps}",
@@ -280,10 +301,12 @@ def main(argv: list[str] | None = None) -> None:
   try:
     with open(log_path, "w") as log:
       for path in paths:
+        # live: both runs with the spare id the plan's join_new starts (the same job)
+        spare = any(kind in ONCE for kind, _ in plan)
         ref = run(path, os.path.join(root, f"{path}_ref"), args.hosts, flags, [], log,
-                  args.freeze_s, random.Random(args.seed))
+                  args.freeze_s, random.Random(args.seed), spare)
         churn = run(path, os.path.join(root, path), args.hosts, flags, plan, log,
-                    args.freeze_s, random.Random(args.seed + 1))
+                    args.freeze_s, random.Random(args.seed + 1), spare)
         rate = ref["kept_tokens"] / ref["wall_s"]
         churn["goodput"] = churn["kept_tokens"] / (rate * churn["wall_s"])
         result["paths"][path] = {"uninterrupted": ref, "churn": churn}

@@ -218,12 +218,13 @@ def check_chaos(result: dict) -> None:
 
 
 def check_churn(result: dict) -> None:
-  """--smoke: 3 hosts, on each path one host killed with its disk wiped and one host
-  leaving on SIGTERM. Live: each time the host is started again and joins at a later round
-  with the state from another host, and the job is whole again; every round is kept once,
-  those without the host with fewer replicas. Restart: each event restarts the job, which
-  resumes; every round is kept with every host."""
-  assert [kind for kind, _ in result["plan"]] == ["kill_wipe", "leave"]
+  """--smoke: 3 hosts, on each path one host killed with its disk wiped, then a fourth
+  host id arriving. Live: the killed host is started again and the new one (a SIGUSR1 to
+  the launcher) starts; each joins at a later round with the state from another host, and
+  the job is whole again; every round is kept once, with the replicas that took part.
+  Restart: each event restarts the job (with one host more after the new id's arrival),
+  which resumes; every round is kept with every host of the job that trained it."""
+  assert [kind for kind, _ in result["plan"]] == ["kill_wipe", "join_new"]
   live, restart = result["paths"]["live"], result["paths"]["restart"]
   for path in (live, restart):
     for run in (path["uninterrupted"], path["churn"]):
@@ -233,10 +234,16 @@ def check_churn(result: dict) -> None:
   for e in live["churn"]["events"]:
     assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
     assert e["state_bytes"] > 0 and e["back_s"] > 0, e
-  full = restart["uninterrupted"]["kept_tokens"]
-  assert live["uninterrupted"]["kept_tokens"] == full == restart["churn"]["kept_tokens"]
-  assert 0 < live["churn"]["kept_tokens"] < full  # rounds without the host that was away
+  assert live["churn"]["events"][1]["host"] == result["hosts"]  # the spare id
+  full = restart["uninterrupted"]["kept_tokens"]  # (the live job's spare id never started)
+  assert live["uninterrupted"]["kept_tokens"] == full
+  assert live["churn"]["kept_tokens"] > 0
   assert all(e["back_s"] > 0 and e["resumed_at"] >= 1 for e in restart["churn"]["events"])
+  # restart: every round with 3 hosts, and one more from the round it resumed at with 4
+  rounds, grown = result["rounds"], restart["churn"]["events"][1]["resumed_at"]
+  per_replica_round = full / (result["hosts"] * rounds)
+  assert restart["churn"]["kept_tokens"] == pytest.approx(
+      full + (rounds - grown + 1) * per_replica_round), restart["churn"]
 
 
 def check_restart(result: dict) -> None:

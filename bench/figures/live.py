@@ -42,7 +42,8 @@ def wan_live(results: Results) -> dict:
 CHURN_EVENTS = {"kill": "SIGKILL host {host}", "kill_wipe": "SIGKILL host {host}, wipe its disk",
                 "leave": "SIGTERM host {host} (it comes back)",
                 "freeze": "SIGSTOP host {host} for {freeze_s:g} s",
-                "kill_writer": "SIGKILL host {host} (the printing host)"}
+                "kill_writer": "SIGKILL host {host} (the printing host)",
+                "join_new": "host {host} joins (an id never seen before)"}
 
 
 def churn(results: Results) -> dict:
