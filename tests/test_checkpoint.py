@@ -265,6 +265,7 @@ def test_sigkill_restart_resumes_bit_identically(tmp_path, references, mode, vic
   time.sleep(random.uniform(0, 0.5))
   os.kill(host_pid(launcher, victim), signal.SIGKILL)
   text = launcher.communicate(timeout=300)[0]
+  (tmp_path / "launcher.log").write_text(text)  # kept with the run's files, for a failure
   assert launcher.returncode == 0, text[-4000:]
   assert f"host {victim} killed by signal 9" in text and "restart 1/1" in text
   assert "resumed from checkpoint" in text, text[-4000:]

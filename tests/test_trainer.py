@@ -17,6 +17,7 @@ from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.reporting import metrics
 from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
+from diloco_jax.wire import dispatch
 from diloco_jax.wire import integrity
 from diloco_jax.reporting import writers
 from diloco_jax.models import family
@@ -30,11 +31,39 @@ from tests.multihost import trainer_batches
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ORDER = []  # ("record", r) as sync_run writes each, ("save", r) as each save's write starts
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
   config = small_config()
   workdir = str(tmp_path_factory.mktemp("sync"))
-  return config, workdir, trainer.train_and_evaluate(config, workdir)
+  write, submit = writers.MetricsWriter.write, dispatch.Dispatcher.submit
+
+  def record(self, rec):
+    ORDER.append(("record", rec["round"]))
+    return write(self, rec)
+
+  def save(self, fn, *args, round_=None, what=None):
+    if what == "checkpoint save":
+      fn = lambda *a, fn=fn: (ORDER.append(("save", round_)), fn(*a))[1]  # noqa: E731
+    return submit(self, fn, *args, round_=round_, what=what)
+
+  writers.MetricsWriter.write, dispatch.Dispatcher.submit = record, save
+  try:
+    return config, workdir, trainer.train_and_evaluate(config, workdir)
+  finally:
+    writers.MetricsWriter.write, dispatch.Dispatcher.submit = write, submit
+
+
+def test_a_checkpoint_is_written_only_after_its_rounds_record(sync_run):
+  """A host killed between the two would leave a checkpoint that a resume continues from
+  without ever logging its round (seen: records [1, 2, 4, ...] after a SIGKILL)."""
+  config = sync_run[0]
+  saves = [r for what, r in ORDER if what == "save"]
+  assert saves[:config.num_rounds - 1] == list(range(1, config.num_rounds)), ORDER
+  for r in range(1, config.num_rounds):  # (the last round's record follows the run's end)
+    assert ORDER.index(("record", r)) < ORDER.index(("save", r)), ORDER
 
 
 @pytest.mark.device
