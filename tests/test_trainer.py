@@ -17,7 +17,7 @@ from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.reporting import metrics
 from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
-from diloco_jax.wire import dispatch
+from diloco_jax.checkpoints import store
 from diloco_jax.wire import integrity
 from diloco_jax.reporting import writers
 from diloco_jax.models import family
@@ -32,28 +32,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 ORDER = []  # ("record", r) as sync_run writes each, ("save", r) as each save's write starts
+# (its first step: the check for space)
 
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
   config = small_config()
   workdir = str(tmp_path_factory.mktemp("sync"))
-  write, submit = writers.MetricsWriter.write, dispatch.Dispatcher.submit
+  write, check_space = writers.MetricsWriter.write, store.check_space
 
   def record(self, rec):
     ORDER.append(("record", rec["round"]))
     return write(self, rec)
 
-  def save(self, fn, *args, round_=None, what=None):
-    if what == "checkpoint save":
-      fn = lambda *a, fn=fn: (ORDER.append(("save", round_)), fn(*a))[1]  # noqa: E731
-    return submit(self, fn, *args, round_=round_, what=what)
+  def save(directory, r, needed):
+    ORDER.append(("save", r))
+    return check_space(directory, r, needed)
 
-  writers.MetricsWriter.write, dispatch.Dispatcher.submit = record, save
+  writers.MetricsWriter.write, store.check_space = record, save
   try:
     return config, workdir, trainer.train_and_evaluate(config, workdir)
   finally:
-    writers.MetricsWriter.write, dispatch.Dispatcher.submit = write, submit
+    writers.MetricsWriter.write, store.check_space = write, check_space
 
 
 def test_a_checkpoint_is_written_only_after_its_rounds_record(sync_run):

@@ -99,7 +99,8 @@ class PerHostStore:
 
   # Saving.
 
-  def save(self, snapshot: store.Snapshot, last: bool = False) -> float:
+  def save(self, snapshot: store.Snapshot, last: bool = False,
+           after: threading.Event | None = None) -> float:
     """Starts writing `snapshot` on the writer thread; returns the seconds the caller was
     blocked (a private copy of the arrays, unless `last`)."""
     self._finish_previous()
@@ -112,6 +113,8 @@ class PerHostStore:
 
     def write():  # on a daemon thread: a disk that hangs cannot hold the process at exit
       try:
+        if after is not None:
+          after.wait()
         future.set_result(self._write_checkpoint(snapshot.round, shared, own, meta))
       except BaseException as e:  # noqa: BLE001 -- reported by _finish_previous
         future.set_exception(e)

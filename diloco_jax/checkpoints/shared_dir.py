@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import Any
 from typing import Callable
@@ -140,7 +141,8 @@ class SharedDirStore:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *np.shape(x)), x.dtype,
                                                        sharding=sharding), tree)
 
-  def save(self, snapshot: store.Snapshot, last: bool = False) -> float:
+  def save(self, snapshot: store.Snapshot, last: bool = False,
+           after: threading.Event | None = None) -> float:
     """Starts writing `snapshot`; returns the seconds the caller was blocked (the copy).
     `last`: nothing will change the snapshot's arrays any more (the run's final save),
     so they are written without a private copy first: on CPU that copy was the biggest
@@ -156,6 +158,8 @@ class SharedDirStore:
     needed = collective_lib.payload_bytes(shared) + len(hosts) * collective_lib.payload_bytes(own)
 
     def job():
+      if after is not None:
+        after.wait()
       try:
         if hosts != self.hosts:
           self._open(hosts)

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from typing import Any
@@ -94,9 +95,11 @@ class Store(Protocol):
   write_seconds: float | None
   recovered: Recovered | None
 
-  def save(self, snapshot: Snapshot, last: bool = False) -> float:
+  def save(self, snapshot: Snapshot, last: bool = False,
+           after: threading.Event | None = None) -> float:
     """Starts writing `snapshot` in the background; returns the seconds the caller was
-    blocked. `last`: nothing will change its arrays any more (no private copy)."""
+    blocked. `last`: nothing will change its arrays any more (no private copy). `after`:
+    nothing reaches the disk before it is set (the caller's round record first)."""
 
   def wait(self) -> None:
     """Until the saves started are complete on disk; raises if one failed."""

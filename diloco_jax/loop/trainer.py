@@ -176,15 +176,15 @@ class Trainer:
     modes: once its sum arrives, and again after a resume), so that the metrics file and
     the checkpoint agree. Figures still being gathered across hosts are waited for first: a
     host lost meanwhile must not leave a checkpoint whose record no one wrote (a resume from
-    it would never write it). The write itself waits on the dispatch thread until the
-    record is written: orbax could otherwise finish a small checkpoint while the record
-    still waits for its eval, and a host killed in between left a checkpoint whose record
-    no resume writes."""
+    it would never write it). The checkpoint reaches the disk only once the record is
+    written: a small one could otherwise be complete while the record still waited for
+    its eval, and a host killed in between left a checkpoint whose record no resume
+    writes."""
     self.parts.log.settle(r)
     written = threading.Event()
-    self.parts.dispatcher.submit(written.wait, round_=r, what="the round's record")
     try:
-      self.parts.log.add(r, checkpoint_blocking=self.parts.store.save(self.snapshot(r)))
+      self.parts.log.add(r, checkpoint_blocking=self.parts.store.save(self.snapshot(r),
+                                                                      after=written))
       self.parts.log.write_through(r)
     finally:
       written.set()
