@@ -55,7 +55,7 @@ SECTIONS = {
     "stragglers": runs.stragglers, "models": training.models, "memory": training.memory,
     "data": training.data, "linkdrop": runs.linkdrop, "poison": runs.poison,
     "peer": runs.peer, "plan": planner.plan, "leave": live.leave, "wan_live": live.wan_live,
-    "churn": live.churn,
+    "churn": live.churn, "startup": runs.startup,
 }
 
 

@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "leave", "linkdrop", "memory",
            "models",
            "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
-           "stragglers", "wan", "wire")
+           "startup", "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
 MULTIHOST = {"chaos", "churn", "gpu_check", "leave",
@@ -346,7 +346,18 @@ def check_plan(result: dict) -> None:
   assert len(result["at_scale"]["rows"]) == 2 * 4 * 3 and len(result["at_scale"]["table6"]) == 4
 
 
-CHECKS = {"chaos": check_chaos, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
+def check_startup(result: dict) -> None:
+  """--smoke: one rep, every phase measured; each trainer run printed its start-up line,
+  then round 1's, then exited (the order only: no time is compared)."""
+  assert result["smoke"] is True and len(result["reps"]) == 1
+  for run in ("fresh", "cached", "cached_no_reexec"):
+    times = result["reps"][0][run]
+    assert 0 < times["startup_line"] <= times["round_line"] <= times["exit"], times
+  assert set(result["phases"]) >= {"interpreter", "imports", "jax_start", "reexec",
+                                   "fresh_round_line", "cached_round_line"}
+
+
+CHECKS = {"chaos": check_chaos, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
           "eta": check_eta, "gpu_check": check_gpu_check, "leave": check_leave,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,

@@ -150,3 +150,27 @@ def peer(results: Results) -> dict:
                    if key in s[side] else "–" for side in ("diloco_jax", "torchft"))]
           for name, key, fmt, *scale in PEER_FIGURES]
   return {**d, "table": rows, "torch": sorted({r["torch"] for r in d["runs"]["torchft"]})}
+
+
+STARTUP_ROWS = (  # (what, the phase's key in startup.json's "phases")
+    ("the interpreter (`python -c pass`)", "interpreter"),
+    ("imports: jax, flax, optax, orbax, grain, ml_collections", "imports"),
+    ("jax's CPU backend (`jax.devices()`, after the imports)", "jax_start"),
+    ("the trainer's start-up line, fresh (data, model init, the inner step compiled)",
+     "fresh_startup_line"),
+    ("its round 1 line, fresh", "fresh_round_line"),
+    ("its exit, fresh (the final eval and checkpoint)", "fresh_exit"),
+    ("the start-up line, cached (the same compilation cache)", "cached_startup_line"),
+    ("its round 1 line, cached", "cached_round_line"),
+    ("its exit, cached", "cached_exit"),
+    ("the huge-page re-exec (cached exit with it − without it)", "reexec"),
+)
+
+
+def startup(results: Results) -> dict:
+  """Where a cold start's seconds go: each phase's median, and the cached start's share of
+  the fresh one."""
+  d = results("startup")
+  p = d["phases"]
+  rows = [[what, f"{p[key]:.2f}"] for what, key in STARTUP_ROWS]
+  return {**d, "table": rows, "cached_over_fresh": p["cached_round_line"] / p["fresh_round_line"]}
