@@ -164,9 +164,15 @@ class Hosts:
     reported: set[int] = set()
     restarts, due = 0, {}  # host -> when it starts again
     while True:
+      if stopping() and self.coordinator is not None and self.coordinator.poll() is not None:
+        # The job stopped and its coordinator ended once its hosts had left: a host still
+        # starting (to join it) would find no coordinator. Nothing of its is lost.
+        self.signal_all(signal.SIGTERM)
+        due.clear()
       if len(self.procs) < self.max_hosts and (self.start_next or
                                                time.monotonic() >= self.later_at):
-        until = self.max_hosts if time.monotonic() >= self.later_at else len(self.procs) + 1
+        until = (self.max_hosts if time.monotonic() >= self.later_at
+                 else min(self.max_hosts, len(self.procs) + self.start_next))
         for host in range(len(self.procs), until):
           print(f"[launcher] starting host {host}: it joins the running job", flush=True)
           self.procs.append(self._start(host))
