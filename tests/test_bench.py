@@ -19,8 +19,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "leave", "linkdrop", "memory",
-           "models",
+BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "inner_step", "leave",
+           "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
            "startup", "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
@@ -101,6 +101,31 @@ def check_data(result: dict) -> None:
   has(result["demand"], DATA_DEMAND_KEYS)
   assert 1e4 < result["demand"]["tokens_per_sec"] < 1e6  # 150M params on one H100
   assert result["ratio"] > 0
+
+
+def check_inner_step(result: dict) -> None:
+  """--smoke: the peak, the step and its parts in diloco_jax; torch's side where the peer
+  venv (bench/peer.py's) has torch (--smoke never creates it). XLA's FLOP count of the
+  step is the analytic matmul count plus the elementwise ops (7% at --smoke's sizes)."""
+  assert result["peak"]["flops_per_sec"] > 0
+  assert all(r["best_flops_per_sec"] > 0 for r in result["peak"]["diloco_jax"]["sizes"])
+  jax_step = result["step"]["diloco_jax"]
+  assert jax_step["median_s"] > 0 and jax_step["plain_median_s"] > 0
+  assert 0 < jax_step["share_of_peak"] <= jax_step["share_of_own_peak"]
+  assert abs(result["flops"]["xla_over_analytic"] - 1) < 0.1, result["flops"]
+  assert [r["component"] for r in result["components"]] == [
+      "embeddings", "attention", "mlp", "head_loss", "update"]
+  assert all(r["jax_ms"] > 0 and r["jax_in_step_ms"] > 0 for r in result["components"])
+  jax_profile = result["profile"]["diloco_jax"]
+  assert jax_profile["top"] and jax_profile["ops_ms_per_step"] > 0
+  assert jax_profile["by_component"].get("other", 0) < 0.1 * jax_profile["ops_ms_per_step"]
+  if result["torch_skipped"]:
+    assert "torch" not in result["step"] and result["same_model"] is None
+  else:
+    assert result["step"]["torch"]["median_s"] > 0 and result["torch"]["threads"] == 1
+    assert all(r["torch_ms"] > 0 for r in result["components"])
+    assert result["profile"]["torch"]["top"]
+    assert result["same_model"]["abs_diff"] <= 1e-4
 
 
 def check_linkdrop(result: dict) -> None:
@@ -358,7 +383,8 @@ def check_startup(result: dict) -> None:
 
 
 CHECKS = {"chaos": check_chaos, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
-          "eta": check_eta, "gpu_check": check_gpu_check, "leave": check_leave,
+          "eta": check_eta, "gpu_check": check_gpu_check, "inner_step": check_inner_step,
+          "leave": check_leave,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
           "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
