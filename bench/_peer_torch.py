@@ -4,6 +4,10 @@
       --out=RESULT.json
   VENV/bin/python bench/_peer_torch.py --spec=SPEC.json --check=PARAMS.npz --out=RESULT.json
 
+Used by bench/peer.py (loopback) and bench/peer_wan.py (each replica in a network namespace
+of its own: --address is this replica's address there; --fragments, --sync_delay and
+--quantize select torchft's streaming DiLoCo and its quantized all-reduce).
+
 The PyTorch twin of diloco_jax's `gpt` family with `use_bias=False` (the same shapes,
 tanh GELU, LayerNorm eps from the spec's `norm_eps`, N(0, 0.02) init, residual projections
 scaled by depth), trained by torchft's `DiLoCo` (one fragment: plain DiLoCo) under a
@@ -120,12 +124,45 @@ def read_bytes(path: str) -> np.ndarray:
   return np.frombuffer(b"".join(open(f, "rb").read() for f in files), np.uint8)
 
 
+def fragments(model: GPT, num: int) -> list[nn.Module]:
+  """The model in `num` parts of whole blocks for streaming DiLoCo, each part a module
+  holding (not copying) its parameters; part 0 also holds the embeddings, the final norm
+  and the head, as diloco_jax's fragment layout does."""
+  if num == 1:
+    return [model]
+  per = len(model.blocks) // num
+  parts = []
+  for p in range(num):
+    part = nn.ModuleDict({f"block_{i}": model.blocks[i] for i in range(p * per, (p + 1) * per)})
+    if p == 0:
+      part.update({"embed": model.embed, "ln_final": model.ln_final, "head": model.head})
+      part.register_parameter("pos_embed", model.pos_embed)
+    parts.append(part)
+  return parts
+
+
+def _triton() -> bool:
+  """Whether torchft's quantized all-reduce runs: without triton, `should_quantize` sends
+  float32 as if it were off."""
+  from torchft import manager  # noqa: PLC0415
+  return bool(getattr(manager, "IS_TRITON_AVAILABLE", False))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--spec", required=True, help="JSON: shapes, recipe, rounds")
   parser.add_argument("--replica", type=int, default=0)
   parser.add_argument("--lighthouse", default="", help="http://host:port")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--address", default="127.0.0.1",
+                      help="this replica's address, where the other replica reaches its store")
+  parser.add_argument("--fragments", type=int, default=1,
+                      help="streaming DiLoCo's fragments (1: DiLoCo)")
+  parser.add_argument("--sync_delay", type=int, default=0,
+                      help="DiLoCo's fragment_sync_delay: inner steps a fragment's all-reduce "
+                           "runs behind")
+  parser.add_argument("--quantize", action="store_true",
+                      help="DiLoCo's should_quantize (fp8 all-reduce; needs triton)")
   parser.add_argument("--check", default="", help="an .npz of diloco_jax's params, tokens and "
                       "logits: compare this model's logits with them and exit")
   args = parser.parse_args()
@@ -147,6 +184,21 @@ def main() -> None:
   num_windows = (len(data) - 1) // s["seq_len"]
   train_end = (num_windows - int(num_windows * s["eval_fraction"])) * s["seq_len"]
   rng = np.random.default_rng(1000 + args.replica)
+
+  # diloco_jax's eval set: the first eval_batches x batch_size held-out windows (stride L).
+  eval_windows = [data[(train_end // s["seq_len"] + i) * s["seq_len"]:][:s["seq_len"] + 1]
+                  for i in range(s.get("eval_batches", 0) * s["batch_size"])]
+  eval_set = torch.from_numpy(np.stack(eval_windows).astype(np.int64)) if eval_windows else None
+
+  def evaluate() -> float:
+    """Mean over the eval batches of each batch's mean token loss, as diloco_jax's eval."""
+    with torch.no_grad():
+      losses = []
+      for batch in eval_set.split(s["batch_size"]):
+        logits = model(batch[:, :-1])
+        losses.append(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                            batch[:, 1:].reshape(-1))))
+    return sum(losses) / len(losses)
 
   def next_batch() -> torch.Tensor:
     starts = rng.integers(0, train_end - s["seq_len"], size=s["batch_size"])
@@ -174,16 +226,21 @@ def main() -> None:
     inner_opt.load_state_dict(state["inner"])
 
   # A replica group of one process: its own TCPStore, rank 0 of world size 1.
-  store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+  store = torch.distributed.TCPStore(args.address, 0, is_master=True, wait_for_workers=False)
   manager = Manager(
       pg=ProcessGroupGloo(), min_replica_size=2,
       use_async_quorum=False,  # DiLoCo requires a synchronous quorum
       load_state_dict=load_state_dict, state_dict=state_dict,
-      replica_id=f"peer_{args.replica}", store_addr="127.0.0.1", store_port=store.port,
-      rank=0, world_size=1, lighthouse_addr=args.lighthouse, hostname="127.0.0.1",
+      replica_id=f"peer_{args.replica}", store_addr=args.address, store_port=store.port,
+      rank=0, world_size=1, lighthouse_addr=args.lighthouse, hostname=args.address,
       # Both replicas start from the same seed: nothing to send at the first quorum.
       init_sync=False)
-  diloco = DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=s["inner_steps"])
+  parts = fragments(model, args.fragments)
+  outer_opts = [torch.optim.SGD(p.parameters(), lr=s["outer_lr"], momentum=s["outer_momentum"],
+                                nesterov=s["nesterov"]) for p in parts]
+  diloco = DiLoCo(manager, parts, inner_opt, outer_opts if len(parts) > 1 else outer_opt,
+                  sync_every=s["inner_steps"], fragment_sync_delay=args.sync_delay,
+                  should_quantize=args.quantize)
 
   hook_times: list[float] = []
   hook = diloco._step_post_hook  # the sync runs inside it, after every H-th step
@@ -195,6 +252,7 @@ def main() -> None:
 
   diloco._step_post_hook = timed_hook  # read by __enter__ when it registers the hook
   h, round_times, round_losses, t_first_step = s["inner_steps"], [], [], None
+  eval_losses, wait_times = [], []
   with diloco:
     for _ in range(s["rounds"]):
       t = time.perf_counter()
@@ -213,9 +271,14 @@ def main() -> None:
         loss_sum += loss.detach()
       round_times.append(time.perf_counter() - t)
       round_losses.append(float(loss_sum) / h)
+      wait_times.append(sum(hook_times[-h:]))  # every step's hook, syncs and quorums
+      if eval_set is not None:  # outside the round's time, as diloco_jax's runs behind it
+        eval_losses.append(evaluate())
   outer_times = hook_times[h - 1::h]
   result = {"replica": args.replica, "params": num_params, "round_times": round_times,
             "train_losses": round_losses, "outer_times": outer_times,
+            "wait_times": wait_times, "eval_losses": eval_losses,
+            "quantized": bool(args.quantize and _triton()),
             "manager_step": manager.current_step(), "t_first_step": t_first_step,
             "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
