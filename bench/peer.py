@@ -33,13 +33,18 @@ replicas start from one seed), diloco_jax's hosts at start-up.
 
 The runs alternate, diloco_jax then torchft, --pairs times, each --rounds rounds; round 1
 (compilation, the first quorum) is reported apart. Per run: tokens/s per replica (B x L x
-H over the median round time of rounds 2..R); the outer step (diloco_jax: its metrics'
+H over the median round time of rounds 2..R), and of the inner steps alone (the round less
+the training thread's time in the sync: diloco_jax's outer_time, torchft's time in
+DiLoCo's optimizer hook over all the round's steps); the outer step (diloco_jax: its metrics'
 outer_time, d2h + mean + update + h2d; torchft: the time inside DiLoCo's optimizer hook on
 sync steps: quorum, allreduce, outer SGD, commit); the peak RSS of each replica process
 (VmHWM, read every 0.1 s) and of the lighthouse; start-up, from starting the processes to
 the first inner step (diloco_jax: when host 0 writes run.json, after compiling, just
-before round 1; torchft: the later replica's first step). Writes bench/results/peer.json
-and prints a markdown table of the medians over runs.
+before round 1; torchft: the later replica's first step). Then start-up alone,
+--startup_reps times in turn, each a run of one round: diloco_jax with an empty
+compilation cache, diloco_jax again with the cache that run filled (as a host that
+restarts with its workdir finds it), torchft. Writes bench/results/peer.json and prints a
+markdown table of the medians over runs.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "diloco_jax", "pe
 # torch's CPU wheel where the index has one; torchft 0.2.0 ships `torchft_lighthouse`.
 PEER_PACKAGES = ("torch==2.13.0", "torchft==0.2.0", "numpy")
 SMOKE = {"d_model": 32, "num_layers": 1, "num_heads": 2, "mlp_dim": 64, "seq_len": 16,
-         "batch_size": 2, "inner_steps": 2, "rounds": 2, "pairs": 1}
+         "batch_size": 2, "inner_steps": 2, "rounds": 2, "pairs": 1, "startup_reps": 1}
 SHAPE = ("d_model", "num_layers", "num_heads", "mlp_dim", "seq_len")
 RUN_TIMEOUT_S = 1800
 
@@ -182,11 +187,13 @@ def steady(values: list[float]) -> list[float]:
   return values[1:] or values
 
 
-def run_jax(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
-  """One diloco_jax run through the local launcher, its hosts pinned to `cpus`."""
+def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "") -> dict:
+  """One diloco_jax run through the local launcher, its hosts pinned to `cpus`; `cache`:
+  the compilation cache (default: the trainer's own, in its new workdir: empty)."""
   workdir = tempfile.mkdtemp(prefix="bench_peer_jax_")
   cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), "--hosts=2", "--",
          "--config=configs/peer.py", f"--workdir={workdir}", f"--config.data.path={data}",
+         *([f"--compilation_cache={cache}"] if cache else []),
          f"--config.num_rounds={args.rounds}", f"--config.inner_steps={args.inner_steps}",
          f"--config.batch_size={args.batch_size}",
          *(f"--config.model.{k}={getattr(args, k)}" for k in SHAPE)]
@@ -230,6 +237,7 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
   rounds = [r["round_time"] for r in records]
   return {"system": "diloco_jax", "params": params, "round_times": rounds,
           "outer_times": [r["outer_time"] for r in records],
+          "wait_times": [r["outer_time"] for r in records],
           "train_losses": [r["train_loss"] for r in records],
           "startup_s": startup, "first_round_s": rounds[0], "wall_s": wall,
           "peak_rss_mib": [watcher.peak_kib.get(pids[h], 0) / 1024 for h in range(2)],
@@ -379,6 +387,8 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
   return {"system": "torchft", "params": results[0]["params"],
           "round_times": [statistics.mean(x) for x in per_round],
           "outer_times": [statistics.mean(x) for x in zip(*(r["outer_times"] for r in results))],
+          # every inner step's optimizer hook: the sync steps' and the others' (bookkeeping)
+          "wait_times": [statistics.mean(x) for x in zip(*(r["wait_times"] for r in results))],
           "train_losses": [statistics.mean(x) for x in zip(*(r["train_losses"] for r in results))],
           "startup_s": both_start - t0,
           # from the moment both replicas step to the end of round 1 (the first quorum)
@@ -394,18 +404,48 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
           "affinity": [r["affinity"] for r in results]}
 
 
+def startup_runs(args, python: str | None, data: str, cpus: list[int],
+                 watcher: Watcher) -> dict:
+  """Start-up to the first step, --startup_reps times in turn: diloco_jax with an empty
+  compilation cache, again with the cache the first run filled (a host that restarts
+  with its workdir), and torchft; each a run of one round."""
+  short = argparse.Namespace(**{**vars(args), "rounds": 1})
+  times = {"diloco_jax_fresh": [], "diloco_jax_cached": [], "torchft": []}
+  for rep in range(args.startup_reps):
+    cache = tempfile.mkdtemp(prefix="bench_peer_cache_")
+    try:
+      for key in ("diloco_jax_fresh", "diloco_jax_cached"):
+        times[key].append(run_jax(short, data, cpus, watcher, cache)["startup_s"])
+    finally:
+      shutil.rmtree(cache, ignore_errors=True)
+    if python:
+      times["torchft"].append(run_torch(short, python, data, cpus, watcher)["startup_s"])
+    print(f"start-up {rep + 1}/{args.startup_reps}: "
+          + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items() if v), flush=True)
+  out = {"reps": times, **{k: statistics.median(v) for k, v in times.items() if v}}
+  if times["torchft"]:
+    for key in ("diloco_jax_fresh", "diloco_jax_cached"):
+      out[f"{key}_vs_torchft"] = out[key] / out["torchft"]
+  return out
+
+
 def summarize(run: dict, tokens_per_round: int) -> dict:
   """The run's figures over its steady rounds (all but the first)."""
   round_time = statistics.median(steady(run["round_times"]))
+  # Compute only: the round less the time the training thread spent in the sync (the
+  # outer step, the wait for the mean, the quorum).
+  inner = statistics.median(t - w for t, w in zip(steady(run["round_times"]),
+                                                 steady(run["wait_times"])))
   return {**run, "round_time_s": round_time,
           "tokens_per_sec_per_replica": tokens_per_round / round_time,
+          "inner_tokens_per_sec_per_replica": tokens_per_round / inner,
           "outer_time_s": statistics.median(steady(run["outer_times"])),
           "max_peak_rss_mib": max(run["peak_rss_mib"]),
           "max_peak_anon_mib": max(run["peak_anon_mib"]),
           "final_train_loss": run["train_losses"][-1]}
 
 
-FIGURES = ("tokens_per_sec_per_replica", "round_time_s", "outer_time_s", "first_round_s",
+FIGURES = ("tokens_per_sec_per_replica", "inner_tokens_per_sec_per_replica", "round_time_s", "outer_time_s", "first_round_s",
            "startup_s", "max_peak_rss_mib", "max_peak_anon_mib", "final_train_loss")
 
 
@@ -420,6 +460,7 @@ def medians(runs: list[dict]) -> dict | None:
 
 def table(summary: dict, ratio: float | None) -> str:
   rows = [("tokens/s per replica", "tokens_per_sec_per_replica", "{:,.0f}"),
+          ("of the inner steps alone", "inner_tokens_per_sec_per_replica", "{:,.0f}"),
           ("round (s)", "round_time_s", "{:.2f}"),
           ("outer step (ms)", "outer_time_s", None),
           ("first round (s)", "first_round_s", "{:.2f}"),
@@ -459,6 +500,8 @@ def main(argv=None):
                       help="the virtualenv torchft runs in (created if missing, but not by "
                            "--smoke, which then skips torchft)")
   parser.add_argument("--skip_torchft", action="store_true", help="diloco_jax runs only")
+  parser.add_argument("--startup_reps", type=int, default=3,
+                      help="start-ups timed apart (fresh, cached, torchft), one round each")
   args = _smoke.parse_args(parser, "peer", SMOKE, argv)
   args.config = config
   cpus = sorted(os.sched_getaffinity(0))
@@ -496,6 +539,7 @@ def main(argv=None):
       params = {name: rs[-1]["params"] for name, rs in runs.items() if rs}
       if len(set(params.values())) > 1:
         raise RuntimeError(f"the two models differ: {params} params")
+    startup = startup_runs(args, python, data, cpus, watcher)
   finally:
     watcher.stop()
     if not args.data:
@@ -505,13 +549,18 @@ def main(argv=None):
            / summary["torchft"]["tokens_per_sec_per_replica"] if summary["torchft"] else None)
   pair_ratios = [a["tokens_per_sec_per_replica"] / b["tokens_per_sec_per_replica"]
                  for a, b in zip(runs["diloco_jax"], runs["torchft"])]
+  inner_ratios = [a["inner_tokens_per_sec_per_replica"] / b["inner_tokens_per_sec_per_replica"]
+                  for a, b in zip(runs["diloco_jax"], runs["torchft"])]
   result = {
       "config": {"pairs": args.pairs, "rounds": args.rounds, "inner_steps": args.inner_steps,
                  "batch_size": args.batch_size, **{k: getattr(args, k) for k in SHAPE},
                  "replicas": 2, "cpus": cpus, "data": args.data or "stdlib *.py",
                  "tokens_per_round_per_replica": tokens_per_round},
       "params": params, "same_model": same_model, "summary": summary, "ratio_tokens_per_sec": ratio,
-      "pair_ratios": pair_ratios, "runs": runs, "torchft_skipped": python is None,
+      "pair_ratios": pair_ratios, "inner_pair_ratios": inner_ratios,
+      "ratio_inner_tokens_per_sec": statistics.median(inner_ratios) if inner_ratios else None,
+      "startup": startup,
+      "runs": runs, "torchft_skipped": python is None,
       "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "smoke": args.smoke,
       **_smoke.provenance("peer", argv)}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -521,7 +570,12 @@ def main(argv=None):
   print(f"medians over {args.pairs} run(s) each, rounds 2..{args.rounds}:\n")
   print(table(summary, ratio))
   if pair_ratios:
-    print("per pair: " + ", ".join(f"{x:.2f}" for x in pair_ratios))
+    print("per pair: " + ", ".join(f"{x:.2f}" for x in pair_ratios)
+          + "; the inner steps alone: " + ", ".join(f"{x:.2f}" for x in inner_ratios)
+          + f" (median {statistics.median(inner_ratios):.2f})")
+  print("start-up to the first step, median: " + ", ".join(
+      f"{k} {startup[k]:.2f} s" for k in ("diloco_jax_fresh", "diloco_jax_cached", "torchft")
+      if k in startup) + "".join(f"; {k} {startup[k]:.2f}" for k in startup if k.endswith("_vs_torchft")))
   print(f"wrote {args.out}")
 
 

@@ -73,19 +73,19 @@ SETTINGS = {
     "torchft-streaming": ("torchft", ["--fragments=2", "--sync_delay=20"]),
     "sync": ("diloco_jax", ["--config.mode=sync"]),
     "eager": ("diloco_jax", ["--config.mode=eager"]),
-    "streaming": ("diloco_jax", ["--config.mode=streaming", "--config.outer.fragments=2",
-                                 "--config.outer.overlap_steps=20"]),
-    "sync-int8": ("diloco_jax", ["--config.mode=sync", "--config.outer.compression=int8"]),
-    "sync-4bit": ("diloco_jax", ["--config.mode=sync", "--config.outer.compression=4bit"]),
-    "eager-4bit": ("diloco_jax", ["--config.mode=eager", "--config.outer.compression=4bit"]),
-    "sparseloco": ("diloco_jax", ["--config.mode=sync", *wan.SPARSELOCO]),
     # Under live membership (`--membership`: a membership coordinator in namespace 0), the
     # sums cross the epoch wire, sockets on the dispatch thread, instead of gloo's
     # collectives, which run as XLA programs on the host's one CPU device, in turn with the
     # inner steps. The live wire sends plain float32 sums (no compressed formats).
     "eager-live": ("diloco_jax", ["--config.mode=eager"]),
+    "streaming": ("diloco_jax", ["--config.mode=streaming", "--config.outer.fragments=2",
+                                 "--config.outer.overlap_steps=20"]),
     "streaming-live": ("diloco_jax", ["--config.mode=streaming", "--config.outer.fragments=2",
                                       "--config.outer.overlap_steps=20"]),
+    "sync-int8": ("diloco_jax", ["--config.mode=sync", "--config.outer.compression=int8"]),
+    "sync-4bit": ("diloco_jax", ["--config.mode=sync", "--config.outer.compression=4bit"]),
+    "eager-4bit": ("diloco_jax", ["--config.mode=eager", "--config.outer.compression=4bit"]),
+    "sparseloco": ("diloco_jax", ["--config.mode=sync", *wan.SPARSELOCO]),
 }
 LIVE = {"eager-live", "streaming-live"}
 SMOKE = {"d_model": 32, "num_layers": 2, "num_heads": 2, "mlp_dim": 64, "seq_len": 16,

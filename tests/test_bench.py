@@ -21,12 +21,12 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "inner_step", "leave",
            "linkdrop", "memory", "models",
-           "outer_step", "overhead", "peer", "plan", "poison", "quality", "restart",
+           "outer_step", "overhead", "peer", "peer_wan", "plan", "poison", "quality", "restart",
            "startup", "stragglers", "wan", "wire")
 HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
 MULTIHOST = {"chaos", "churn", "gpu_check", "leave",
-             "linkdrop", "outer_step", "peer", "quality", "stragglers",
+             "linkdrop", "outer_step", "peer", "peer_wan", "quality", "stragglers",
              "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
 
@@ -67,7 +67,8 @@ OVERHEAD_CONFIG_KEYS = {"batch_size", "d_model", "inner_steps", "num_layers", "r
                         "rounds_timed", "seq_len"}
 LOOPS = {"diloco", "plain", "plain_big", "local"}
 PEER_KEYS = {"config", "pair_ratios", "params", "ratio_tokens_per_sec", "runs", "same_model",
-             "summary", "torchft_skipped"}
+             "summary", "torchft_skipped", "startup", "inner_pair_ratios",
+             "ratio_inner_tokens_per_sec"}
 PEER_FIGURES = {"first_round_s", "max_peak_anon_mib", "max_peak_rss_mib", "outer_time_s",
                 "round_time_s", "startup_s", "tokens_per_sec_per_replica"}
 POISON_KEYS = {"poisoned_replica", "replicas", "rounds", "rows"}
@@ -183,6 +184,37 @@ def check_peer(result: dict) -> None:
   assert (result["ratio_tokens_per_sec"] is None) == result["torchft_skipped"]
   if not result["torchft_skipped"]:  # the torch model, given diloco_jax's params
     assert result["same_model"]["max_abs_logit_diff"] <= 1e-4
+  # start-up alone: a fresh start, then one from the cache it filled (no torchft here)
+  startup = result["startup"]
+  assert [len(startup["reps"][k]) for k in ("diloco_jax_fresh", "diloco_jax_cached")] == [1, 1]
+  assert startup["diloco_jax_cached"] > 0 and startup["diloco_jax_fresh"] > 0
+  for run in result["runs"]["diloco_jax"]:  # the inner steps alone: the round less the sync
+    assert run["inner_tokens_per_sec_per_replica"] >= run["tokens_per_sec_per_replica"]
+
+
+def check_peer_wan(result: dict) -> None:
+  """The smoke's diloco_jax settings on 127.0.0.1 (no torchft venv): every row's figures,
+  the waiting share of a linked run measured against `alone`'s round, the loss at equal
+  wall time at the shortest run's end, where that run's own curve ends."""
+  has(result, {"config", "settings", "rates", "torchft_triton"})
+  (rate,) = result["rates"].values()
+  rows = rate["rows"]
+  assert list(rows) == ["alone", "sync", "eager-4bit"]
+  for name, row in rows.items():
+    has(row, {"tokens_per_sec_per_replica", "wait_share", "curve", "final_eval_loss",
+              "eval_loss_at_equal_wall", "round_time_s"})
+    assert row["tokens_per_sec_per_replica"] > 0 and 0 <= row["wait_share"] <= 1
+    assert len(row["curve"]) == result["config"]["rounds"]
+  for name in ("sync", "eager-4bit"):  # the round less alone's, over the steady rounds
+    row, alone = rows[name], rows["alone"]["round_time_s"]
+    waits = [max(t - alone, 0) / t for t in row["round_times"][1:]]
+    assert row["wait_share"] == pytest.approx(sorted(waits)[len(waits) // 2])
+  shortest = min(("sync", "eager-4bit"), key=lambda n: rows[n]["wall_s"])
+  assert rate["equal_wall_s"] == rows[shortest]["wall_s"]
+  assert rows[shortest]["eval_loss_at_equal_wall"] == pytest.approx(
+      rows[shortest]["final_eval_loss"])
+  assert rows["alone"]["eval_loss_at_equal_wall"] is None
+  assert rate["torchft_best"] is None
 
 
 def check_poison(result: dict) -> None:
@@ -387,7 +419,7 @@ CHECKS = {"chaos": check_chaos, "startup": check_startup, "churn": check_churn, 
           "leave": check_leave,
           "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
-          "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
+          "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer, "peer_wan": check_peer_wan,
           "plan": check_plan,
           "poison": check_poison, "quality": check_quality, "restart": check_restart,
           "stragglers": check_stragglers, "wan": check_wan, "wire": check_wire}
@@ -432,7 +464,7 @@ def test_smoke(name, tmp_path):
   before = results_digest()
   out = str(tmp_path / "x.json")
   # peer: diloco_jax's side only, whatever this machine has installed (torchft needs torch).
-  extra = [f"--venv={tmp_path / 'no_venv'}"] if name == "peer" else []
+  extra = [f"--venv={tmp_path / 'no_venv'}"] if name in ("peer", "peer_wan") else []
   code, log = run_bench(name, "--smoke", f"--out={out}", *extra)
   assert code == 0, log[-5000:]
   with open(out) as f:

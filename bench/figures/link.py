@@ -124,3 +124,40 @@ def share(x, of) -> str:
   if not of or x == of or (isinstance(x, list) and min(x) == of):
     return ""
   return f" ({span(x, lambda v: f'{100 * v / of:.1f}')}%)"
+
+
+def peer_wan(results: Results) -> dict:
+  """Per rate, every setting of both systems over the same link: tokens/s per replica, the
+  share of the round spent waiting on the link, bytes, eval loss at equal wall time and
+  against torchft's fastest setting; and per rate the diloco_jax setting that leads."""
+  d = results("peer_wan")
+  rows, leads = [], []
+  for rate, r in d["rates"].items():
+    for name, row in r["rows"].items():
+      vs = row.get("vs_torchft_best")
+      eq = row["eval_loss_at_equal_wall"]
+      rows.append([rate, d["settings"][name][0], name,
+                   f"{row['tokens_per_sec_per_replica']:,.0f}",
+                   f"{100 * row['wait_share']:.0f}%",
+                   "–" if row["mb_per_host"] is None else f"{row['mb_per_host']:.1f}",
+                   "–" if eq is None else f"{eq:.4f}", f"{row['final_eval_loss']:.4f}",
+                   f"{vs['tokens_per_sec']:.2f}" if vs else "–",
+                   f"{vs['eval_loss_at_equal_wall']:.3f}"
+                   if vs and vs["eval_loss_at_equal_wall"] else "–"])
+    gains = {m: r["rows"][f"{m}-live"]["tokens_per_sec_per_replica"]
+             / r["rows"][m]["tokens_per_sec_per_replica"]
+             for m in ("eager", "streaming") if m in r["rows"] and f"{m}-live" in r["rows"]}
+    ours = {n: row for n, row in r["rows"].items() if "vs_torchft_best" in row}
+    if ours:
+      fastest = max(ours, key=lambda n: ours[n]["tokens_per_sec_per_replica"])
+      best_loss = min(ours, key=lambda n: ours[n]["eval_loss_at_equal_wall"] or float("inf"))
+      leads.append({"rate": rate, "live_gain": gains, "torchft_best": r["torchft_best"],
+                    "equal_wall_s":
+                    r["equal_wall_s"], "fastest": fastest,
+                    "fastest_ratio": ours[fastest]["vs_torchft_best"]["tokens_per_sec"],
+                    "fastest_loss": ours[fastest]["vs_torchft_best"]["eval_loss_at_equal_wall"],
+                    "best_loss": best_loss,
+                    "best_loss_ratio": ours[best_loss]["vs_torchft_best"]["tokens_per_sec"],
+                    "best_loss_loss":
+                        ours[best_loss]["vs_torchft_best"]["eval_loss_at_equal_wall"]})
+  return {**d, "table": rows, "leads": leads}

@@ -133,6 +133,8 @@ def poison_cell(r: dict | None, rounds: int) -> str:
 
 
 PEER_FIGURES = (("tokens/s per replica", "tokens_per_sec_per_replica", "{:,.0f}"),
+                ("of the inner steps alone (the round less the sync)",
+                 "inner_tokens_per_sec_per_replica", "{:,.0f}"),
                 ("round (s)", "round_time_s", "{:.2f}"),
                 ("outer step (ms)", "outer_time_s", "{:.0f}", 1e3),
                 ("first round (s)", "first_round_s", "{:.2f}"),
@@ -149,7 +151,15 @@ def peer(results: Results) -> dict:
   rows = [[name, *(fmt.format(s[side][key] * (scale[0] if scale else 1))
                    if key in s[side] else "–" for side in ("diloco_jax", "torchft"))]
           for name, key, fmt, *scale in PEER_FIGURES]
-  return {**d, "table": rows, "torch": sorted({r["torch"] for r in d["runs"]["torchft"]})}
+  st = d["startup"]
+  startup_rows = [[what, f"{st[key]:.2f}", ", ".join(f"{x:.2f}" for x in st["reps"][key]),
+                   f"{st[key] / st['torchft']:.2f}"]
+                  for what, key in (("diloco_jax, fresh (an empty compilation cache)",
+                                     "diloco_jax_fresh"),
+                                    ("diloco_jax, cached (the cache the fresh start filled)",
+                                     "diloco_jax_cached"), ("torchft", "torchft"))]
+  return {**d, "table": rows, "startup_table": startup_rows,
+          "torch": sorted({r["torch"] for r in d["runs"]["torchft"]})}
 
 
 STARTUP_ROWS = (  # (what, the phase's key in startup.json's "phases")

@@ -130,3 +130,28 @@ def data(results: Results) -> dict:
            f"{p['text_mb']:.1f}", f"{p['mb_per_sec']:.2f}", f"{p['tokenize_mb_per_sec']:.2f}",
            num(p["tokens"]), p["workers"]] for p in d["prepare"]]
   return {**d, "table": rows}
+
+
+def inner_step(results: Results) -> dict:
+  """One inner step on one core in both systems: the matmul peak per size, the step's time
+  and share of the peak, the components timed alone, and each system's longest ops."""
+  d = results("inner_step")
+  peak = [[j["n"], f"{j['best_flops_per_sec'] / 1e9:.1f}", f"{t['best_flops_per_sec'] / 1e9:.1f}"]
+          for j, t in zip(d["peak"]["diloco_jax"]["sizes"], d["peak"]["torch"]["sizes"])]
+  j, t = d["step"]["diloco_jax"], d["step"]["torch"]
+  step = [["time, median (ms)", f"{1e3 * j['median_s']:.1f}", f"{1e3 * t['median_s']:.1f}"],
+          ["GFLOP/s (the count above)", f"{j['flops_per_sec'] / 1e9:.1f}",
+           f"{t['flops_per_sec'] / 1e9:.1f}"],
+          ["share of the core's matmul peak", f"{100 * j['share_of_peak']:.1f}%",
+           f"{100 * t['share_of_peak']:.1f}%"],
+          ["share of its own system's matmul peak", f"{100 * j['share_of_own_peak']:.1f}%",
+           f"{100 * t['share_of_own_peak']:.1f}%"]]
+  parts = [[c["label"], f"{c['jax_ms']:.2f}", f"{c['torch_ms']:.2f}", f"{c['ratio']:.2f}",
+            f"{c['jax_in_step_ms']:.2f}"] for c in d["components"]]
+  jax_ops = [[o["op_name"].split("/", 1)[-1], o["component"], f"{o['ms']:.2f}",
+              f"{100 * o['share']:.1f}%"] for o in d["profile"]["diloco_jax"]["top"][:6]]
+  torch_ops = [[o["op"], f"{o['self_ms']:.2f}", int(o["calls"]), f"{100 * o['share']:.1f}%"]
+               for o in d["profile"]["torch"]["top"][:6]]
+  return {**d, "peak_table": peak, "step_table": step, "parts_table": parts,
+          "jax_ops": jax_ops, "torch_ops": torch_ops,
+          "step_ratio": t["median_s"] / j["median_s"]}
