@@ -26,6 +26,7 @@ from ml_collections import config_flags
 # second or more to import, and `main` imports them once it knows it will train.
 from diloco_jax import config as config_lib
 from diloco_jax import errors
+from diloco_jax.runtime import compile_cache
 from diloco_jax.runtime import hostmem
 from diloco_jax.runtime import quiet
 
@@ -251,7 +252,10 @@ def main(argv):
   from diloco_jax.wire import dispatch
   # pylint: enable=import-outside-toplevel
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
-  _use_compilation_cache(_COMPILATION_CACHE.value, _WORKDIR.value)
+  host_id = _HOST_ID.value  # known before jax.distributed starts, where given
+  if host_id is None and os.environ.get("DILOCO_HOST_ID", "").isdigit():
+    host_id = int(os.environ["DILOCO_HOST_ID"])
+  compile_cache.use(_COMPILATION_CACHE.value, _WORKDIR.value, host_id)
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
     logging.set_verbosity(logging.WARNING)
   spec = cluster.Cluster(
@@ -331,18 +335,6 @@ def _check_init_from(config: ml_collections.ConfigDict, given: frozenset[str]) -
     resolve.resolved(config, given)
   except config_lib.ConfigError as e:
     sys.exit(f"Invalid config: {e}")
-
-
-def _use_compilation_cache(path: str | None, workdir: str) -> None:
-  """JAX's persistent compilation cache in `path` (None: in the workdir), for every
-  program whatever its compile time: a restart then skips compiling. JAX writes entries
-  from host 0 only, and an unreadable entry is compiled again (with a warning)."""
-  if os.environ.get("JAX_COMPILATION_CACHE_DIR") or path == "none":
-    return
-  import jax  # pylint: disable=import-outside-toplevel  # main has imported it
-  jax.config.update("jax_compilation_cache_dir",
-                    path or os.path.join(workdir, "compilation_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _fail(message: str, code: int = 1) -> None:
