@@ -366,15 +366,9 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
         with open(os.path.join(tmp, f"replica{i}.log")) as f:
           tails += f.read()[-3000:]
       raise RuntimeError(f"torchft run failed (exit codes {codes}):\n{tails}")
-    results = []
-    for i in range(2):
-      with open(os.path.join(tmp, f"r{i}.json")) as f:
-        results.append(json.load(f))
+    results = replica_results(tmp)
   finally:
-    for p in procs:  # the lighthouse always; replicas only after a failure
-      if p.poll() is None:
-        p.kill()
-      p.wait()
+    stop(procs)  # the lighthouse always; replicas only after a failure
     watcher.forget(p.pid for p in procs)
     for f in logs:
       f.close()
@@ -427,6 +421,23 @@ def startup_runs(args, python: str | None, data: str, cpus: list[int],
     for key in ("diloco_jax_fresh", "diloco_jax_cached"):
       out[f"{key}_vs_torchft"] = out[key] / out["torchft"]
   return out
+
+
+def replica_results(directory: str) -> list[dict]:
+  """What each torch replica wrote (bench/_peer_torch.py's --out: DIRECTORY/r<i>.json)."""
+  results = []
+  for i in range(2):
+    with open(os.path.join(directory, f"r{i}.json")) as f:
+      results.append(json.load(f))
+  return results
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+  """Kills those of `procs` still running and reaps them all."""
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
 
 
 def summarize(run: dict, tokens_per_round: int) -> dict:

@@ -141,10 +141,7 @@ def run_jax(args, net, flags: list[str], data: str, cpus: list[int], alone: bool
     per_host = ([wan.read_metrics(f"{workdir}/h{i}") for i in range(2)] if alone
                 else [wan.read_metrics(f"{workdir}/host0" if live else workdir)])
   finally:
-    for p in procs:  # the coordinator always; the trainers only after a failure
-      if p.poll() is None:
-        p.kill()
-      p.wait()
+    peer.stop(procs)  # the coordinator always; the trainers only after a failure
     shutil.rmtree(workdir, ignore_errors=True)
   mean = lambda key: [statistics.mean(r.get(key, 0.0) for r in rs)  # noqa: E731
                        for rs in zip(*per_host)]
@@ -193,15 +190,9 @@ def run_torch(args, net, flags: list[str], python: str, data: str, cpus: list[in
     for i, (p, out) in enumerate(zip(procs[1:], outputs)):
       if p.returncode:
         raise RuntimeError(f"torchft replica {i} failed ({p.returncode}):\n{out[-3000:]}")
-    results = []
-    for i in range(2):
-      with open(f"{tmp}/r{i}.json") as f:
-        results.append(json.load(f))
+    results = peer.replica_results(tmp)
   finally:
-    for p in procs:  # the lighthouse always; replicas only after a failure
-      if p.poll() is None:
-        p.kill()
-      p.wait()
+    peer.stop(procs)  # the lighthouse always; replicas only after a failure
     shutil.rmtree(tmp, ignore_errors=True)
   fragments = next((int(f.split("=")[1]) for f in flags if f.startswith("--fragments=")), 1)
   if any(r["manager_step"] != args.rounds * fragments for r in results):
