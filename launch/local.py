@@ -44,6 +44,8 @@ import sys
 import threading
 import time
 
+from diloco_jax.runtime import hostmem
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIVE_LEASE_S = 5.0  # --live: a host silent this long is dropped (--lease_s)
 _PR_SET_PDEATHSIG = 1
@@ -70,8 +72,10 @@ class Hosts:
                workdir_per_host: bool = False, live: bool = False,
                lease_s: float = LIVE_LEASE_S, max_hosts: int | None = None,
                join_later: float = 0.0):
-    self._env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-                 "PYTHONUNBUFFERED": "1"}
+    # Huge pages asked for here: each host would otherwise start itself again for them.
+    self._env = hostmem.with_huge_pages(
+        {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+         "PYTHONUNBUFFERED": "1"})
     self._env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, self._env.get("PYTHONPATH")) if p)
     self.num_hosts, self.train_args, self.port = num_hosts, train_args, port

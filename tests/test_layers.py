@@ -9,6 +9,7 @@ and runs in well under a second.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -185,6 +186,25 @@ def test_importing_the_package_starts_nothing():
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         check=True, cwd=PACKAGE.parent)
   assert done.stdout.split() == ["before", "False"]
+
+
+def test_a_start_imports_neither_torch_nor_orbax(tmp_path):
+  """What a start imports before round 1 (the trainer, its data pipeline, host 0's metric
+  writers) leaves out torch, which tensorboardX imports where installed (about 1 s), and
+  orbax, which grain imports (0.1 s; the checkpoints import it at their first save).
+  Both import normally afterwards."""
+  script = (
+      "import sys; from diloco_jax.loop import trainer; from diloco_jax.checkpoints import "
+      "shared_dir; from diloco_jax.data import pipeline; from diloco_jax.reporting import "
+      f"writers; writers.MetricsWriter({str(tmp_path)!r}, first_round=1).close(); "
+      "print(sorted(m for m in ('torch', 'orbax.checkpoint') if m in sys.modules)); "
+      "import orbax.checkpoint, grain; print('orbax', orbax.checkpoint.__version__)")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=PACKAGE.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.splitlines()[0] == "[]"
+  assert done.stdout.splitlines()[1].startswith("orbax ")
+  assert (tmp_path / "tensorboard").is_dir()
 
 
 def test_the_architecture_page_names_every_room_and_module():

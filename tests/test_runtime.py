@@ -63,6 +63,50 @@ def test_single_host_needs_no_flags(monkeypatch):
   assert cluster.initialize(cluster.Cluster(num_hosts=1)) is False
 
 
+def test_a_host_waits_for_the_coordinators_port_not_for_grpcs_backoff():
+  """A host other than 0 connects once host 0's service listens (polled every 10 ms), so
+  that gRPC's first refused connect, retried only after a 1 s backoff, never happens; a
+  port that never opens is left to JAX's own error after the timeout."""
+  import socket  # pylint: disable=import-outside-toplevel
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+  listener = socket.socket()
+  listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  opened = threading.Event()
+
+  def open_later():
+    time.sleep(0.3)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    opened.set()
+
+  threading.Thread(target=open_later, daemon=True).start()
+  try:
+    cluster._wait_for_coordinator(f"127.0.0.1:{port}", 30)  # pylint: disable=protected-access
+    assert opened.is_set()
+  finally:
+    listener.close()
+  t = time.monotonic()
+  cluster._wait_for_coordinator(f"127.0.0.1:{port}", 0.2)  # pylint: disable=protected-access
+  assert time.monotonic() - t >= 0.2  # gave up: nothing listens
+
+
+def test_huge_pages_environment_for_a_host_launched_with_it():
+  """A launcher passes the tunable that the trainer would otherwise start itself again
+  for; a user's own setting (the opt-out `hugetlb=0` included) is kept."""
+  env = hostmem.with_huge_pages({"A": "1"})
+  wanted = (sys.platform.startswith("linux") and hostmem._malloc_trim() is not None  # pylint: disable=protected-access
+            and hostmem._thp_mode() == "madvise")  # pylint: disable=protected-access
+  assert env == ({"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} if wanted else {"A": "1"})
+  assert hostmem.with_huge_pages(env) == env
+  own = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+  assert hostmem.with_huge_pages(own) == own
+  other = hostmem.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+  assert other["GLIBC_TUNABLES"] == ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+                                     if wanted else "glibc.malloc.arena_max=2")
+
+
 def test_cluster_from_environment(monkeypatch):
   monkeypatch.setenv("DILOCO_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.setenv("DILOCO_NUM_HOSTS", "4")

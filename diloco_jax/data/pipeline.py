@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import grain
 import ml_collections
 import numpy as np
 
 from diloco_jax.data import files
 from diloco_jax.data import prepared
 from diloco_jax.data import synthetic
+from diloco_jax.runtime import imports
+
+with imports.without("orbax.checkpoint"):  # grain's handler for orbax, not used here
+  import grain  # pylint: disable=g-import-not-at-top
 
 
 @dataclasses.dataclass(frozen=True)

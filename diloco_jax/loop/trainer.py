@@ -86,8 +86,6 @@ class Trainer:
     # step keeps its own executable; what else runs later compiles on first use.
     jax.clear_caches()
     hostmem.trim()  # what compiling freed
-    if parts.writes:  # once the workdir is known to be this run's
-      runinfo.write_run_json(parts, self.state)
     first = done if self.state.outer.inflight else done + 1  # the first round logged now
     log = parts.config.log
     parts.log.writer = writers.MetricsWriter(
@@ -95,6 +93,8 @@ class Trainer:
         purge_step=first * parts.h * parts.tokens_per_step,
         wandb=dict(project=log.wandb_project, mode=log.wandb_mode,
                    config=parts.config.to_dict()))
+    if parts.writes:  # once the workdir is known to be this run's; the last thing before
+      runinfo.write_run_json(parts, self.state)  # round 1 (benches time start-up by it)
     every, preempted_at = parts.config.checkpoint.every, None
     parts.membership.started()
 

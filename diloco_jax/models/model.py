@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.models import layers
+from diloco_jax.models import family
 from diloco_jax.models.family import ModelConfig
 from diloco_jax.models.family import build
 from diloco_jax.models.family import param_shapes
@@ -22,7 +23,10 @@ Params = Any
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
   """Initial params, always through the same jit, so every caller gets the same bits."""
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-  return jax.jit(build(cfg).init)(rng, tokens)["params"]
+  if isinstance(rng, jax.core.Tracer):  # inside a trace (eval_shape, jit): a compiled
+    return jax.jit(build(cfg).init)(rng, tokens)["params"]  # program cannot take tracers
+  # The trace `param_shapes` made: the same program, traced once.
+  return family.traced_init(cfg).lower().compile()(rng, tokens)["params"]
 
 
 def load_exported(path: str) -> tuple[nn.Module, Params]:

@@ -12,6 +12,7 @@ device values (the eval loss) never stalls the devices.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -25,7 +26,6 @@ import flax
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 from diloco_jax._version import __version__
 from diloco_jax.reporting import writers
@@ -337,7 +337,8 @@ def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
          "huge_pages": hostmem.huge_pages(),  # for big host buffers (runtime/hostmem.py)
          "versions": {"diloco_jax": __version__, "jax": jax.__version__,
                       "jaxlib": jax.lib.__version__, "flax": flax.__version__,
-                      "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,
+                      "optax": optax.__version__,  # orbax: not imported before a save
+                      "orbax_checkpoint": importlib.metadata.version("orbax-checkpoint"),
                       "numpy": np.__version__},
          "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
   path = os.path.join(workdir, "run.json")
@@ -395,3 +396,4 @@ def report(records: list[Mapping[str, Any]], workdir: str, *, final_eval: float,
         f"{unigram:.4f} | {num_rounds} rounds in {format_duration(elapsed)}", flush=True)
   plot_losses(records, os.path.join(workdir, "loss.png"), floor=floor, unigram=unigram,
               title=title)
+

@@ -22,6 +22,7 @@ from typing import Mapping
 import numpy as np
 
 from diloco_jax import errors
+from diloco_jax.runtime import imports
 
 # The group of each record field, for the tags `group/name` (the group's prefix dropped
 # from the name: outer_d2h -> outer/d2h). A field named nowhere goes to `other/`.
@@ -123,7 +124,8 @@ class MetricsWriter:
         os.replace(path + ".tmp", path)
     if not enabled:
       return
-    from tensorboardX import SummaryWriter  # Imported on host 0 only.
+    with imports.without("torch"):  # tensorboardX's, only to accept torch tensors
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     self._jsonl = open(path, "a")
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge_step)
     self._wandb = WandbWriter(workdir, **wandb) if wandb and wandb.get("project") else None

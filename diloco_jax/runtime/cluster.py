@@ -189,6 +189,8 @@ def _security_checks(c: Cluster) -> tuple[security.JoinToken | None, str | None]
 
 
 def _start_jax(c: Cluster, bind: str | None) -> None:
+  if c.host_id not in (0, None) and c.coordinator_address:
+    _wait_for_coordinator(c.coordinator_address, c.initialization_timeout)
   try:
     jax.distributed.initialize(
         coordinator_address=c.coordinator_address, num_processes=c.num_hosts,
@@ -204,6 +206,24 @@ def _start_jax(c: Cluster, bind: str | None) -> None:
         f"{c.coordinator_address} within --initialization_timeout={c.initialization_timeout}s "
         f"(did every host start, with the same --num_hosts and coordinator address, and is "
         f"the coordinator's port open?): {type(e).__name__}: {e}") from None
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Returns once host 0's coordination service accepts connections (or after `timeout_s`,
+  leaving the error to JAX's connect).
+
+  A host whose gRPC client connects before the service listens is refused, and gRPC tries
+  again only after its reconnect backoff (1 s at first): hosts started together would all
+  wait that second, every start. Polling the port every 10 ms costs a refused TCP connect.
+  """
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+        return
+    except OSError:
+      time.sleep(0.01)
 
 
 def _agree_on_token(token: security.JoinToken | None, timeout_s: int) -> None:

@@ -155,21 +155,32 @@ def huge_pages() -> bool:
       mode == "madvise" and f"{HUGE_PAGES_TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", ""))
 
 
+def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
+  """`env` with GLIBC_TUNABLES asking malloc for huge pages, where a process started with
+  it gets them and would not otherwise: on Linux with glibc, where the kernel gives them
+  on request only ("madvise"), unless GLIBC_TUNABLES already sets `glibc.malloc.hugetlb`
+  (also the way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Else `env`."""
+  tunables = env.get("GLIBC_TUNABLES", "")
+  if (not sys.platform.startswith("linux") or _malloc_trim() is None
+      or _thp_mode() != "madvise" or HUGE_PAGES_TUNABLE in tunables):
+    return env
+  return {**env, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, f"{HUGE_PAGES_TUNABLE}=1")))}
+
+
 def restart_with_huge_pages(only_module: str | None = None) -> None:
   """Replaces this process (exec: the same PID, arguments and environment) by one whose
-  malloc asks for huge pages: on Linux with glibc, where the kernel gives them on request
-  only ("madvise"), unless GLIBC_TUNABLES already sets `glibc.malloc.hugetlb` (also the
-  way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Call it first thing: what
-  ran before is run again. `only_module`: only when this process is `python -m` it."""
+  malloc asks for huge pages, where `with_huge_pages` would change its environment. Call
+  it first thing: what ran before is run again. `only_module`: only when this process is
+  `python -m` it. A launcher that starts the process with `with_huge_pages(env)` spares
+  it the second start."""
   argv = sys.orig_argv
   if only_module is not None and not any(
       a == "-m" and argv[i + 1:i + 2] == [only_module] for i, a in enumerate(argv)):
     return
-  tunables = os.environ.get("GLIBC_TUNABLES", "")
-  if (not sys.platform.startswith("linux") or _malloc_trim() is None
-      or _thp_mode() != "madvise" or HUGE_PAGES_TUNABLE in tunables):
+  env = with_huge_pages(dict(os.environ))
+  if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
     return
-  os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, f"{HUGE_PAGES_TUNABLE}=1")))
+  os.environ["GLIBC_TUNABLES"] = env["GLIBC_TUNABLES"]
   sys.stdout.flush()
   sys.stderr.flush()
   os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
