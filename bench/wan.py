@@ -46,6 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
+from bench import cpushare  # noqa: E402
 from bench import quality  # noqa: E402
 from bench.netns import Localhost  # noqa: E402
 from bench.netns import Network  # noqa: E402
@@ -124,11 +125,12 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
-             smoke: bool = False, eval_every: int = 4, pin_cores: bool = False,
+             smoke: bool = False, eval_every: int = 4,
+             placement: cpushare.Placement | None = None,
              train_flags: tuple[str, ...] = ()) -> dict:
   """One run of RUNS on every host; figures from host 0's metrics and every host's veth
-  (Localhost: host 0's metrics only). `pin_cores`: host i runs on core i mod the cores
-  (the reference's one-host jobs too), so that hosts do not trade cores between runs."""
+  (Localhost: host 0's metrics only). `placement`: each host's cores (bench/cpushare.py),
+  the reference's one-host jobs' too, so that hosts do not trade cores between runs."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
   mode, extra, h = RUNS[name]
   num_rounds = rounds * 25 // h
@@ -145,10 +147,8 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
           f"--config.inner_steps={h}",
           f"--config.outer.lr={OUTER_LR[mode]}",
           f"--config.outer.momentum={OUTER_MOMENTUM[mode]}", *extra, *train_flags]
-  cores = os.cpu_count() or 1
-
   def pinned(i: int, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", str(i % cores), *argv] if pin_cores else argv
+    return placement.command(i, argv) if placement else argv
 
   if mode == "none":  # the reference: every host its own one-host job, nothing crosses
     procs = [subprocess.Popen(pinned(i, [sys.executable, "-m", "diloco_jax.train", *args,
@@ -168,7 +168,8 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
           f"--max_hosts={net.num_hosts}", f"--bind={net.address(0)}", "--lease_s=10"]),
           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
       join[0] = "--membership"
-    procs = [subprocess.Popen(net.command(i, pinned(i, [
+    # Placed first: `ip netns exec` mounts the namespace's own /sys, without the cgroups.
+    procs = [subprocess.Popen(pinned(i, net.command(i, [
         sys.executable, "-m", "diloco_jax.train",
         *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
         f"{join[0]}={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
@@ -249,7 +250,10 @@ def main():
                       help="trainer flags added to every run, space-separated (e.g. "
                            "--config.checkpoint.every=0: checkpoints at the end only)")
   parser.add_argument("--pin_cores", action="store_true",
-                      help="host i on core i mod the cores (taskset), the reference too")
+                      help="host i on core i mod the cores (taskset), the reference too; with "
+                           "more hosts than cores, every host an equal CPU quota instead "
+                           "(bench/cpushare.py: hosts sharing a core would take turns, one's "
+                           "wait on the link the other's compute)")
   args = _smoke.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync,sync-live-mac"))
   if not args.smoke and os.geteuid() != 0:
     sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs "
@@ -259,7 +263,8 @@ def main():
   network = (Localhost(args.hosts) if args.smoke
              else Network(args.hosts, f"10.77.{args.subnet}", args.rate_mbit or None,
                           tag="dj"))
-  with network as net, tempfile.TemporaryDirectory() as scratch:
+  placement = cpushare.Placement(args.hosts, args.pin_cores and not args.smoke)
+  with network as net, placement, tempfile.TemporaryDirectory() as scratch:
     tmp = args.workdir or scratch
     unknown = set(args.modes.split(",")) - set(RUNS)
     if unknown:
@@ -268,7 +273,7 @@ def main():
       t = time.time()
       try:
         rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, f"{i}-{mode}"),
-                             args.smoke, args.eval_every, args.pin_cores,
+                             args.smoke, args.eval_every, placement,
                              tuple(args.train_flags.split())))
       except RuntimeError as e:  # report it, keep the other runs' figures
         print(f"{mode}: FAILED\n{e}", flush=True)
@@ -290,6 +295,7 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"hosts": args.hosts, "rate_mbit": None if args.smoke else args.rate_mbit,
+               "placement": placement.describe(),
                "rounds": args.rounds, "rows": rows, "smoke": args.smoke,
                **_smoke.provenance("wan")}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)

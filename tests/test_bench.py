@@ -23,7 +23,7 @@ BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "inner_st
            "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "peer_wan", "plan", "poison", "quality", "restart",
            "startup", "stragglers", "wan", "wire")
-HELPERS = {"netns", "report"}  # bench/ modules that are not benches (as are _*.py):
+HELPERS = {"cpushare", "netns", "report"}  # bench/ modules that are not benches (as _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
 MULTIHOST = {"chaos", "churn", "gpu_check", "leave",
              "linkdrop", "outer_step", "peer", "peer_wan", "quality", "stragglers",
@@ -492,6 +492,32 @@ def test_peer_torch_model_gives_diloco_jax_logits():
   check = peer.check_same_model(args, sys.executable)  # raises past 1e-4
   # Measured 9e-8 on logits up to 0.5; a LayerNorm eps of 1e-6 against 1e-5 gives 3e-3.
   assert check["max_abs_logit_diff"] <= 1e-5 and check["max_abs_logit"] > 0.1, check
+
+
+def test_hosts_beyond_the_cores_get_an_equal_cpu_quota_not_a_shared_core():
+  """bench/cpushare.py: with hosts <= cores each is pinned to its own core; with more, each
+  command runs in a cgroup of its own whose CFS quota is 0.9 x cores / hosts of a core
+  (a process started so is in it, and the cgroups are gone afterwards)."""
+  sys.path.insert(0, REPO)
+  from bench import cpushare  # pylint: disable=import-outside-toplevel
+  cores = len(os.sched_getaffinity(0))
+  few = cpushare.Placement(cores, pin=True)
+  assert few.command(cores - 1, ["x"])[:2] == ["taskset", "-c"] and not few.quota
+  assert cpushare.Placement(cores + 1, pin=False).command(0, ["x"]) == ["x"]
+  if os.geteuid() != 0 or not (os.path.isdir(cpushare.V1) or os.path.isfile(
+      os.path.join(cpushare.V2, "cgroup.controllers"))):
+    pytest.skip("a CPU quota needs root and the cgroup cpu controller")
+  with cpushare.Placement(cores + 1, pin=True, tag="djtest") as many:
+    assert many.share == pytest.approx(0.9 * cores / (cores + 1))
+    done = subprocess.run(many.command(1, ["cat", "/proc/self/cgroup"]), capture_output=True,
+                          text=True, check=True)
+    assert many.groups[1] in done.stdout
+    paths = [many._path(i) for i in range(cores + 1)]  # pylint: disable=protected-access
+    quota = os.path.join(paths[1], "cpu.cfs_quota_us" if os.path.isdir(cpushare.V1)
+                         else "cpu.max")
+    with open(quota) as f:
+      assert int(f.read().split()[0]) == int(many.share * cpushare.PERIOD_US)
+  assert not any(os.path.exists(p) for p in paths)
 
 
 def test_quality_variant_replaces_the_methods_own_flag():

@@ -3,6 +3,8 @@ predictions against measured runs, and its answers at scale."""
 
 from __future__ import annotations
 
+import re
+
 from bench.figures.markdown import bold
 from bench.figures.markdown import pct
 from bench.figures.results import Results
@@ -41,7 +43,11 @@ def plan(results: Results) -> dict:
   ratios = [t["ours_gbit_float32"] / t["paper_gbit"] for t in scale["table6"]
             if t["ours_gbit_float32"]]
   big = grid[("10B", 64, 100.0)]
+  # bench/cpushare.py's description: "every host 0.60 of a core (cgroup CPU quota), ..."
+  shares = sorted({re.search(r"([0-9.]+) of a core", m["placement"]).group(1)
+                   for m in measured if "quota" in m.get("placement", "")})
   return {**d, "fitted": len(d["rows"]) - len(held), "held": len(held),
+          "quota": " or ".join(shares) or "none",
           "worst": max(held, key=error), "outside": outside,
           "drift": (min(drift.values()), max(drift.values())),
           # the calibration runs' link rates, from their names: plan_wan_h2_8.json -> 8
