@@ -19,6 +19,7 @@ import argparse
 import atexit
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -80,6 +81,13 @@ def provenance(script: str, argv: list[str] | None = None,
   argv = sys.argv[1:] if argv is None else argv
   return {"command": shlex.join(["python", f"bench/{script}.py", *argv]),
           "date": datetime.date.today().isoformat(), "machine": machine(accelerator)}
+
+
+def write(path: str, result: dict, indent: int = 1) -> None:
+  """Writes a bench's results file (JSON) at `path`, making its directory."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=indent)
 
 
 def machine(accelerator: str | None = None) -> str:

@@ -612,9 +612,7 @@ def main(argv=None):
       "jax": jax.__version__, "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
       "python": sys.version.split()[0], "smoke": args.smoke,
       **_smoke.provenance("inner_step", argv)}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  _smoke.write(args.out, result, indent=1)
   print(f"\nparams {num_params:,}; on core {CPU}, one thread each\n")
   print(table(result))
   print(f"wrote {args.out}")

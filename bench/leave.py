@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> None:
           + " after each kill", flush=True)
   result = {"hosts": args.hosts, "rounds": args.rounds, "rows": rows, "smoke": args.smoke,
             **_smoke.provenance("leave", argv)}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  _smoke.write(args.out, result, indent=2)
   print(f"wrote {args.out}")
 
 

@@ -309,9 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             "env": parse_env(args.env), "train_args": train_args, "trial": trial,
             "reference_completed": None if ref is None else ref["completed"],
             **_smoke.provenance("linkdrop", [*argv, *(["--", *extra] if extra else [])])}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  _smoke.write(args.out, result, indent=2)
   print(f"\n{args.name}: drop {args.drop_s:g}s ({args.side}), heartbeat timeout "
         f"{args.heartbeat_timeout}s, env {parse_env(args.env) or '-'}")
   print("| attempt | host | exit code | exit s after drop | 'link lost' | last line |\n"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import runpy
 import sys
@@ -104,9 +103,7 @@ def main(argv=None):
             f"{row['compile_seconds']:.0f} s)", flush=True)
   result = {"devices": args.devices, "rows": rows, "device": str(jax.devices()[0]),
             "jax": jax.__version__, "smoke": args.smoke, **_smoke.provenance("memory", argv)}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  _smoke.write(args.out, result, indent=1)
   print("\n| config | params | layout (replicas x fsdp) | sequences per device | "
         "XLA: bytes per device | estimate |\n|---|---|---|---|---|---|")
   for row in rows:

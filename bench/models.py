@@ -17,7 +17,6 @@ bench/results/models.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -119,9 +118,7 @@ def main(argv=None):
             "ratio_llama_vs_gpt": by["llama"]["tokens_per_sec"] / by["gpt"]["tokens_per_sec"],
             "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "smoke": args.smoke, **_smoke.provenance("models", argv)}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  _smoke.write(args.out, result, indent=1)
   print("\n| family | params | MLP width | MFLOPs/token | tokens/s | GFLOP/s |\n"
         "|---|---|---|---|---|---|")
   for row in rows:

@@ -574,9 +574,7 @@ def main(argv=None):
       "runs": runs, "torchft_skipped": python is None,
       "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "smoke": args.smoke,
       **_smoke.provenance("peer", argv)}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  _smoke.write(args.out, result, indent=1)
   print("\nparams: " + ", ".join(f"{k} {v:,}" for k, v in params.items()))
   print(f"medians over {args.pairs} run(s) each, rounds 2..{args.rounds}:\n")
   print(table(summary, ratio))

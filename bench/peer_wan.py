@@ -356,9 +356,7 @@ def main(argv=None):
                     "tokens_per_round_per_replica": tokens_per_round},
          "settings": {s: SETTINGS[s] for s in settings}, "torchft_triton": triton,
          "rates": results, "smoke": args.smoke, **_smoke.provenance("peer_wan", argv)}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+  _smoke.write(args.out, out, indent=1)
   print(f"wrote {args.out}")
 
 
