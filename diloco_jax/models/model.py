@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.models import layers
 from diloco_jax.models import family
+from diloco_jax.models import layers
 from diloco_jax.models.family import ModelConfig
 from diloco_jax.models.family import build
 from diloco_jax.models.family import param_shapes
