@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("wire", "data", "device"),
     ("runtime",),
     ("algo", "models", "corpus"),
-    ("errors", "units", "digest", "_version"),
+    ("errors", "units", "digest", "_version", "executables"),
 )
 MAX_LINES = 400
 

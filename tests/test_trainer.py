@@ -196,6 +196,20 @@ def test_cli_runs_and_prints_round_lines(tmp_path):
   again = run_cli(*args, env={**env, "JAX_PLATFORMS": "cpu"})  # the finished run: no training
   assert again.returncode == 0 and "final eval loss" in again.stdout, again.stderr[-3000:]
   assert set(os.listdir(tmp_path / "compilation_cache")) == cached  # nothing compiled anew
+  # A new run of the same config with that cache (a host restarted with its old workdir's
+  # cache): the inner step and init kept whole are loaded, not written again, and train
+  # to the same bits.
+  kept = tmp_path / "compilation_cache" / "executables"
+  entries = {name: os.stat(kept / name).st_mtime_ns for name in os.listdir(kept)}
+  assert sorted(name.split("-")[0] for name in entries) == ["init", "inner_step"]
+  loaded = run_cli(*args[:1], f"--workdir={tmp_path / 'loaded'}", *args[2:],
+                   f"--compilation_cache={tmp_path / 'compilation_cache'}",
+                   env={**env, "JAX_PLATFORMS": "cpu"})
+  assert loaded.returncode == 0, loaded.stderr[-3000:]
+  assert {name: os.stat(kept / name).st_mtime_ns for name in os.listdir(kept)} == entries
+  with open(tmp_path / "metrics.jsonl") as f, open(tmp_path / "loaded" / "metrics.jsonl") as g:
+    losses = [[r.get(k) for k in ("train_loss", "eval_loss")] for r in map(json.loads, f)]
+    assert losses == [[r.get(k) for k in ("train_loss", "eval_loss")] for r in map(json.loads, g)]
   off = run_cli(*args[:1], f"--workdir={tmp_path / 'off'}", *args[2:], "--compilation_cache=none",
                 env={**env, "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
   assert off.returncode == 0 and not os.path.exists(tmp_path / "off" / "compilation_cache")

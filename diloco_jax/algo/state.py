@@ -49,7 +49,9 @@ class ReplicaState:
 
 def init_outer_state(outer_optimizer: optax.GradientTransformation,
                      anchor: Params) -> OuterState:
-  return OuterState(anchor=anchor, opt_state=outer_optimizer.init(anchor),
+  # One program for the optimizer state's leaves: eagerly, each zeros_like was a dispatch
+  # of its own (0.05 s of configs/peer.py's start, 0.015 s jitted).
+  return OuterState(anchor=anchor, opt_state=jax.jit(outer_optimizer.init)(anchor),
                     step=jnp.zeros((), jnp.int32))
 
 

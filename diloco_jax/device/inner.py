@@ -26,6 +26,7 @@ from diloco_jax.algo.step import LossFn
 from diloco_jax.algo.step import Params
 from diloco_jax.algo.step import make_train_step
 from diloco_jax.device import mesh as mesh_lib
+from diloco_jax import executables
 
 local_mesh = mesh_lib.local_mesh  # where the inner step runs
 
@@ -139,14 +140,30 @@ class Step:
   _compiled = None
   _init = None
 
-  def compile(self, state: state_lib.ReplicaState, batch_shape: tuple[int, ...]
-              ) -> dict[str, int] | None:
+  def compile(self, state: state_lib.ReplicaState, batch_shape: tuple[int, ...],
+              spec: Any = None) -> dict[str, int] | None:
     """Compiles the step for `state` and int32 batches of `batch_shape` before its first
     call, which then runs this executable (compiling is not paid twice), and returns what
-    XLA says one device holds while it runs (`memory_per_device`)."""
+    XLA says one device holds while it runs (`memory_per_device`).
+
+    `spec`: what this step's function was built from (the caller's config: the loss, the
+    optimizer, accumulation). With it the executable is kept whole and a start that
+    finds it runs it without a trace (executables.py), keyed by `spec`, this
+    step's kind and mesh, and the arguments' shapes and shardings."""
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
-    self._compiled = self._jit(state).lower(state, batch).compile()
-    return memory_per_device(self._compiled)
+    if spec is None:
+      self._compiled = self._jit(state).lower(state, batch).compile()
+      return memory_per_device(self._compiled)
+    spec = {"step": type(self).__qualname__, "spec": spec, "mesh": repr(self.layout.mesh),
+            "arguments": repr(jax.tree.map(
+                lambda s: (s.shape, s.dtype, s.sharding),
+                (state, batch), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))}
+    found = executables.compiled("inner_step", spec,
+                                 lambda: self._jit(state).lower(state, batch),
+                                 devices=list(self.layout.mesh.devices.flat),
+                                 facts=memory_per_device)
+    self._compiled = found.program
+    return found.facts
 
 
 class ReplicaStep(Step):

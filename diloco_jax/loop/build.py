@@ -245,8 +245,12 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   # Compiled from the state's shapes before the state exists: compiling is start-up's
   # biggest use of host memory (LLVM), and the state (params and AdamW moments of every
   # replica) would add to that peak.
-  step_memory = train_step.compile(jax.eval_shape(init_replicas, param_shapes),
-                                   (replicas_per_host, config.batch_size, config.model.seq_len + 1))
+  # A start that finds the step's executable kept whole runs it without a trace: the
+  # config (and the model it resolves to) is everything the step is built from.
+  step_memory = train_step.compile(
+      jax.eval_shape(init_replicas, param_shapes),
+      (replicas_per_host, config.batch_size, config.model.seq_len + 1),
+      spec={"config": config.to_json_best_effort(sort_keys=True), "model": repr(model_cfg)})
   with jax.default_device(exchange.host_device):
     # init_from: zeros until `resume` knows that no checkpoint holds the state, and reads
     # the weights then (a resumed run needs only the directory's config.json).

@@ -29,6 +29,7 @@ import ml_collections
 from diloco_jax import errors
 from diloco_jax.models import gpt
 from diloco_jax.models import llama
+from diloco_jax import executables
 
 Params = Any
 FAMILIES = {"gpt": gpt.GPT, "llama": llama.Llama}
@@ -113,17 +114,46 @@ def build(cfg: ModelConfig, decode: bool = False) -> nn.Module:
   return FAMILIES[cfg.family](cfg, decode=decode)
 
 
-@functools.lru_cache(maxsize=4)
-def traced_init(cfg: ModelConfig) -> jax.stages.Traced:
-  """The module's init (variables from a PRNG key and a batch of tokens), traced once per
-  config: the params' shapes (`param_shapes`) and the program that draws them
-  (`model.init_params`) both come from this one trace. Each trace of a Flax init took
-  about 0.05 s of a start, and a start asked for three."""
+def default_device() -> jax.Device:
+  """Where a program whose arguments are not placed runs: `jax.default_device`'s, else
+  the first local device."""
+  device = jax.config.jax_default_device
+  if isinstance(device, str):
+    return jax.local_devices(backend=device)[0]
+  return device or jax.local_devices()[0]
+
+
+@functools.lru_cache(maxsize=8)
+def init_program(cfg: ModelConfig, device: jax.Device) -> jax.stages.Traced | jax.stages.Compiled:
+  """The module's init (variables from a PRNG key and a batch of tokens) on `device`:
+  compiled, where a start before this one kept it whole (executables.py: no
+  trace, no compile), else traced, once per config. The params' shapes (`param_shapes`)
+  and the program that draws them (`compiled_init`) both come from it: each trace of a
+  Flax init took about 0.05 s of a start, and a start asked for three."""
+  found = executables.load("init", _init_spec(cfg, device), devices=[device])
+  if found is not None:
+    return found.program
   tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
   return jax.jit(build(cfg).init).trace(jax.random.key(0), tokens)
+
+
+def compiled_init(cfg: ModelConfig, device: jax.Device) -> jax.stages.Compiled:
+  """`init_program` compiled for `device` (and kept whole, where the cache is on)."""
+  program = init_program(cfg, device)
+  if isinstance(program, jax.stages.Compiled):
+    return program
+  with jax.default_device(device):
+    program = program.lower().compile()
+  executables.store("init", _init_spec(cfg, device), program)
+  return program
+
+
+def _init_spec(cfg: ModelConfig, device: jax.Device) -> dict[str, str]:
+  # The model's shape is all its init is built from (its code: the entry's sources).
+  return {"model": repr(cfg), "device": f"{device.platform}:{device.id}"}
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
   """The params' shapes and dtypes (jax.ShapeDtypeStruct), without computing anything."""
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                      traced_init(cfg).out_info["params"])
+                      init_program(cfg, default_device()).out_info["params"])

@@ -10,6 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diloco_jax.models import family
 from diloco_jax.models import layers
@@ -22,11 +23,11 @@ Params = Any
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
   """Initial params, always through the same jit, so every caller gets the same bits."""
-  tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+  tokens = np.zeros((1, cfg.seq_len), np.int32)
   if isinstance(rng, jax.core.Tracer):  # inside a trace (eval_shape, jit): a compiled
     return jax.jit(build(cfg).init)(rng, tokens)["params"]  # program cannot take tracers
-  # The trace `param_shapes` made: the same program, traced once.
-  return family.traced_init(cfg).lower().compile()(rng, tokens)["params"]
+  # The trace `param_shapes` made (or the program a start before kept): the same program.
+  return family.compiled_init(cfg, family.default_device())(rng, tokens)["params"]
 
 
 def load_exported(path: str) -> tuple[nn.Module, Params]:

@@ -79,8 +79,11 @@ class DDPStep(inner.Step):
                           out_shardings=shardings, donate_argnums=0)
     return grads
 
-  def compile(self, state, batch_shape) -> dict[str, int] | None:
+  def compile(self, state, batch_shape, spec=None) -> dict[str, int] | None:
     # The gradient program is the larger: the update's memory is the state's, in place.
+    # Never kept whole (`spec` unused): its steps sum gradients across the hosts, in a
+    # program of the whole job's devices.
+    del spec
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
     self._compiled = self._jit(state).lower(state.params, batch).compile()
     return inner.memory_per_device(self._compiled)

@@ -37,6 +37,11 @@ def use(path: str | None, workdir: str, host_id: int | None) -> str | None:
     _write_from_this_host()
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  # The inner step and init, kept whole beside JAX's entries (a start then skips their
+  # traces too). Not under the environment's directory: that one may be shared by
+  # processes whose code differs in ways no file shows (tests that patch functions).
+  from diloco_jax import executables  # pylint: disable=import-outside-toplevel
+  executables.use(os.path.join(directory, "executables"))
   return directory
 
 

@@ -1,0 +1,101 @@
+"""runtime/executables: a program kept whole is run again without a trace, with the same
+bits, and never once anything it was built from has changed."""
+
+import importlib
+import os
+import pickle
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diloco_jax import executables
+
+
+@pytest.fixture
+def cache(tmp_path):
+  executables.use(str(tmp_path / "executables"))
+  yield tmp_path / "executables"
+  executables.use(None)
+
+
+def program(traces: list):
+  def f(x, y):
+    traces.append(1)  # at trace time only
+    return {"out": jnp.tanh(x @ y) * 1.7, "sum": jnp.sum(y)}
+  x = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
+  y = jnp.cos(jnp.arange(8, dtype=jnp.float32)).reshape(4, 2)
+  return (lambda: jax.jit(f).lower(x, y)), (x, y)
+
+
+def test_a_kept_program_runs_again_without_a_trace_and_computes_the_same_bits(cache):
+  traces = []
+  lower, args = program(traces)
+  first = executables.compiled("f", {"v": 1}, lower, facts=lambda p: {"flops": 3})
+  assert traces == [1] and first.facts == {"flops": 3}
+  assert len(os.listdir(cache)) == 1
+  again = executables.compiled("f", {"v": 1}, lower, facts=lambda p: {"flops": -1})
+  assert traces == [1]  # loaded: neither traced nor compiled
+  assert again.facts == {"flops": 3}  # the writer's facts, not computed again
+  a, b = first.program(*args), again.program(*args)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  with pytest.raises(TypeError):  # the loaded program checks its arguments as any does
+    again.program(args[1], args[0])
+
+
+def test_another_spec_other_devices_or_an_edited_source_file_miss(cache, tmp_path, monkeypatch):
+  module = tmp_path / "kept_program_source.py"
+  module.write_text("SCALE = 2.0\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  importlib.import_module("kept_program_source")  # loaded when the entry is written
+  try:
+    lower, _ = program([])
+    executables.compiled("f", {"v": 1}, lower)
+    assert executables.load("f", {"v": 1}) is not None
+    assert executables.load("f", {"v": 2}) is None
+    assert executables.load("f", {"v": 1}, devices=jax.devices()) is not None
+    assert executables.load("f", {"v": 1}, devices=[]) is None
+    module.write_text("SCALE = 3.0\n")  # another size: the module's code is not the entry's
+    assert executables.load("f", {"v": 1}) is None
+    executables.compiled("f", {"v": 1}, lower)  # compiled again, and kept in its place
+    assert executables.load("f", {"v": 1}) is not None and len(os.listdir(cache)) == 1
+    os.utime(module, ns=(0, 0))  # the same size, another modification time
+    assert executables.load("f", {"v": 1}) is None
+  finally:
+    sys.modules.pop("kept_program_source", None)
+
+
+def test_bytes_that_are_not_those_written_are_refused_before_xla_reads_them(cache):
+  lower, _ = program([])
+  executables.compiled("f", {"v": 1}, lower)
+  [path] = [cache / name for name in os.listdir(cache)]
+  with open(path, "rb") as f:
+    entry = pickle.load(f)
+  flipped = bytearray(entry["executable"])
+  flipped[len(flipped) // 2] ^= 0x10
+  entry["executable"] = bytes(flipped)
+  with open(path, "wb") as f:
+    pickle.dump(entry, f)
+  with pytest.warns(UserWarning, match="sha256"):
+    assert executables.load("f", {"v": 1}) is None
+  path.write_bytes(b"not an entry")
+  with pytest.warns(UserWarning, match="could not be loaded"):
+    assert executables.load("f", {"v": 1}) is None
+
+
+def test_off_by_default_and_the_newest_entries_kept(cache):
+  lower, _ = program([])
+  for v in range(executables.KEEP + 2):
+    executables.compiled("f", {"v": v}, lower)
+  assert len(os.listdir(cache)) == executables.KEEP
+  assert executables.load("f", {"v": executables.KEEP + 1}) is not None
+  assert executables.load("f", {"v": 0}) is None
+  executables.use(None)
+  traces = []
+  lower, _ = program(traces)
+  executables.compiled("f", {"v": executables.KEEP + 1}, lower)
+  assert traces == [1] and executables.load("f", {"v": executables.KEEP + 1}) is None
