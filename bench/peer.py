@@ -43,8 +43,10 @@ the first inner step (diloco_jax: when host 0 writes run.json, after compiling, 
 before round 1; torchft: the later replica's first step). Then start-up alone,
 --startup_reps times in turn, each a run of one round: diloco_jax with an empty
 compilation cache, diloco_jax again with the cache that run filled (as a host that
-restarts with its workdir finds it), torchft. Writes bench/results/peer.json and prints a
-markdown table of the medians over runs.
+restarts with its workdir finds it), torchft; diloco_jax's starts by phase too, from host
+0's run.json (`start.seconds`: the process until the trainer builds, the checks, data,
+connections, inner step, init, state and resume; and the launcher's part, the rest).
+Writes bench/results/peer.json and prints a markdown table of the medians over runs.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
     with open(os.path.join(workdir, "run.json")) as f:
-      params = json.load(f)["num_params"]
+      run = json.load(f)
+    params, start_seconds = run["num_params"], run["start"].get("seconds", {})
     startup = os.path.getmtime(os.path.join(workdir, "run.json")) - t0
   finally:
     if proc is not None and proc.poll() is None:  # interrupted: its hosts die with it
@@ -239,7 +242,8 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
           "outer_times": [r["outer_time"] for r in records],
           "wait_times": [r["outer_time"] for r in records],
           "train_losses": [r["train_loss"] for r in records],
-          "startup_s": startup, "first_round_s": rounds[0], "wall_s": wall,
+          "startup_s": startup, "start_seconds": start_seconds,  # host 0's, by phase
+          "first_round_s": rounds[0], "wall_s": wall,
           "peak_rss_mib": [watcher.peak_kib.get(pids[h], 0) / 1024 for h in range(2)],
           "peak_anon_mib": [watcher.anon_kib.get(pids[h], 0) / 1024 for h in range(2)],
           "threads": [watcher.threads.get(pids[h], 0) for h in range(2)]}
@@ -405,18 +409,25 @@ def startup_runs(args, python: str | None, data: str, cpus: list[int],
   with its workdir), and torchft; each a run of one round."""
   short = argparse.Namespace(**{**vars(args), "rounds": 1})
   times = {"diloco_jax_fresh": [], "diloco_jax_cached": [], "torchft": []}
+  phases = {"diloco_jax_fresh": [], "diloco_jax_cached": []}  # host 0's run.json, by phase
   for rep in range(args.startup_reps):
     cache = tempfile.mkdtemp(prefix="bench_peer_cache_")
     try:
       for key in ("diloco_jax_fresh", "diloco_jax_cached"):
-        times[key].append(run_jax(short, data, cpus, watcher, cache)["startup_s"])
+        run = run_jax(short, data, cpus, watcher, cache)
+        times[key].append(run["startup_s"])
+        # the launcher's part: from starting it to host 0's process
+        phases[key].append({**run["start_seconds"],
+                            "launcher": run["startup_s"] - run["start_seconds"]["total"]})
     finally:
       shutil.rmtree(cache, ignore_errors=True)
     if python:
       times["torchft"].append(run_torch(short, python, data, cpus, watcher)["startup_s"])
     print(f"start-up {rep + 1}/{args.startup_reps}: "
           + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items() if v), flush=True)
-  out = {"reps": times, **{k: statistics.median(v) for k, v in times.items() if v}}
+  out = {"reps": times, **{k: statistics.median(v) for k, v in times.items() if v},
+         "phases": {k: {phase: statistics.median(p[phase] for p in v) for phase in v[0]}
+                    for k, v in phases.items()}}
   if times["torchft"]:
     for key in ("diloco_jax_fresh", "diloco_jax_cached"):
       out[f"{key}_vs_torchft"] = out[key] / out["torchft"]
@@ -585,6 +596,9 @@ def main(argv=None):
   print("start-up to the first step, median: " + ", ".join(
       f"{k} {startup[k]:.2f} s" for k in ("diloco_jax_fresh", "diloco_jax_cached", "torchft")
       if k in startup) + "".join(f"; {k} {startup[k]:.2f}" for k in startup if k.endswith("_vs_torchft")))
+  for key, phases in startup["phases"].items():
+    print(f"{key} by phase (median s): "
+          + ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()))
   print(f"wrote {args.out}")
 
 

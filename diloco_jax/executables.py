@@ -118,6 +118,7 @@ def store(name: str, spec: Any, program: jax.stages.Compiled, facts: Any = None)
     with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), prefix=".tmp-",
                                      delete=False) as f:
       pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.chmod(f.name, 0o644)  # as JAX's own entries (a temporary file is its owner's alone)
     os.replace(f.name, path)
   except Exception as e:  # pylint: disable=broad-except  # the run goes on without it
     warnings.warn(f"program {name!r} not kept in {os.path.dirname(path)} "

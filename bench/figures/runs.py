@@ -158,8 +158,27 @@ def peer(results: Results) -> dict:
                                      "diloco_jax_fresh"),
                                     ("diloco_jax, cached (the cache the fresh start filled)",
                                      "diloco_jax_cached"), ("torchft", "torchft"))]
-  return {**d, "table": rows, "startup_table": startup_rows,
+  phases = st.get("phases", {})  # results written before run.json broke a start down
+  phase_rows = [[what, *(f"{phases[k][key]:.2f}" for k in ("diloco_jax_fresh",
+                                                            "diloco_jax_cached"))]
+                for what, key in START_PHASES if phases and key in phases["diloco_jax_fresh"]]
+  return {**d, "table": rows, "startup_table": startup_rows, "phase_table": phase_rows,
           "torch": sorted({r["torch"] for r in d["runs"]["torchft"]})}
+
+
+START_PHASES = (  # (what, the phase's key in run.json's start.seconds; bench/peer.py's)
+    ("the launcher, until host 0's process starts", "launcher"),
+    ("the process until the trainer builds (interpreter, imports, jax.distributed)",
+     "process"),
+    ("the config's checks and the memory check (the model's shapes)", "checks"),
+    ("the data", "data"),
+    ("the hosts' connections, the workdir, the checkpoint store", "connect"),
+    ("the inner step: compiled, or loaded whole", "inner_step"),
+    ("the model's init", "init"),
+    ("the outer state and the replicas' states", "state"),
+    ("the checkpoint read (none here) and the trim after compiling", "resume"),
+    ("host 0's total, to run.json", "total"),
+)
 
 
 STARTUP_ROWS = (  # (what, the phase's key in startup.json's "phases")

@@ -29,6 +29,7 @@ from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.loop import membership as membership_lib
 from diloco_jax.loop import pacing
+from diloco_jax.loop import runinfo
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import family
 from diloco_jax.models import layers
@@ -71,6 +72,7 @@ class Parts:
     preemption, profile, anchor_check: the preemption flag, the profile window, the
       outer state's comparison across hosts.
     step_memory: the compiled inner step's memory (run.json).
+    start_phases: where this host's start went, by phase (`runinfo.Phases`).
   """
   config: ml_collections.ConfigDict
   workdir: str
@@ -108,6 +110,7 @@ class Parts:
   profile: profiling.ProfileWindow
   anchor_check: integrity.AnchorCheck
   step_memory: Any
+  start_phases: runinfo.Phases
 
   @property
   def spec(self):
@@ -140,6 +143,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
           ) -> tuple[Parts, state_lib.RunState]:
   """This host's parts, and the state before any checkpoint is read (the anchor from the
   seed; init_from: zeros until `resume.resume` knows no checkpoint holds the state)."""
+  phases = runinfo.Phases()  # "process": the interpreter, imports, jax.distributed
   world = world_lib.current()
   host, num_hosts = world.host, world.num_hosts
   config = resolve.resolved(config, announce=host == 0)
@@ -153,6 +157,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
     raise config_lib.ConfigError(str(e)) from None
   mesh_lib.check_memory(config, config.data.vocab_size, jax.local_device_count(),
                         driver.memory_profile(config))
+  phases.done("checks")  # the config's, and the memory check (the model's shapes)
   replicas_per_host, h, num_rounds = config.replicas_per_host, config.inner_steps, config.num_rounds
   num_replicas = replicas_per_host * num_hosts  # K
   tokens_per_replica_step = config.batch_size * config.model.seq_len
@@ -162,6 +167,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       config.data, seq_len=config.model.seq_len, batch_size=config.batch_size,
       replicas_per_host=replicas_per_host, num_eval_batches=config.eval_batches,
       host_index=host, num_hosts=num_hosts)
+  phases.done("data")
   model_cfg = family.ModelConfig.from_config(config.model, data.spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(model_cfg)
   inner_optimizer = optim.inner_optimizer(config.inner, num_rounds * h)
@@ -217,6 +223,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
     store = per_host.PerHostStore(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher, collective=collective,
         timeout=config.checkpoint.timeout)
+  phases.done("connect")  # the membership's connections, the workdir, the store
   train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=mesh,
                                  grad_accum_steps=config.grad_accum_steps,
                                  collective=collective, dispatcher=dispatcher,
@@ -251,12 +258,14 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       jax.eval_shape(init_replicas, param_shapes),
       (replicas_per_host, config.batch_size, config.model.seq_len + 1),
       spec={"config": config.to_json_best_effort(sort_keys=True), "model": repr(model_cfg)})
+  phases.done("inner_step")  # compiled, or loaded whole
   with jax.default_device(exchange.host_device):
     # init_from: zeros until `resume` knows that no checkpoint holds the state, and reads
     # the weights then (a resumed run needs only the directory's config.json).
     anchor = (jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), param_shapes)
               if config.model.init_from else
               model_lib.init_params(model_cfg, jax.random.key(config.seed)))
+  phases.done("init")
   num_params = model_lib.count_params(anchor)
   flops_per_token = model_lib.flops_per_token(model_cfg, num_params)
   peak = mesh_lib.peak_flops(mesh.devices.flat[0])  # every host has the same devices
@@ -289,10 +298,11 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       anchor_check=integrity.AnchorCheck(
           membership.hash_exchange(dispatcher), every=config.anchor_check_every,
           last_round=num_rounds, always=config.debug_checks),
-      step_memory=step_memory)
+      step_memory=step_memory, start_phases=phases)
   outer = outer_step.init(anchor)
   state = state_lib.RunState(
       outer=outer, replicas=init_replicas(anchor), schedule_steps=num_rounds * h,
       # run_round: on CPU the first round waits for its steps once
       await_steps_once=mesh.devices.flat[0].platform == "cpu")
+  phases.done("state")  # the outer state and every replica's, from the anchor
   return parts, state

@@ -86,6 +86,7 @@ class Trainer:
     # step keeps its own executable; what else runs later compiles on first use.
     jax.clear_caches()
     hostmem.trim()  # what compiling freed
+    parts.start_phases.done("resume")  # the checkpoint read, and what compiling freed
     first = done if self.state.outer.inflight else done + 1  # the first round logged now
     log = parts.config.log
     parts.log.writer = writers.MetricsWriter(
