@@ -10,7 +10,8 @@ program is built from:
   key      the caller's spec (everything the program's function and arguments come from:
            the config, the model's shape, the arguments' shapes and shardings) and the
            machine (jax's, jaxlib's and Python's versions, the backend and its version,
-           every device and process, jax's config values, and the JAX_/XLA_ environment);
+           the CPU's model and instruction sets, every device and process, jax's config
+           values, and the JAX_/XLA_ environment);
   sources  every Python module loaded when the entry was written, by its file's path,
            size and modification time: an entry is used only while all of them are
            unchanged (the test Python makes of its own bytecode cache), so that an edit to
@@ -29,11 +30,13 @@ workdir is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
 import os
 import pickle
+import platform
 import sys
 import tempfile
 import warnings
@@ -157,6 +160,7 @@ def _machine() -> dict[str, Any]:
   client = jax.devices()[0].client
   return {"versions": [jax.__version__, jaxlib.__version__, sys.version],
           "backend": [client.platform, client.platform_version],
+          "cpu": _cpu(),  # XLA:CPU's code uses the instructions this CPU has
           "devices": [(d.id, d.process_index, d.device_kind) for d in jax.devices()],
           "process": [jax.process_index(), jax.process_count()],
           # every value but the default device, which a `with` changes: callers whose
@@ -165,6 +169,21 @@ def _machine() -> dict[str, Any]:
                            if k != "jax_default_device"),
           "environment": sorted((k, v) for k, v in os.environ.items()
                                 if k.startswith(("JAX_", "XLA_", "TPU_", "LIBTPU")))}
+
+
+@functools.cache
+def _cpu() -> list[str]:
+  """This CPU's model and instruction-set flags (Linux; elsewhere its platform's name): an
+  entry compiled where the CPU has instructions this one lacks must not load here (a
+  workdir on a network disk, its host replaced by another machine type)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = {key.strip(): value for key, value in (
+          line.split(":", 1) for line in f.read().split("\n\n", 1)[0].splitlines()
+          if ":" in line)}
+    return [" ".join(info.get(k, "").split()) for k in ("model name", "flags", "Features")]
+  except OSError:
+    return [platform.machine(), platform.processor()]
 
 
 def _sources() -> list[tuple[str, int, int]]:

@@ -47,7 +47,7 @@ def test_a_kept_program_runs_again_without_a_trace_and_computes_the_same_bits(ca
     again.program(args[1], args[0])
 
 
-def test_another_spec_other_devices_or_an_edited_source_file_miss(cache, tmp_path, monkeypatch):
+def test_another_spec_devices_cpu_or_an_edited_source_file_miss(cache, tmp_path, monkeypatch):
   module = tmp_path / "kept_program_source.py"
   module.write_text("SCALE = 2.0\n")
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -59,6 +59,9 @@ def test_another_spec_other_devices_or_an_edited_source_file_miss(cache, tmp_pat
     assert executables.load("f", {"v": 2}) is None
     assert executables.load("f", {"v": 1}, devices=jax.devices()) is not None
     assert executables.load("f", {"v": 1}, devices=[]) is None
+    with monkeypatch.context() as m:  # the same workdir, its host now another machine type
+      m.setattr(executables, "_cpu", lambda: ["a CPU without this one's instructions"])
+      assert executables.load("f", {"v": 1}) is None
     module.write_text("SCALE = 3.0\n")  # another size: the module's code is not the entry's
     assert executables.load("f", {"v": 1}) is None
     executables.compiled("f", {"v": 1}, lower)  # compiled again, and kept in its place
