@@ -29,6 +29,7 @@ workdir is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -110,6 +111,7 @@ def store(name: str, spec: Any, program: jax.stages.Compiled, facts: Any = None)
   path = _path(name, spec)
   if path is None:
     return
+  temporary = None
   try:
     from jax.experimental import serialize_executable  # pylint: disable=import-outside-toplevel
     executable, in_tree, out_tree = serialize_executable.serialize(program)
@@ -120,17 +122,21 @@ def store(name: str, spec: Any, program: jax.stages.Compiled, facts: Any = None)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), prefix=".tmp-",
                                      delete=False) as f:
+      temporary = f.name
       pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.chmod(f.name, 0o644)  # as JAX's own entries (a temporary file is its owner's alone)
-    os.replace(f.name, path)
+    os.chmod(temporary, 0o644)  # as JAX's own entries (a temporary file is its owner's alone)
+    os.replace(temporary, path)
   except Exception as e:  # pylint: disable=broad-except  # the run goes on without it
+    if temporary is not None and os.path.exists(temporary):
+      os.remove(temporary)
     warnings.warn(f"program {name!r} not kept in {os.path.dirname(path)} "
                   f"({type(e).__name__}: {e})")
     return
   older = sorted(glob.glob(os.path.join(os.path.dirname(path), f"{name}-*{SUFFIX}")),
                  key=os.path.getmtime)
   for stale in older[:-KEEP]:
-    os.remove(stale)
+    with contextlib.suppress(FileNotFoundError):  # another process's pruning took it
+      os.remove(stale)
 
 
 def compiled(name: str, spec: Any, lower: Callable[[], jax.stages.Lowered], *,

@@ -102,3 +102,13 @@ def test_off_by_default_and_the_newest_entries_kept(cache):
   lower, _ = program(traces)
   executables.compiled("f", {"v": executables.KEEP + 1}, lower)
   assert traces == [1] and executables.load("f", {"v": executables.KEEP + 1}) is None
+
+
+def test_a_program_that_cannot_be_kept_runs_and_leaves_no_file(cache):
+  """Facts that cannot be pickled (or a program with host callbacks): a warning, the
+  program as compiled, and no entry or temporary file left behind."""
+  lower, args = program([])
+  with pytest.warns(UserWarning, match="not kept"):
+    found = executables.compiled("f", {"v": 1}, lower, facts=lambda p: (lambda: None))
+  assert found.program(*args)["out"].shape == (3, 2)
+  assert not os.path.exists(cache) or os.listdir(cache) == []
