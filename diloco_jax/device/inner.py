@@ -21,12 +21,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from diloco_jax import executables
 from diloco_jax.algo import state as state_lib
 from diloco_jax.algo.step import LossFn
 from diloco_jax.algo.step import Params
 from diloco_jax.algo.step import make_train_step
 from diloco_jax.device import mesh as mesh_lib
-from diloco_jax import executables
 
 local_mesh = mesh_lib.local_mesh  # where the inner step runs
 
@@ -154,11 +154,11 @@ class Step:
     if spec is None:
       self._compiled = self._jit(state).lower(state, batch).compile()
       return memory_per_device(self._compiled)
-    spec = {"step": type(self).__qualname__, "spec": spec, "mesh": repr(self.layout.mesh),
-            "arguments": repr(jax.tree.map(
-                lambda s: (s.shape, s.dtype, s.sharding),
-                (state, batch), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))}
-    found = executables.compiled("inner_step", spec,
+    key = {"step": type(self).__qualname__, "spec": spec, "mesh": repr(self.layout.mesh),
+           "arguments": repr(jax.tree.map(
+               lambda s: (s.shape, s.dtype, s.sharding),
+               (state, batch), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))}
+    found = executables.compiled("inner_step", key,
                                  lambda: self._jit(state).lower(state, batch),
                                  devices=list(self.layout.mesh.devices.flat),
                                  facts=memory_per_device)

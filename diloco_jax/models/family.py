@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from diloco_jax import errors
+from diloco_jax import executables
 from diloco_jax.models import gpt
 from diloco_jax.models import llama
-from diloco_jax import executables
 
 Params = Any
 FAMILIES = {"gpt": gpt.GPT, "llama": llama.Llama}
