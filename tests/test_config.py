@@ -231,7 +231,6 @@ def test_robust_aggregation_needs_enough_replicas_across_hosts():
 @pytest.mark.parametrize("changes, field", [
     ({"mode": "eager", "outer.aggregation": "median"}, "outer.aggregation"),
     ({"mode": "ddp", "outer.compression": "int8"}, "outer.compression"),
-    ({"elastic": True, "outer.compression": "int8"}, "outer.compression"),
 ])
 def test_wire_settings_refused_where_they_would_do_nothing_or_be_wrong(changes, field):
   config = config_lib.get_default_config()
@@ -241,12 +240,27 @@ def test_wire_settings_refused_where_they_would_do_nothing_or_be_wrong(changes, 
     config_lib.validate(config)
 
 
+def test_live_membership_takes_every_wire_format_and_rule():
+  """A job whose hosts come and go sends what a fixed one does: compression, robust
+  aggregation (checked at the job's full K; a round with fewer falls back to the mean)
+  and balance 'speed' (weights over the hosts present)."""
+  for changes in ({"outer.compression": "chunk_topk", "outer.error_feedback": True,
+                   "outer.error_feedback_decay": 0.9},
+                  {"outer.compression": "4bit", "mode": "eager"},
+                  {"outer.aggregation": "trimmed_mean", "outer.trim": 0.25},
+                  {"balance": "speed"}):
+    config = config_lib.get_default_config()
+    config.elastic = True
+    for key, value in changes.items():
+      set_field(config, key, value)
+    config_lib.validate(config, num_hosts=2)
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"balance": "window"}, "is not built"),
     ({"balance": "speed", "mode": "ddp"}, "ddp's hosts all-reduce every step"),
     ({"balance": "speed", "mode": "streaming"}, "streaming's fragments sync"),
     ({"balance": "speed", "outer.aggregation": "median"}, "no token-weighted form"),
-    ({"balance": "speed", "elastic": True}, "every host's Δ arrives"),
     ({"balance_every": 0}, ">= 1"),
     ({"balance_tolerance": 1.0}, "[0, 1)"),
     ({"balance_max_factor": 0}, ">= 1"),

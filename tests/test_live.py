@@ -4,7 +4,8 @@ disk wiped; the launcher starts it again and it joins the running job; later hos
 seat of the old coordinator, metrics writer and lock holder) is SIGKILLed, or leaves on a
 SIGTERM of its own, and stays away; then a SIGTERM stops the others, each with a
 checkpoint. Host 2 trains throughout without a restart, in every mode that takes live
-membership (sync: a fourth host id joins too). One run per mode, checked many ways: the
+membership (sync: a fourth host id joins too), each with a wire format of its own (int8,
+SparseLoCo, 4-bit, a trimmed mean). One run per mode, checked many ways: the
 launcher's exit, host 2's one process, the join's line and run.json, the records (the
 replicas and hosts of each round's sum going 3 -> 2 -> 3 -> 2), the hosts' anchors compared
 every round (debug_checks) and equal in the records of the rounds they share, the joiner's
@@ -36,10 +37,18 @@ def records(workdir: str) -> list[dict]:
     # checkpoints and records are in WORKDIR/host<i>. Host 0 is SIGKILLed, or leaves on
     # SIGTERM (a preemption of that host alone: a checkpoint of its own, exit 0). sync: a
     # fourth host id, never seen before, joins too, a second after the start.
-    ("sync", True, signal.SIGKILL, 4, []), ("delayed", False, signal.SIGTERM, 3, []),
-    ("eager", True, signal.SIGKILL, 3, []),
+    # Each run sends one of the wire formats slow links need (its sums change K as hosts
+    # come and go): int8, SparseLoCo, 4-bit, and a trimmed mean whose trim takes one from
+    # each end of 3 or 4 replicas and is the mean of 2 (the rounds without host 0 or 1).
+    ("sync", True, signal.SIGKILL, 4, ["--config.outer.compression=int8"]),
+    ("delayed", False, signal.SIGTERM, 3, [
+        "--config.outer.compression=chunk_topk", "--config.outer.topk_fraction=0.0625",
+        "--config.outer.error_feedback_decay=0.95"]),
+    ("eager", True, signal.SIGKILL, 3, ["--config.outer.compression=4bit"]),
     ("streaming", False, signal.SIGTERM, 3, ["--config.outer.fragments=2",
-                                             "--config.inner_steps=6"])])
+                                             "--config.inner_steps=6",
+                                             "--config.outer.aggregation=trimmed_mean",
+                                             "--config.outer.trim=0.34"])])
 def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, per_host,
                                                                leave, hosts, extra):
   launcher = multihost.start([

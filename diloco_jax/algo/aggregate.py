@@ -37,6 +37,17 @@ def check(aggregation: str, num_replicas: int, trim: float) -> None:
     raise ValueError(f"median over K = {num_replicas} replicas is the mean; it needs K >= 3")
 
 
+def for_replicas(aggregation: str, num_replicas: int, trim: float) -> str:
+  """The aggregation a sum over `num_replicas` replicas runs: `aggregation`, or the mean
+  where that is too few replicas for it (`check`). A live job's K changes from round to
+  round, and a round that has lost hosts down to too few for the trim must still end."""
+  try:
+    check(aggregation, num_replicas, trim)
+  except ValueError:
+    return "mean"
+  return aggregation
+
+
 def tolerated(aggregation: str, num_replicas: int, trim: float) -> int:
   """How many replicas may send garbage (NaN, ±Inf, any size) without moving the result
   past the honest values' range: 0 for the mean."""

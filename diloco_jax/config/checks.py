@@ -199,8 +199,6 @@ def _check_balance(c: ml_collections.ConfigDict, check, mode) -> None:
     check("config.balance", c.outer.aggregation == "mean",
           f"'speed' weights the mean by tokens; outer.aggregation = "
           f"{c.outer.aggregation!r} has no token-weighted form")
-    check("config.balance", not c.elastic,
-          "'speed' with config.elastic: the weights assume every host's Δ arrives")
   check("config.balance_every", c.balance_every >= 1, "must be >= 1")
   check("config.balance_tolerance", 0 <= c.balance_tolerance < 1, "must be in [0, 1)")
   check("config.balance_max_factor", c.balance_max_factor >= 1, "must be >= 1")
@@ -297,9 +295,9 @@ def _check_wire(c: ml_collections.ConfigDict, check, mode, num_replicas: int) ->
     except ValueError as e:
       check("config.outer.aggregation", False, f"{e} (K = hosts x replicas_per_host)")
   wire = o.compression != "none" or o.aggregation != "mean"
-  if wire and ((mode and mode.per_step) or c.elastic):
+  if wire and mode and mode.per_step:
     check("config.outer.compression" if o.compression != "none" else "config.outer.aggregation",
-          False, f"applies to the DiLoCo modes without elastic "
-          f"({_modes(lambda d: d.per_step, 'and', quoted=False)} and elastic send plain sums)")
+          False, f"applies to the DiLoCo modes "
+          f"({_modes(lambda d: d.per_step, 'and', quoted=False)} sums plain gradients)")
   check("config.outer.aggregation", o.aggregation == "mean" or not (mode and mode.needs_mean),
         f"{c.mode} mode needs the mean ({mode.needs_mean.why if mode else ''})")

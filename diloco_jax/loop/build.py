@@ -161,7 +161,6 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   replicas_per_host, h, num_rounds = config.replicas_per_host, config.inner_steps, config.num_rounds
   num_replicas = replicas_per_host * num_hosts  # K
   tokens_per_replica_step = config.batch_size * config.model.seq_len
-  pacer = pacing.Pacer(config, host=host, num_hosts=num_hosts, replicas_per_host=replicas_per_host)
 
   data = data_lib.make_host_data(
       config.data, seq_len=config.model.seq_len, batch_size=config.batch_size,
@@ -179,6 +178,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
         "coordinator; launch/local.py --live): without it the hosts share fate")
   membership = membership_lib.of(config)
   collective = membership.collective
+  pacer = pacing.Pacer(config, host=host, num_hosts=num_hosts,
+                       replicas_per_host=replicas_per_host, present=lambda: collective.live)
   # A host joining a live job talks to no one until the members admit it (loop/join.py).
   if world.joining:
     claim, workdir = workdir_lib.claim_joining(workdir, host=host, num_hosts=num_hosts,
@@ -237,10 +238,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       config.outer, collective=collective, dispatcher=dispatcher,
       replicas_per_host=replicas_per_host, steps_finished=train_step.steps_finished,
       # every host's steps and seconds ride on the round's sum where the mode has one
-      # sum per round (not streaming's fragments, not ddp's steps), and not under live
-      # membership, whose sums leave out the hosts that are away
-      riders=(*membership.riders, preemption,
-              *((pacer,) if driver.carries_pace and not config.elastic else ())))
+      # sum per round (not streaming's fragments, not ddp's steps)
+      riders=(*membership.riders, preemption, *((pacer,) if driver.carries_pace else ())))
   param_shapes = family.param_shapes(model_cfg)
   outer_step = driver.from_config(config, mesh=mesh, exchange=exchange, params=param_shapes,
                                   pseudo_gradient_hook=pacing.weighted(pacer,

@@ -93,7 +93,7 @@ def _message(parts, state: state_lib.RunState, r: int) -> tuple[bytes, bytes]:
       "shared_sha256": algo_state.fingerprint(shared), "body": record,
       "inflight": [{"round": a.round, "key": a.key, "loss_sum": a.loss_sum,
                     "bad_K": np.asarray(a.bad_K).tolist(), "replicas": a.replicas,
-                    "riders": {name: {word: float(x) for word, x in words.items()}
+                    "riders": {name: {word: np.asarray(x).tolist() for word, x in words.items()}
                                for name, words in a.riders.items()}} for a in arrived]}
   return json.dumps(header, default=str).encode(), data
 
@@ -183,7 +183,8 @@ def _arrived(parts, outer, replicas, saved: dict, mean) -> exchange_lib.Pending:
   residual = outer.residuals.get(key)
   sent = parts.driver.sent_at_boundary(replicas.params)
   zeros = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), sent)
-  riders = types.MappingProxyType({name: {word: np.float32(x) for word, x in words.items()}
+  riders = types.MappingProxyType({name: {word: np.asarray(x, np.float32)
+                                          for word, x in words.items()}
                                    for name, words in saved["riders"].items()})
   future = concurrent.futures.Future()
   future.set_result(exchange_lib.Arrived(

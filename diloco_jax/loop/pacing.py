@@ -7,13 +7,18 @@ this host's Δ is scaled by s = K·w_host / Σw before anything judges or sends 
 (`weighted`), exactly 1.0 when the steps are equal.
 
 The speeds ride the round's sum of pseudo-gradients (the `Pacer` is the exchange's rider
-"pace", in the modes whose driver `carries_pace`, under 'fixed' too, for the records; not
-in elastic mode, whose sums leave out the hosts that are away), so measuring them costs no
-collective and every host reads the same numbers: each host puts into the sum its
-replicas' steps ([K] words, one per replica: tokens = steps × batch × seq_len) and its
-seconds of inner phase ([hosts] words; 0: not measured, a round that compiled). When the
-sum of a round r with r % balance_every == 0 arrives, every host decides the same steps
-from the window's per-host median seconds per step; they hold from the next round on.
+"pace", in the modes whose driver `carries_pace`, under 'fixed' too, for the records), so
+measuring them costs no collective and every host reads the same numbers: each host puts
+into the sum its replicas' steps ([K] words, one per replica: tokens = steps × batch ×
+seq_len) and its seconds of inner phase ([hosts] words; 0: not measured, a round that
+compiled). When the sum of a round r with r % balance_every == 0 arrives, every host
+decides the same steps from the window's per-host median seconds per step; they hold from
+the next round on.
+
+Under live membership a sum holds the hosts present (those with steps in it): the weights
+are over the hosts of the epoch a round's Δ is sent in (`present`), a set of hosts that
+differs from the last sum's restarts the measurements, and a decision is over the hosts
+present (one away keeps H steps until it is measured again).
 
 The decisions and the window's timings are part of the checkpoint (`state`), so a resumed
 run replays what the uninterrupted one decided instead of measuring again.
@@ -22,6 +27,8 @@ run replays what the uninterrupted one decided instead of measuring again.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -51,7 +58,7 @@ class Pacer:
   divisor = None
 
   def __init__(self, config: ml_collections.ConfigDict, *, host: int, num_hosts: int,
-               replicas_per_host: int):
+               replicas_per_host: int, present: Callable[[], Sequence[int]] | None = None):
     self.speed = self.keep = config.balance == "speed"
     self.h, self.num_rounds = config.inner_steps, config.num_rounds
     self.every, self.tolerance = config.balance_every, config.balance_tolerance
@@ -61,6 +68,9 @@ class Pacer:
     self.seconds: dict[int, list[float]] = {}  # round -> per host s/step (0: not measured)
     self.busy: dict[int, float] = {}  # the latest round's inner-phase seconds (`measured`)
     self.changed = False  # a decision was taken since `take_changed` was last asked
+    # the hosts in the next sum (live membership: the epoch's); every host by default
+    self.present = present or (lambda: range(num_hosts))
+    self.last_present: tuple[int, ...] | None = None  # the hosts in the last sum
 
   def steps(self, r: int) -> tuple[int, ...]:
     """Every host's inner steps in round r."""
@@ -70,10 +80,13 @@ class Pacer:
     return self.steps(r)[self.host]
 
   def scale(self, r: int) -> np.float32:
-    """s = K·w_host / Σ_k w_k for this host's replicas in round r: hosts·n_host / Σ n
-    (the replicas per host cancel); 1.0 exactly when every host trains the same steps."""
+    """s = K·w_host / Σ_k w_k for this host's replicas in round r, over the hosts present:
+    hosts·n_host / Σ n (the replicas per host cancel); 1.0 exactly when they train the
+    same steps. (A host lost in the sum leaves that round's weights summing to a little
+    less or more than the replicas left: the mean is off by that much, once.)"""
     steps = self.steps(r)
-    return np.float32(self.num_hosts * steps[self.host] / sum(steps))
+    present = [steps[h] for h in self.present()]
+    return np.float32(len(present) * steps[self.host] / sum(present))
 
   def schedule_steps(self, host: int | None = None) -> int:
     """The length of a host's learning-rate schedule, in its own steps: num_rounds × H
@@ -129,27 +142,35 @@ class Pacer:
     checks the hosts agree on r's steps, keeps their speeds, decides at the window's end
     (taking effect at round now + 1). Returns round r's per-host figures for its record."""
     steps = np.asarray(pace["steps"]).reshape(self.num_hosts, self.replicas_per_host)[:, 0]
-    if tuple(int(s) for s in steps) != self.steps(r):
+    present = tuple(int(h) for h in np.flatnonzero(steps))  # a host away sent nothing
+    decided = self.steps(r)
+    if any(int(steps[h]) != decided[h] for h in present):
       raise BalanceError(f"round {r}: the hosts trained {steps.astype(int).tolist()} inner "
-                         f"steps, this host decided {list(self.steps(r))}: their configs or "
+                         f"steps, this host decided {list(decided)}: their configs or "
                          f"versions differ")
+    if self.last_present is not None and present != self.last_present:
+      self.seconds = {}  # other hosts: measure them anew
+    self.last_present = present
     busy = [float(b) for b in np.asarray(pace["busy"])]
-    self.seconds[r] = [b / s if b > 0 and s > 0 else 0.0 for b, s in zip(busy, self.steps(r))]
+    self.seconds[r] = [b / s if b > 0 and s > 0 else 0.0 for b, s in zip(busy, decided)]
     if self.speed and r % self.every == 0 and now < self.num_rounds:
-      self._decide(r, now + 1)
+      self._decide(r, now + 1, present)
     slowest = max(busy)
     return {"hosts_steps": list(self.steps(r)), "hosts_busy": busy,
             "hosts_idle": [slowest - b for b in busy]}
 
-  def _decide(self, r: int, first: int) -> None:
+  def _decide(self, r: int, first: int, present: tuple[int, ...]) -> None:
     window = [self.seconds[q] for q in range(r - self.every + 1, r + 1) if q in self.seconds]
-    per_host = [[w[h] for w in window if w[h] > 0] for h in range(self.num_hosts)]
+    per_host = [[w[h] for w in window if w[h] > 0] for h in present]
     for q in [q for q in self.seconds if q <= r]:
       del self.seconds[q]
     if not all(per_host):  # a host measured no round of the window: keep the steps
       return
-    steps = balance.speed_steps([statistics.median(s) for s in per_host], self.h,
-                                tolerance=self.tolerance, max_factor=self.max_factor)
+    decided = balance.speed_steps([statistics.median(s) for s in per_host], self.h,
+                                  tolerance=self.tolerance, max_factor=self.max_factor)
+    steps = [self.h] * self.num_hosts  # a host away trains H once back, until measured
+    for h, n in zip(present, decided):
+      steps[h] = n
     # A host's steps change only by more than the tolerance: timings jitter, and a change
     # recompiles that host's inner step (its learning-rate schedule's length).
     current = self.steps(first)
@@ -167,7 +188,8 @@ class Pacer:
 
   def state(self) -> dict[str, Any]:
     return {"decisions": [[d.first, list(d.steps)] for d in self.decisions],
-            "seconds": {str(q): s for q, s in self.seconds.items()}}
+            "seconds": {str(q): s for q, s in self.seconds.items()},
+            "present": None if self.last_present is None else list(self.last_present)}
 
   def restore(self, state: dict[str, Any] | None, *, same_world: bool) -> None:
     """The decisions of a checkpoint (none under 'fixed', or from before a host-count
@@ -177,6 +199,8 @@ class Pacer:
     self.decisions = [Decision(int(f), tuple(int(s) for s in steps))
                       for f, steps in state["decisions"]]
     self.seconds = {int(q): [float(x) for x in s] for q, s in state["seconds"].items()}
+    present = state.get("present")  # (checkpoints of before live membership: none)
+    self.last_present = None if present is None else tuple(int(h) for h in present)
 
   def describe(self) -> dict[str, Any] | None:
     """For run.json: the rule and its decisions."""

@@ -134,10 +134,11 @@ class HostSide:
     """Waits for `pending`; returns the carry with its residual and skip counters moved
     on, the mean to apply (None: skipped) and what arrived."""
     arrived = self.exchange.wait(pending, diagnostics)
+    collective = self.exchange.collective
     counters, synced = skips.decide(
         outer.skips, arrived, replicas_per_host=self.replicas_per_host,
-        tolerated=self.exchange.tolerated, max_skipped_rounds=self.max_skipped_rounds,
-        aggregation=self.exchange.aggregation, host=self.exchange.collective.host_index)
+        max_skipped_rounds=self.max_skipped_rounds, aggregation=self.exchange.aggregation,
+        prints=collective.host_index == min(collective.live))
     residuals = outer.residuals
     if arrived.residual is not None:
       residuals = {**residuals, arrived.key: arrived.residual}

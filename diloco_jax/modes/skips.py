@@ -2,7 +2,7 @@
 
 Each host flags its replicas whose pseudo-gradient is not finite; the flags travel as a [K]
 vector inside the round's cross-host sum, so every host sees the same flags and decides
-the same (docs/algorithms.md §6). Up to `exchange.tolerated` bad replicas are left out by
+the same (docs/algorithms.md §6). Up to `Arrived.tolerated` bad replicas are left out by
 robust aggregation; more skip the outer step on every host; `outer.max_skipped_rounds`
 skipped rounds in a row stop the run. The counters (`state.SkipCounters`) are checkpointed.
 """
@@ -31,18 +31,22 @@ class Synced(NamedTuple):
 
 
 def decide(skips: state_lib.SkipCounters, arrived: exchange_lib.Arrived, *,
-           replicas_per_host: int, tolerated: int, max_skipped_rounds: int,
-           aggregation: str, host: int) -> tuple[state_lib.SkipCounters, Synced]:
+           replicas_per_host: int, max_skipped_rounds: int, aggregation: str,
+           prints: bool) -> tuple[state_lib.SkipCounters, Synced]:
   """Whether to apply `arrived`'s mean: not when more replicas had NaN/Inf in their Δ than
-  robust aggregation leaves out. Every host sees the same flags, so every host decides
-  the same. Raises after `max_skipped_rounds` skipped rounds in a row."""
+  its aggregation leaves out (`arrived.tolerated`). Every host sees the same flags, so
+  every host decides the same; the host that `prints` says so. Raises after
+  `max_skipped_rounds` skipped rounds in a row."""
   bad_K, total = arrived.bad_K, int(skips.total)
   where = ", ".join(f"host {g // replicas_per_host} replica {g % replicas_per_host}"
                     for g in np.flatnonzero(bad_K))
-  if bad_K.sum() <= tolerated:  # none, or trimmed away by robust aggregation
-    if where and host == 0:
+  if prints and arrived.aggregation != aggregation:
+    print(f"WARNING: round {arrived.round}: {arrived.replicas} replicas in the sum are too "
+          f"few for {aggregation}: their mean instead", flush=True)
+  if bad_K.sum() <= arrived.tolerated:  # none, or trimmed away by robust aggregation
+    if where and prints:
       print(f"WARNING: round {arrived.round}: NaN or Inf in the pseudo-gradient of {where}; "
-            f"left out by {aggregation}", flush=True)
+            f"left out by {arrived.aggregation}", flush=True)
     return state_lib.SkipCounters.of(total, 0), Synced(arrived, True, total, where)
   in_a_row = int(skips.in_a_row) + 1
   if in_a_row >= max_skipped_rounds:
@@ -50,7 +54,7 @@ def decide(skips: state_lib.SkipCounters, arrived: exchange_lib.Arrived, *,
         f"round {arrived.round}: pseudo-gradients with NaN or Inf entries in {in_a_row} "
         f"rounds in a row (outer.max_skipped_rounds={max_skipped_rounds}); this round "
         f"from {where}")
-  if host == 0:
+  if prints:
     print(f"WARNING: round {arrived.round}: NaN or Inf in the pseudo-gradient of {where}; "
           f"outer step skipped on every host ({in_a_row} in a row)", flush=True)
   return state_lib.SkipCounters.of(total + 1, in_a_row), Synced(arrived, False, total + 1,

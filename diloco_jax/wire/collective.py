@@ -15,6 +15,9 @@ import contextlib
 import os
 import sys
 from typing import Any
+from typing import Callable
+from typing import Protocol
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,46 @@ from diloco_jax.algo import compress
 
 HOSTS_AXIS = "hosts"
 PyTree = Any
+T = TypeVar("T")
+
+
+class Collective(Protocol):
+  """Sums and gathers across the hosts of a job, issued from the dispatch thread only.
+
+  Attributes:
+    num_hosts: the job's host count (replicas keep their places in [K] vectors).
+    host_index: this host's index among them.
+    live: the hosts that take part in the next op, in order (every host, unless live
+      membership has lost some).
+    bytes_sent: what this host has put on the wire over the run.
+  """
+  num_hosts: int
+  host_index: int
+  live: list[int]
+  bytes_sent: int
+
+  def connect(self, quiet: bool = True) -> None:
+    """Opens the connections between hosts (not counted in `bytes_sent`)."""
+
+  def sum(self, tree: PyTree) -> PyTree:
+    """Σ over the hosts of each leaf; every host gets the same bytes."""
+
+  def mean(self, tree: PyTree) -> PyTree:
+    """`sum` divided by the number of hosts that took part."""
+
+  def allgather(self, x: np.ndarray) -> np.ndarray:
+    """[hosts that took part, *x.shape], in host order."""
+
+  def reduce_encoded(self, x_R: np.ndarray, fmt: str, reduce=None,
+                     **options) -> tuple[np.ndarray, np.ndarray]:
+    """`reduce` over every host's rows, sent encoded (module `reduce_encoded`). Returns
+    the result and this host's rows as carried."""
+
+  def atomic(self, what: str, op: Callable[[Any], T]) -> T:
+    """`op(c)`, where `c` has this interface, as one unit: every host sees all of its
+    collectives over the same hosts (live membership redoes the whole of `op` among the
+    hosts left if one is lost in it, so that a sum and the words summed beside it count
+    the same hosts)."""
 
 
 def _pack(tree: PyTree) -> tuple[dict[np.dtype, np.ndarray], Any]:
@@ -125,7 +168,12 @@ class LocalCollective:
 
   num_hosts = 1
   host_index = 0
+  live = [0]
   bytes_sent = 0  # Over the whole run.
+
+  def atomic(self, what: str, op: Callable[[Any], T]) -> T:
+    del what
+    return op(self)
 
   def sum(self, tree: PyTree) -> PyTree:
     return tree
@@ -172,6 +220,7 @@ class HostCollective:
   def __init__(self):
     self.num_hosts = jax.process_count()
     self.host_index = jax.process_index()
+    self.live = list(range(self.num_hosts))
     mesh = host_mesh()
     self.device = mesh.devices[self.host_index]
     self.bytes_sent = 0
@@ -187,6 +236,10 @@ class HostCollective:
     self._all_to_all = jax.jit(jax.shard_map(
         lambda x: jax.lax.all_to_all(x, HOSTS_AXIS, split_axis=1, concat_axis=0),
         mesh=mesh, in_specs=P(HOSTS_AXIS), out_specs=P(HOSTS_AXIS)))
+
+  def atomic(self, what: str, op: Callable[[Any], T]) -> T:
+    del what  # the hosts are fixed: every op is over all of them
+    return op(self)
 
   def connect(self, quiet: bool = True) -> None:
     """Opens the connections between hosts with a one-byte all-gather (not counted in

@@ -120,7 +120,12 @@ class EpochCollective:
         return verdict.admitted if boundary else result
       self._move_to(verdict.epoch, what)
 
-  # -- collective.HostCollective's interface ---------------------------------------------
+  # -- collective.Collective ---------------------------------------------------------------
+
+  def atomic(self, what: str, op: Callable[[Peers], Any]) -> Any:
+    """`op(peers)` as one op the coordinator commits: redone whole among the members left
+    if one is lost in it (`peers` has the collective interface over the epoch)."""
+    return self._unit(what, op)
 
   def connect(self, quiet: bool = True) -> None:
     del quiet

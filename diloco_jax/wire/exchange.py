@@ -108,6 +108,9 @@ class Arrived:
     riders: each rider's words summed over the hosts, by the rider's name (numpy).
     replicas: the replicas the mean is over: K, or fewer where a rider's `divisor` counts
       the replicas that took part (live membership: a host that left takes its out).
+    aggregation: how the replicas' Δ were combined: `outer.aggregation`, or 'mean' where
+      the replicas present were too few for it (`aggregate.for_replicas`).
+    tolerated: how many non-finite Δ that combination leaves out (0 for the mean).
   """
   round: int
   key: int
@@ -122,6 +125,8 @@ class Arrived:
   diagnostics: concurrent.futures.Future | None = None
   riders: Mapping[str, Words] = dataclasses.field(default_factory=dict)
   replicas: int = 0
+  aggregation: str = "mean"
+  tolerated: int = 0
 
 
 def entries(tree: Params) -> int:
@@ -170,7 +175,6 @@ class Exchange:
     self.feedback = outer.error_feedback and outer.compression != "none"
     self.plain = outer.compression == "none" and outer.aggregation == "mean"
     self.aggregates = outer.aggregation != "mean"  # the wire returns Δ̄, not Σ Δ
-    self.tolerated = aggregate.tolerated(outer.aggregation, self.num_replicas, outer.trim)
     self.host_device = (getattr(collective, "device", None)
                         or jax.local_devices(backend="cpu")[0])
     self._sum_R = jax.jit(diloco.replica_sum)
@@ -216,29 +220,43 @@ class Exchange:
   def _job(self, payload, rows, residual, round_: int, key: int) -> Arrived:
     """On the dispatch thread: the collective, then the mean."""
     t, done, sent = time.perf_counter(), self.steps_finished(), self.collective.bytes_sent
-    total = self.collective.sum(payload)
-    if rows is not None:
-      total["delta"], residual = self._reduce_rows(rows, residual)
+
+    def op(c):  # the words and Δ over the same hosts, even if one is lost meanwhile
+      total = c.sum(payload)
+      carried, aggregation = residual, self.aggregation
+      if rows is not None:
+        # K of this op: a live job's sums are over the hosts present (the epoch's).
+        aggregation = aggregate.for_replicas(self.aggregation,
+                                             c.num_hosts * self.replicas_per_host, self.trim)
+        total["delta"], carried = self._reduce_rows(c, rows, residual, aggregation)
+      return total, carried, aggregation
+    total, residual, aggregation = self.collective.atomic("the sum of pseudo-gradients", op)
     jax.block_until_ready(total)
     collective_time, overlap_steps = time.perf_counter() - t, self.steps_finished() - done
     riders = {name: {word: np.asarray(x) for word, x in words.items()}
               for name, words in total.get("riders", {}).items()}
-    replicas = self.num_replicas
-    if self.aggregates:
-      mean = jax.device_put(total["delta"], self.host_device)
-    elif self.divisor is not None and self.divisor.name in riders:
+    replicas, count = self.num_replicas, None
+    if self.divisor is not None and self.divisor.name in riders:
       count = riders[self.divisor.name][self.divisor.divisor]
-      mean, replicas = self._mean_by(total["delta"], count), int(count)
+      replicas = int(count)
+    if self.aggregates:  # the wire combined the rows itself
+      mean = jax.device_put(total["delta"], self.host_device)
+    elif count is not None:
+      mean = self._mean_by(total["delta"], count)
     else:
       mean = self._mean(total["delta"])
     return Arrived(round_, key, jax.block_until_ready(mean), np.asarray(total["bad"]) > 0,
                    float(np.asarray(total["loss"])), residual, collective_time,
                    self.collective.bytes_sent - sent, overlap_steps,
-                   riders=types.MappingProxyType(riders), replicas=replicas)
+                   riders=types.MappingProxyType(riders), replicas=replicas,
+                   aggregation=aggregation,
+                   tolerated=aggregate.tolerated(aggregation, replicas, self.trim))
 
-  def _reduce_rows(self, rows: Params, residual: np.ndarray | None):
-    """Σ over all K replicas (mean) or Δ̄ (robust aggregation) of `rows`, sent encoded;
-    the same bytes on every host. Returns it and the residual after this send."""
+  def _reduce_rows(self, collective, rows: Params, residual: np.ndarray | None,
+                   aggregation: str):
+    """Σ over the replicas (aggregation 'mean': rows of host sums) or their `aggregation`
+    (rows of replicas) of `rows`, sent encoded over `collective`; the same bytes on every
+    host. Returns it and the residual after this send."""
     leaves, treedef = jax.tree.flatten(rows)
     x = np.concatenate([np.asarray(v, np.float32).reshape(v.shape[0], -1) for v in leaves],
                        axis=1)
@@ -246,10 +264,8 @@ class Exchange:
       x = x + (residual if self.decay == 1 else np.float32(self.decay) * residual)
     combine = collective_lib.sum_rows
     if self.aggregates:
-      combine = functools.partial(aggregate.aggregate, aggregation=self.aggregation,
-                                  trim=self.trim)
-    out, carried = self.collective.reduce_encoded(x, self.compression, combine,
-                                                  **self.wire_options)
+      combine = functools.partial(aggregate.aggregate, aggregation=aggregation, trim=self.trim)
+    out, carried = collective.reduce_encoded(x, self.compression, combine, **self.wire_options)
     if self.feedback:
       residual = x - carried
       residual = np.where(np.isfinite(residual), residual, np.float32(0))
@@ -275,8 +291,8 @@ class Exchange:
     """(1/K) Σ of every replica's params over all hosts (eager mode's final model)."""
     total = self.dispatcher.run(self.collective.sum, self._sum_R(params_R),
                                 what="cross-host mean of the final params")
-    live = getattr(self.collective, "live", None)  # live membership: the hosts left
-    if live is None or len(live) == self.collective.num_hosts:
+    live = self.collective.live  # live membership: the hosts left
+    if len(live) == self.collective.num_hosts:
       return self._mean(total)
     return self._mean_by(total, np.float32(len(live) * self.replicas_per_host))
 
