@@ -126,7 +126,7 @@ def run_jax(args, net, flags: list[str], data: str, cpus: list[int], alone: bool
   try:
     if live:  # the membership coordinator beside host 0, in its namespace (not pinned)
       procs.append(subprocess.Popen(net.command(0, [
-          sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
+          sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
           "--max_hosts=2", f"--bind={net.address(0)}", "--lease_s=10"]),
           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     trainers = [subprocess.Popen(net.command(i, [

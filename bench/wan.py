@@ -164,7 +164,7 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
       if LIVE[name]:
         env["DILOCO_JOIN_TOKEN"] = LIVE[name]
       coordinator = subprocess.Popen(net.command(0, [
-          sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
+          sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
           f"--max_hosts={net.num_hosts}", f"--bind={net.address(0)}", "--lease_s=10"]),
           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
       join[0] = "--membership"

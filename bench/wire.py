@@ -109,8 +109,8 @@ def worker(job: dict) -> None:
   gloo = collective.HostCollective()
   gloo.connect()
   members = tuple(range(hosts))
-  plain = Peers(Epoch(1, members, tuple(job["plain"])), host, timeout_s=300)
-  keyed = Peers(Epoch(2, members, tuple(job["keyed"])), host,
+  plain = Peers(Epoch.of(1, members, tuple(job["plain"])), host, timeout_s=300)
+  keyed = Peers(Epoch.of(2, members, tuple(job["keyed"])), host,
                 token=JoinToken(TOKEN, "bench"), timeout_s=300)
   plain.connect()
   keyed.connect()

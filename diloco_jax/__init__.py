@@ -4,15 +4,17 @@ The package is layered; each subpackage imports only from the layers below it
 (tests/test_layers.py checks it; docs/architecture.md has the table):
 
   entry points   train, prepare, sample, export, plan   (`python -m diloco_jax.<name>`)
-  loop | readback    the round loop: parts + state, build, resume, pacing, membership |
+  loop | readback    the round loop: parts + state, build, resume, pacing, a join |
                      a finished run's model read back (sample, export)
   checkpoints | reporting   the stores of a round boundary | the round log and its writers
+  membership     who trains together: the coordinator, leases, the epoch's collective
   config | planning   the schema and its validation | a run's time and bytes, before it
                  runs: both judge a run by its mode's traits, so they sit above `modes`
   modes          one driver per mode behind `modes.base.Driver` (with the mode's traits),
                  their registry, and `simulate`
   wire | data | device   cross-host sums | input pipelines | the inner step on the devices
-  runtime        start-up, coordination, preemption, elasticity, host memory, the lock
+  runtime        jax.distributed (ddp), coordination, preemption, security, host memory,
+                 the lock
   algo | models | corpus   the math of every mode | model families | corpora to prepare
   errors, units, digest, _version   the base
 

@@ -70,7 +70,7 @@ _JOIN_TOKEN_FILE = flags.DEFINE_string(
     "line, where `ps` shows it. Unset: the job is unauthenticated (docs/security.md).")
 _MEMBERSHIP = flags.DEFINE_string(
     "membership", None, "host:port of a membership coordinator (python -m "
-    "diloco_jax.runtime.coordinator), the same on every host: live membership, where any "
+    "diloco_jax.membership.coordinator), the same on every host: live membership, where any "
     "host may die and the others train on (docs/fault-tolerance.md). The hosts then run no "
     "jax.distributed job (--coordinator_address is not used); --num_hosts hosts must "
     "register before training starts (env DILOCO_MEMBERSHIP).")
@@ -299,11 +299,11 @@ def main(argv):
 
 
 def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> None:
-  """A job whose membership is live (--membership; loop/live.py): every exit is this
+  """A job whose membership is live (--membership; membership/start.py): every exit is this
   process's own, with its one line."""
   # pylint: disable=import-outside-toplevel
   from diloco_jax.checkpoints import store
-  from diloco_jax.loop import live
+  from diloco_jax.membership import start as live
   from diloco_jax.loop import trainer
   from diloco_jax.wire import dispatch
   # pylint: enable=import-outside-toplevel

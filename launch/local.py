@@ -16,7 +16,7 @@ first. Hosts die with the launcher even if it is SIGKILLed.
 hosts on different machines with disks of their own would have: each keeps its own
 checkpoints, and a host whose directory was wiped heals from the others.
 
---live starts a membership coordinator (python -m diloco_jax.runtime.coordinator) beside
+--live starts a membership coordinator (python -m diloco_jax.membership.coordinator) beside
 the hosts and gives them --membership instead of --coordinator_address: live membership,
 where a host that dies (host 0 included) is dropped and the others train on. Hosts no longer
 share fate: the launcher waits for every host, reports each one that died, and exits 0 when
@@ -86,7 +86,7 @@ class Hosts:
     self.coordinator: subprocess.Popen | None = None
     if live:
       self.coordinator = subprocess.Popen(
-          [sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
+          [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
            f"--max_hosts={self.max_hosts}", f"--lease_s={lease_s}"],
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
           start_new_session=True, preexec_fn=_die_with_parent)

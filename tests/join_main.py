@@ -2,9 +2,9 @@
 
   python tests/join_main.py HOST PORT NUM_HOSTS ROUNDS PAYLOAD_BYTES [FAULT]
 
-Registers as host HOST with the membership coordinator at 127.0.0.1:PORT (runtime/lease.py;
+Registers as host HOST with the membership coordinator at 127.0.0.1:PORT (membership/lease.py;
 a member waits for an epoch of NUM_HOSTS hosts) and sums over the epoch wire
-(wire/epochs.py), as loop/join.py does in the trainer:
+(membership/collective.py), as loop/join.py does in the trainer:
 - a member runs rounds 1..ROUNDS: each an all-gather of the round (every row must be it: no
   host is a round apart), an all-gather of whether it has seen a host waiting to join (so
   every member decides alike), and if one has, a round boundary and, if it admitted hosts,
@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
-from diloco_jax.runtime import lease as lease_lib
-from diloco_jax.wire import epochs
+from diloco_jax.membership import lease as lease_lib
+from diloco_jax.membership import collective as epochs
 from diloco_jax.wire import peers as peers_lib
 
 FAULTS = ("", "die_receiving", "die_sending", "rejoin")

@@ -1,4 +1,4 @@
-"""The membership coordinator (runtime/coordinator.py): leases, epochs that only grow, frames
+"""The membership coordinator (membership/coordinator.py): leases, epochs that only grow, frames
 authenticated with a key from the join token, and a host that outlives the coordinator."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 import pytest
 import zmq
 
-from diloco_jax.runtime import coordinator as co
-from diloco_jax.runtime import lease as lease_lib
-from diloco_jax.runtime import ledger as ledger_lib
+from diloco_jax.membership import coordinator as co
+from diloco_jax.membership import lease as lease_lib
+from diloco_jax.membership import ledger as ledger_lib
 from diloco_jax.runtime import security
-from diloco_jax.runtime.coordinator_client import Client, CoordinatorLost
+from diloco_jax.membership.client import Client, CoordinatorLost
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
@@ -136,20 +136,20 @@ def test_another_token_a_forged_frame_and_replays_are_dropped_with_one_line_each
       # a well-formed heartbeat with a MAC under no key of ours
       reg = host.registration
       forged = {"op": "heartbeat", "host": 0, "incarnation": reg.incarnation, "seq": 99}
-      assert send([co.seal(b"x" * 32, co.C2S, forged)[0], b"\0" * 32])[1] == b""
+      assert send([co.sign(b"x" * 32, co.C2S, forged)[0], b"\0" * 32])[1] == b""
       # a heartbeat seen on the wire, sent again (its counter does not grow)
       host.heartbeat()
-      seen = co.seal(co.key_for(TOKEN), co.C2S, {"op": "heartbeat", "host": 0,
+      seen = co.sign(co.key_for(TOKEN), co.C2S, {"op": "heartbeat", "host": 0,
                                                   "incarnation": reg.incarnation, "seq": 2})
-      assert co.unseal(co.key_for(TOKEN), co.S2C, send(seen))["op"] == "epoch"  # the first time
+      assert co.verify(co.key_for(TOKEN), co.S2C, send(seen))["op"] == "epoch"  # the first time
       assert send(seen)[1] == b""
       # a register whose challenge was answered once already
-      hello = co.unseal(co.key_for(TOKEN), co.S2C, send(co.seal(
+      hello = co.verify(co.key_for(TOKEN), co.S2C, send(co.sign(
           co.key_for(TOKEN), co.C2S, {"op": "hello", "nonce": "n"})))
-      register = co.seal(co.key_for(TOKEN), co.C2S, {
+      register = co.sign(co.key_for(TOKEN), co.C2S, {
           "op": "register", "challenge": hello["challenge"], "host": 1, "address": "tcp://r",
           "last_epoch": 0})
-      assert co.unseal(co.key_for(TOKEN), co.S2C, send(register))["op"] == "registered"
+      assert co.verify(co.key_for(TOKEN), co.S2C, send(register))["op"] == "registered"
       assert send(register)[1] == b""
     finally:
       ctx.destroy(linger=0)
@@ -196,7 +196,7 @@ def test_the_number_only_grows_across_a_restart_of_the_coordinator():
 def test_as_a_process_it_stops_on_sigterm_and_its_loss_is_one_line_on_a_host():
   port = free_port()
   env = dict(os.environ, DILOCO_JOIN_TOKEN="a-join-token-for-the-tests", PYTHONPATH=REPO)
-  cmd = [sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={port}",
+  cmd = [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
          "--max_hosts=2", f"--lease_s={LEASE_S}"]
 
   def start() -> subprocess.Popen:
@@ -373,11 +373,11 @@ def test_late_votes_get_the_stored_verdict_and_odd_votes_are_dropped():
   # a late vote, even not ok, does not turn a commit into a redo
   assert verdict(hosts.vote(1, e, 1, now=3.0, ok=False, suspect=0)) == (True, e, (0, 1, 2))
   assert verdict(hosts.vote(3, e, 1, now=3.0)) == (True, e, (0, 1, 2))  # a verdict to anyone
-  with pytest.raises(co.Dropped, match=rf"host 3 for op 2 of epoch {e}, which it is not a member"):
+  with pytest.raises(co.BadRequest, match=rf"host 3 for op 2 of epoch {e}, which it is not a member"):
     hosts.vote(3, e, 2, now=3.0)
-  with pytest.raises(co.Dropped, match=rf"for epoch {e + 5}, above the current {e + 1}"):
+  with pytest.raises(co.BadRequest, match=rf"for epoch {e + 5}, above the current {e + 1}"):
     hosts.vote(0, e + 5, 1, now=3.0)
-  with pytest.raises(co.Dropped, match=r"malformed 'commit' request"):
+  with pytest.raises(co.BadRequest, match=r"malformed 'commit' request"):
     ledger.handle(hosts.frame(0, "commit", epoch=e + 1, step=1, ok="yes", suspect=None), 3.0)
 
 
@@ -386,7 +386,7 @@ def test_only_the_last_verdicts_are_kept_and_an_older_vote_is_not_decided_again(
   for step in range(ledger_lib.VERDICTS_KEPT + 1):
     assert verdict(hosts.vote(0, e, step, now=1.0))[0] is True
   assert verdict(hosts.vote(0, e, 1, now=1.0))[0] is True
-  with pytest.raises(co.Dropped, match=r"its verdict is no longer kept"):
+  with pytest.raises(co.BadRequest, match=r"its verdict is no longer kept"):
     hosts.vote(0, e, 0, now=1.0)
 
 
@@ -394,7 +394,7 @@ def test_a_replayed_commit_frame_is_dropped_and_a_commit_renews_the_lease():
   ledger, hosts, _, e = ledger_of(2)
   frame = hosts.frame(0, "commit", epoch=e, step=3, ok=True, suspect=None)
   assert ledger.handle(frame, 1.0)["op"] == "wait"
-  with pytest.raises(co.Dropped, match=r"commit #1 of host 0 after #1 \(a replay\?\)"):
+  with pytest.raises(co.BadRequest, match=r"commit #1 of host 0 after #1 \(a replay\?\)"):
     ledger.handle(frame, 1.0)
   hosts.vote(1, e, 3, now=9.0)
   ledger.expire(12.0)  # host 1's commit renewed its lease; host 0's ran out at 10

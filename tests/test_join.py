@@ -1,6 +1,6 @@
 """A failure during a live join (issue 46): none ends or corrupts the run.
 
-Each test starts a membership coordinator (runtime/coordinator.py) and host processes
+Each test starts a membership coordinator (membership/coordinator.py) and host processes
 (tests/join_main.py: the lease, the epoch wire, the round boundary and the state transfer as
 loop/join.py runs them, without training), then asserts exact outcomes from their lines:
 - the joiner dies mid-transfer: the members redo the transfer without it and finish;
@@ -113,7 +113,7 @@ class Job:
     for _ in range(3):  # a port free a moment ago may be taken by the time it listens
       self.port = free_port()
       self.coordinator = Proc("coordinator", [
-          sys.executable, "-m", "diloco_jax.runtime.coordinator", f"--port={self.port}",
+          sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={self.port}",
           f"--max_hosts={max_hosts}", f"--lease_s={LEASE_S}"])
       try:
         self.coordinator.wait_for("listening on", time.monotonic() + 30)

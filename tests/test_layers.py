@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("diloco_jax", "train", "prepare", "sample", "export", "plan"),  # entry points, the root
     ("loop", "readback"),
     ("checkpoints", "reporting"),
+    ("membership",),  # who trains together: coordinator, leases, the epoch's collective
     ("config", "planning"),  # a run judged before it exists, by its mode's traits
     ("modes",),
     ("wire", "data", "device"),

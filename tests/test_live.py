@@ -168,7 +168,7 @@ def test_a_lost_coordinator_stops_every_host_in_one_line_and_the_job_resumes(tmp
   for line in launcher.stdout:
     lines.append(line)
     if re.search(r"\] round +4/", line):
-      coordinator = next(p for p in multihost.children(launcher.pid) if "runtime.coordinator"
+      coordinator = next(p for p in multihost.children(launcher.pid) if "membership.coordinator"
                          in open(f"/proc/{p}/cmdline").read())
       os.kill(coordinator, signal.SIGKILL)
   launcher.wait(timeout=300)

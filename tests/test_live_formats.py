@@ -27,12 +27,12 @@ import pytest
 
 from diloco_jax import config as config_lib
 from diloco_jax.algo import state as state_lib
-from diloco_jax.loop import membership
+from diloco_jax.membership import manager as membership
 from diloco_jax.modes import skips
-from diloco_jax.runtime import coordinator
-from diloco_jax.runtime import lease as lease_lib
+from diloco_jax.membership import coordinator
+from diloco_jax.membership import lease as lease_lib
 from diloco_jax.wire import dispatch
-from diloco_jax.wire import epochs
+from diloco_jax.membership import collective as epochs
 from diloco_jax.wire import exchange
 from tests import multihost
 from tests.test_sparseloco import BETA

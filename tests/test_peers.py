@@ -49,7 +49,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def make_epoch(hosts, number=1) -> Epoch:
-  return Epoch(number, tuple(hosts), tuple(f"127.0.0.1:{p}" for p in free_ports(len(hosts))))
+  return Epoch.of(number, tuple(hosts), tuple(f"127.0.0.1:{p}" for p in free_ports(len(hosts))))
 
 
 def run_all(fns, timeout=20.0) -> list:
@@ -242,7 +242,7 @@ def test_forged_and_replayed_frames_are_dropped_with_one_line_each(monkeypatch):
   monkeypatch.setattr(frames, "seal", seal)
   recorded = next(m for m in sealed if frames.HEADER.unpack(m[0])[2:6] == (
       frames.SCATTER, 1, 1, 0))
-  second = Epoch(2, first.hosts, first.addresses)
+  second = Epoch.of(2, first.hosts, first.addresses)
   header = frames.Header(frames.SCATTER, 2, 1, 0, 0, 16, 0).pack()
   forged = [[header, b"\0" * 16], [header, b"\0" * 16, b"\1" * frames.MAC_BYTES], recorded]
   p0 = Peers(second, 0, token=TOKEN, timeout_s=10, log=lines.append)
@@ -287,7 +287,7 @@ MEMBER = textwrap.dedent("""
     from diloco_jax.runtime.security import JoinToken
     from diloco_jax.wire.epoch import Epoch
     from diloco_jax.wire.peers import Peers
-    epoch = Epoch(1, (0, 1, 2), tuple(sys.argv[1].split(",")))
+    epoch = Epoch.of(1, (0, 1, 2), tuple(sys.argv[1].split(",")))
     p = Peers(epoch, 2, token=JoinToken("a-join-token-for-the-tests", "test"), timeout_s=10)
     p.allreduce_sum(np.full(4, 3, np.float32))
     print("summed", flush=True)

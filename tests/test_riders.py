@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import config as config_lib
-from diloco_jax.loop import membership
+from diloco_jax.membership import manager as membership
 from diloco_jax.loop import pacing
 from diloco_jax.runtime import preemption
 from diloco_jax.wire import dispatch

@@ -169,12 +169,12 @@ def test_after_a_host_count_change_every_replica_reads_a_disjoint_new_shard(tmp_
   for i in range(len(seen)):
     for j in range(i):
       assert not seen[i] & seen[j], (i, j)
-  world = resize.World(4, 3, ())
+  world = resize.Change(4, 3, ())
   assert world.changed and world.partial
   assert "cut into 6 shards" in world.message(9, replicas_per_host=2, inflight=True)
   with pytest.raises(store.CheckpointError, match="mode 'eager' keeps an outer state"):
-    resize.check_mode(resize.World(2, 2, (1,)), "eager", "checkpoint 3")
-  resize.check_mode(resize.World(2, 2, ()), "eager", "checkpoint 3")
+    resize.check_mode(resize.Change(2, 2, (1,)), "eager", "checkpoint 3")
+  resize.check_mode(resize.Change(2, 2, ()), "eager", "checkpoint 3")
 
 
 def test_launcher_needs_a_workdir_to_split():

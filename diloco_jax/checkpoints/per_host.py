@@ -47,7 +47,7 @@ from diloco_jax.algo import state as state_lib
 from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import recovery
 from diloco_jax.checkpoints import store
-from diloco_jax.runtime import world
+from diloco_jax.membership import world
 from diloco_jax.wire import collective as collective_lib
 
 PARTIAL = ".partial-"

@@ -32,15 +32,17 @@ from diloco_jax.modes import registry
 
 
 @dataclasses.dataclass(frozen=True)
-class World:
-  """Attributes: saved_hosts, the hosts that wrote the checkpoint; hosts, this run's;
+class Change:
+  """How the hosts resuming differ from those that wrote the checkpoint.
+
+  Attributes: saved_hosts, the hosts that wrote the checkpoint; hosts, this run's;
   missing, this run's hosts without a row of their own (the same on every host)."""
   saved_hosts: int
   hosts: int
   missing: tuple[int, ...]
 
   @classmethod
-  def of(cls, snap: store.Snapshot, hosts: int) -> World:
+  def of(cls, snap: store.Snapshot, hosts: int) -> Change:
     return cls(int(snap.meta["num_hosts"]), hosts, tuple(snap.missing))
 
   @property
@@ -73,13 +75,13 @@ class World:
     return "resuming with changes: " + "; ".join(parts)
 
 
-def check_mode(world: World, mode: str, where: str) -> None:
-  """A CheckpointError if `world` leaves a replica without its row and `mode`'s replicas
+def check_mode(change: Change, mode: str, where: str) -> None:
+  """A CheckpointError if `change` leaves a replica without its row and `mode`'s replicas
   cannot start from the anchor."""
   needs_own_rows = registry.driver(mode).needs_own_rows
-  if world.partial and needs_own_rows:
-    who = (f"host(s) {list(world.missing)} have no row of their own in it" if world.missing
-           else f"it was written by {world.saved_hosts} host(s), this run has {world.hosts}")
+  if change.partial and needs_own_rows:
+    who = (f"host(s) {list(change.missing)} have no row of their own in it" if change.missing
+           else f"it was written by {change.saved_hosts} host(s), this run has {change.hosts}")
     raise store.CheckpointError(
         f"{where}: {who}, and mode {mode!r} {needs_own_rows.why}, so those replicas "
         f"cannot start from the anchor. Resume with the hosts and disks that wrote it. "

@@ -1,2 +1,2 @@
 """The round loop: the run's parts (`build`), its state (`RunState`), resuming it, pacing
-hosts of unequal speed, and the job's membership."""
+hosts of unequal speed, and a host joining a live job."""

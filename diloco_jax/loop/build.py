@@ -27,7 +27,7 @@ from diloco_jax.data import pipeline as data_lib
 from diloco_jax.data import resolve
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
-from diloco_jax.loop import membership as membership_lib
+from diloco_jax.membership import manager as membership_lib
 from diloco_jax.loop import pacing
 from diloco_jax.loop import runinfo
 from diloco_jax.loop import state as state_lib
@@ -40,7 +40,7 @@ from diloco_jax.reporting import metrics
 from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import preemption as preemption_lib
-from diloco_jax.runtime import world as world_lib
+from diloco_jax.membership import world as world_lib
 from diloco_jax.runtime import workdir as workdir_lib
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib

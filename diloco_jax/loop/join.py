@@ -1,7 +1,7 @@
 """A host joins a live job at a round boundary; no member stops.
 
 A host started while the job runs (a restarted id, its disk wiped or not, or a new id) finds
-itself pending at the coordinator (`runtime/lease.py`): it builds everything it needs, then
+itself pending at the coordinator (`membership/lease.py`): it builds everything it needs, then
 registers again, ready, and waits. Each member's sums carry whether it has seen a host
 waiting (`membership.LiveReplicas`), so every member learns it from the same sum and, at the
 end of the same round r, all of them run `admit`:
@@ -49,7 +49,7 @@ from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import store
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
-from diloco_jax.runtime import world as world_lib
+from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import exchange as exchange_lib
 
 FORMAT = "diloco_jax.join/1"

@@ -16,7 +16,7 @@ import numpy as np
 
 from diloco_jax.checkpoints import resize
 from diloco_jax.checkpoints import store
-from diloco_jax.loop import membership
+from diloco_jax.membership import manager as membership
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import pretrained
@@ -36,28 +36,28 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
     state = state.replace(start={"round": 0, "storage": storage}, round=0)
     return _from_pretrained(parts, state) if config.model.init_from else state
   r = snap.round
-  world = resize.World.of(snap, parts.num_hosts)
-  resize.check_mode(world, config.mode, where=f"checkpoint {r}")
-  parts.pacer.restore(snap.meta.get("balance"), same_world=not world.changed)
+  change = resize.Change.of(snap, parts.num_hosts)
+  resize.check_mode(change, config.mode, where=f"checkpoint {r}")
+  parts.pacer.restore(snap.meta.get("balance"), same_world=not change.changed)
   state = rounds.reschedule(parts, state.replace(finished_before=snap.meta["finished"], round=r))
-  own = resize.without_inflight(snap.own) if world.partial else snap.own
+  own = resize.without_inflight(snap.own) if change.partial else snap.own
   if own is None:  # a new, wiped or returning host: no row of its own
     outer, replicas = membership.rejoin(
-        parts.driver, snap, parts.init_replicas, None if world.changed else parts.data,
+        parts.driver, snap, parts.init_replicas, None if change.changed else parts.data,
         parts.pacer.steps_done(r))
   else:
     outer = parts.driver.join(snap.shared, own)
     replicas = parts.inner.place(own["replicas"])
-    if not world.changed:  # else every replica starts a new pass over the new shards
+    if not change.changed:  # else every replica starts a new pass over the new shards
       parts.data.set_state(store.decode_json(own["data"]))
   recovered = parts.store.recovered
   state = state.replace(outer=outer, replicas=replicas, start={
-      "round": r, "storage": storage, **world.describe(),
+      "round": r, "storage": storage, **change.describe(),
       "healed_from": recovered.source if recovered and recovered.healed else None,
       "heal_bytes": recovered.bytes if recovered else 0,
       "heal_seconds": recovered.seconds if recovered else 0.0})
-  if parts.prints and world.partial:
-    print(world.message(r, replicas_per_host=parts.replicas_per_host,
+  if parts.prints and change.partial:
+    print(change.message(r, replicas_per_host=parts.replicas_per_host,
                         inflight=bool(snap.meta["inflight"])), flush=True)
   if parts.prints:
     metrics.print_resumed(r, parts.store.directory, replicas=parts.num_replicas,

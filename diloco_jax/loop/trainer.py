@@ -32,7 +32,7 @@ from diloco_jax.reporting import metrics
 from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import hostmem
-from diloco_jax.runtime import world as world_lib
+from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import dispatch
 
 

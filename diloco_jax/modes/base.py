@@ -3,7 +3,7 @@
 Every mode's driver (`outer.OuterStep` for sync, delayed and eager over a `diloco` rule,
 `streaming.StreamingOuterStep`, `ddp.DDPRound`) is looked up by name in `registry.py`
 and used only through the members declared here, by the round loop (`loop/trainer.py`),
-a host that starts from the shared state (`loop/membership.py`, `loop/join.py`) and the
+a host that starts from the shared state (`membership/manager.py`, `loop/join.py`) and the
 reader of a run's model (`readback/trained.py`). Every call of a running driver returns new values (an `Update`, an
 `Outer`), never a mutation of what it was given.
 """

@@ -1,2 +1,2 @@
-"""The process among its peers: cluster start-up, the coordination service, the link
-watchdog, preemption, elasticity, security, host memory and the workdir lock."""
+"""The process among its peers: jax.distributed's start-up (ddp), the coordination service,
+the link watchdog, preemption, security, host memory and the workdir lock."""

@@ -47,12 +47,11 @@ class SecurityError(errors.DilocoError, RuntimeError):
   prefix = "Start-up failed"
 
 
-def split_address(address: str) -> tuple[str, int]:
-  """'host:port' or '[v6]:port' -> (host, port)."""
-  host, sep, port = address.rpartition(":")
+def split_address(address: str, where: str = "--coordinator_address") -> tuple[str, int]:
+  """'host:port' or '[v6]:port' -> (host, port); an error naming `where` otherwise."""
+  host, sep, port = str(address).rpartition(":")
   if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise SecurityError(f"--coordinator_address={address!r}: expected host:port, e.g. "
-                        "10.0.0.1:61000")
+    raise SecurityError(f"{where}={address!r}: expected host:port, e.g. 10.0.0.1:61000")
   return host.strip("[]"), int(port)
 
 

@@ -1,9 +1,9 @@
 """A membership epoch: who takes part in the sums, where they listen, and the key of their frames.
 
-An `Epoch` is a value: a number that only grows, the member host ids in the order every sum
-is reduced in, and each member's address (host:port, where it listens for this epoch's
-frames). The membership layer (a later part of issue 45) agrees on one and hands it to every
-member; `wire/peers.py` opens connections for it. Connections belong to one epoch: opening the
+An `Epoch` is a value: a number that only grows, the members in the order every sum is
+reduced in, and each member's address (host:port, where it listens for this epoch's
+frames). The membership coordinator (`membership/ledger.py`) announces one and every member
+gets it; `wire/peers.py` opens connections for it. Connections belong to one epoch: opening the
 next closes every socket of this one, nothing is cached across epochs, and a frame that names
 another epoch is dropped.
 
@@ -18,12 +18,8 @@ crosses the network.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 from diloco_jax import errors
-
-if TYPE_CHECKING:
-  from diloco_jax.runtime import security
+from diloco_jax.runtime import security
 
 
 class WireError(errors.DilocoError, RuntimeError):
@@ -42,32 +38,57 @@ class PeerError(WireError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Epoch:
-  """One membership: `number` (only grows), `hosts` (member host ids, in reduction order),
-  `addresses` (each member's "host:port", in the order of `hosts`)."""
-  number: int
-  hosts: tuple[int, ...]
-  addresses: tuple[str, ...]
+class Member:
+  """A host in an epoch: its id, its incarnation (random, new at each registration: the
+  coordinator's, "" where none) and where its peers reach it ("host:port")."""
+  host: int
+  incarnation: str
+  address: str
 
-  def __post_init__(self):
-    object.__setattr__(self, "hosts", tuple(int(h) for h in self.hosts))
-    object.__setattr__(self, "addresses", tuple(str(a) for a in self.addresses))
-    if self.number < 0:
-      raise WireError(f"epoch number {self.number}: must be >= 0")
-    if not self.hosts:
-      raise WireError(f"epoch {self.number}: no member hosts")
-    if len(set(self.hosts)) != len(self.hosts) or min(self.hosts) < 0:
-      raise WireError(f"epoch {self.number}: member host ids {list(self.hosts)} must be "
-                      "distinct and >= 0")
-    if len(self.addresses) != len(self.hosts):
-      raise WireError(f"epoch {self.number}: {len(self.hosts)} hosts but "
-                      f"{len(self.addresses)} addresses")
-    for host, address in zip(self.hosts, self.addresses):
-      split_address(address, f"epoch {self.number}, host {host}")
+
+@dataclasses.dataclass(frozen=True)
+class Epoch:
+  """Who trains together: `members` in host order, the order every sum is reduced in.
+  `number` only grows; `boot` (random at each start of the coordinator) tells apart two
+  epochs that got one number from coordinators before and after a restart; `first_step`:
+  the op its members continue at (the op after the one whose commit admitted a host, the
+  op redone, 0 at start-up), so that a host admitted into it numbers its ops like them."""
+  number: int
+  members: tuple[Member, ...]
+  boot: str = ""
+  first_step: int = 0
+
+  @classmethod
+  def of(cls, number: int, hosts, addresses) -> Epoch:
+    """An epoch of these hosts at these addresses (no incarnations: the wire alone)."""
+    return cls(number, tuple(Member(int(h), "", str(a)) for h, a in zip(hosts, addresses,
+                                                                        strict=True)))
+
+  @property
+  def hosts(self) -> tuple[int, ...]:
+    return tuple(m.host for m in self.members)
+
+  @property
+  def addresses(self) -> tuple[str, ...]:
+    return tuple(m.address for m in self.members)
 
   @property
   def size(self) -> int:
-    return len(self.hosts)
+    return len(self.members)
+
+  def check(self) -> Epoch:
+    """This epoch, if connections can be opened for it: members, distinct ids, addresses."""
+    if self.number < 0:
+      raise WireError(f"epoch number {self.number}: must be >= 0")
+    if not self.members:
+      raise WireError(f"epoch {self.number}: no member hosts")
+    hosts = self.hosts
+    if len(set(hosts)) != len(hosts) or min(hosts) < 0:
+      raise WireError(f"epoch {self.number}: member host ids {list(hosts)} must be "
+                      "distinct and >= 0")
+    for m in self.members:
+      security.split_address(m.address, f"epoch {self.number}, host {m.host}")
+    return self
 
   def rank(self, host: int) -> int:
     """`host`'s position in the reduction order."""
@@ -78,25 +99,27 @@ class Epoch:
                       f"{list(self.hosts)})") from None
 
   def address(self, host: int) -> str:
-    return self.addresses[self.rank(host)]
+    return self.members[self.rank(host)].address
 
   def without(self, *dropped: int) -> Epoch:
     """The next epoch: these members dropped, the others in the same order and places."""
-    keep = [(h, a) for h, a in zip(self.hosts, self.addresses) if h not in dropped]
-    return Epoch(self.number + 1, tuple(h for h, _ in keep), tuple(a for _, a in keep))
+    return dataclasses.replace(self, number=self.number + 1,
+                               members=tuple(m for m in self.members if m.host not in dropped))
 
+  def to_json(self) -> dict:
+    return {"number": self.number, "boot": self.boot, "first_step": self.first_step,
+            "members": [dataclasses.asdict(m) for m in self.members]}
 
-def split_address(address: str, where: str) -> tuple[str, int]:
-  """'host:port' or '[v6]:port' -> (host, port); a clear error naming `where` otherwise."""
-  host, sep, port = address.rpartition(":")
-  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise WireError(f"{where}: address {address!r}: expected host:port, e.g. 10.0.0.1:61000")
-  return host.strip("[]"), int(port)
+  @classmethod
+  def from_json(cls, body: dict) -> Epoch:
+    return cls(int(body["number"]), tuple(Member(int(m["host"]), str(m["incarnation"]),
+                                                 str(m["address"])) for m in body["members"]),
+               str(body["boot"]), int(body.get("first_step", 0)))
 
 
 def endpoint(address: str) -> str:
   """A zmq TCP endpoint for "host:port" (IPv6 in brackets, as zmq wants it)."""
-  host, port = split_address(address, "endpoint")
+  host, port = security.split_address(address, "endpoint")
   return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 

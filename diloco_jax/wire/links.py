@@ -64,7 +64,7 @@ class Links:
       raise WireError(f"chunk_bytes={chunk_bytes}: must be in 1..{frames.MAX_CHUNK}")
     if not timeout_s > 0:
       raise WireError(f"timeout_s={timeout_s}: must be > 0")
-    self.epoch, self.host = epoch, host
+    self.epoch, self.host = epoch.check(), host
     self.host_index = epoch.rank(host)
     self.num_hosts = epoch.size
     self.timeout_s, self.chunk_bytes, self._log = float(timeout_s), chunk_bytes, log

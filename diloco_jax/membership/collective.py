@@ -3,7 +3,7 @@
 `EpochCollective` has the interface of `collective.HostCollective` (sum, mean, allgather,
 all_to_all, reduce_encoded, connect, bytes_sent) for a live job: its ops run over the epoch
 wire (`peers.Peers`) among the members of the epoch the coordinator announced
-(`runtime/lease.py`), and a host that dies mid-op is dropped without stopping the others.
+(`membership/lease.py`), and a host that dies mid-op is dropped without stopping the others.
 
 Every op is a unit that the coordinator commits. A member that finishes op k in epoch e votes
 ok, one whose op failed (a peer went silent or was dropped) votes not ok, and each waits for
@@ -12,7 +12,7 @@ the coordinator's verdict on (e, k), which is the same for every member:
   member) and goes on;
 - redo: e ended before that (a member's lease ran out, or it was found silent); each member
   of the next epoch drops what it got and runs the op again among the new members, whose
-  sum then counts only their replicas (a rider of the sum counts them: `loop/membership.py`).
+  sum then counts only their replicas (a rider of the sum counts them: `membership/manager.py`).
 So no survivor ever applies a result that another survivor replaced: the hosts cannot end
 up an op (a round) apart. The price is one round trip to the coordinator per op, which also
 waits for the slowest member (as the op itself does).
@@ -30,18 +30,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from diloco_jax.runtime import lease as lease_lib
+from diloco_jax.membership import lease as lease_lib
 from diloco_jax.wire import collective as collective_lib
-from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import PeerError
 from diloco_jax.wire.epoch import WireError
 from diloco_jax.wire.peers import Peers
-
-
-def wire_epoch(announced) -> Epoch:
-  """The wire's `Epoch` for an epoch the coordinator announced."""
-  return Epoch(announced.number, announced.hosts,
-               tuple(m.address for m in announced.members))
 
 
 class EpochCollective:
@@ -54,7 +47,7 @@ class EpochCollective:
     self.bytes_sent = 0
     self.step = 0  # ops committed: every member numbers its ops alike
     self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    self._epoch = wire_epoch(lease.epoch)
+    self._epoch = lease.epoch
     self._peers: Peers | None = None
     self.live = list(self._epoch.hosts)
     self.left: list[int] = []  # hosts that left, in the order they did
@@ -63,7 +56,7 @@ class EpochCollective:
   def admitted(self) -> None:
     """A host that joined: the epoch that admitted it (`lease.join`), whose ops it numbers
     from the epoch's first, like its members."""
-    self._epoch = wire_epoch(self.lease.epoch)
+    self._epoch = self.lease.epoch
     self.step = self.lease.epoch.first_step
     self.live = list(self._epoch.hosts)
 
@@ -81,7 +74,7 @@ class EpochCollective:
     if announced.number == self._epoch.number:
       return
     old = self._epoch
-    self._epoch = wire_epoch(announced)
+    self._epoch = announced
     if self._peers is not None:
       self._peers.close()
       self._peers = None

@@ -1,4 +1,4 @@
-"""A host's side of the membership coordinator (runtime/coordinator.py): register for a lease,
+"""A host's side of the membership coordinator (membership/coordinator.py): register for a lease,
 heartbeat within it to learn the current epoch, vote on each cross-host op (commit), leave.
 A host that registers while the job runs is pending: its heartbeats show the epoch without it
 until the members admit it at a round boundary (a commit voted `boundary`), then with it.
@@ -21,9 +21,10 @@ import time
 import zmq
 
 from diloco_jax.runtime import security
-from diloco_jax.runtime.coordinator import C2S, S2C, CoordinatorError, Dropped, Epoch, key_for
-from diloco_jax.runtime.coordinator import seal, unseal
-from diloco_jax.runtime.ledger import JobStopping
+from diloco_jax.membership.coordinator import C2S, S2C, BadRequest, CoordinatorError, key_for
+from diloco_jax.membership.coordinator import sign, verify
+from diloco_jax.wire.epoch import Epoch
+from diloco_jax.membership.ledger import JobStopping
 
 
 class CoordinatorLost(CoordinatorError):
@@ -81,7 +82,7 @@ class Client:
       self._sock = self._ctx.socket(zmq.REQ)
       self._sock.setsockopt(zmq.LINGER, 0)
       self._sock.connect(self._endpoint)
-    self._sock.send_multipart(seal(self._key, C2S, body))
+    self._sock.send_multipart(sign(self._key, C2S, body))
     if not self._sock.poll(int(self.timeout_s * 1000)):
       self._sock.close(linger=0)
       self._sock = None  # a REQ socket waits for its answer forever: start over next time
@@ -89,8 +90,8 @@ class Client:
                             f"{self.timeout_s:g} s ({what}): it is down or unreachable")
     frames = self._sock.recv_multipart()
     try:
-      return unseal(self._key, S2C, frames)
-    except Dropped as e:
+      return verify(self._key, S2C, frames)
+    except BadRequest as e:
       try:
         said = json.loads(frames[0]).get("why", "") if len(frames) == 2 and not frames[1] else ""
       except ValueError:

@@ -1,9 +1,9 @@
-"""This host's membership in a live job: its lease at the coordinator (runtime/coordinator.py).
+"""This host's membership in a live job: its lease at the coordinator (membership/coordinator.py).
 
 `Lease.start` registers with the coordinator under the host id the launcher gave, and waits
 until the job's first epoch holds every host it was started with. From then on a thread
 heartbeats well within the lease and keeps the newest epoch the coordinator announced; the
-collectives (`wire/epochs.py`) ask it two things: whether the op they wait on can still
+collectives (`membership/collective.py`) ask it two things: whether the op they wait on can still
 complete (`interrupt`: a member of its epoch has been dropped, or the coordinator is lost)
 and, after each op, the coordinator's verdict on it (`commit`).
 
@@ -21,7 +21,7 @@ import time
 import zmq
 
 from diloco_jax import errors
-from diloco_jax.runtime import coordinator_client
+from diloco_jax.membership import client as coordinator_client
 from diloco_jax.runtime import security
 
 
@@ -40,7 +40,7 @@ def wire_address(coordinator: str, given: str | None = None) -> str:
   """host:port where this host's peers reach its wire: `given`, else the address of the
   interface that routes to the coordinator and a port free on it now."""
   if given:
-    security.split_address(given)
+    security.split_address(given, "--wire_address")
     return given
   host, port = security.split_address(coordinator)
   with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -1,7 +1,7 @@
 """Which hosts are in the job: one object the round loop asks, whatever the answer.
 
 `Live` (train's --membership) is the job without a seat that ends it: the hosts of the
-coordinator's current epoch sum over the epoch wire (`wire/epochs.py`), any host may die
+coordinator's current epoch sum over the epoch wire (`membership/collective.py`), any host may die
 and the others redo the op it left and train on, every host keeps its own workdir's
 records, and the lowest live host prints.
 
@@ -26,7 +26,7 @@ from absl import logging
 
 from diloco_jax.algo import state as state_lib
 from diloco_jax.runtime import coordination
-from diloco_jax.runtime import world as world_lib
+from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import collective as collective_lib
 from diloco_jax.wire import dispatch
 from diloco_jax.wire import exchange as exchange_lib
@@ -112,7 +112,7 @@ class Fixed:
 
 class Live:
   """Live membership (train's --membership): the hosts of the coordinator's current epoch
-  (`wire/epochs.py`). Any host may die, host 0 included: the survivors redo the op it
+  (`membership/collective.py`). Any host may die, host 0 included: the survivors redo the op it
   left unfinished and train on. Every host keeps its own workdir complete (checkpoints,
   run.json, metrics, events, eval), so the run's record survives any host; the lowest
   live host prints."""

@@ -1,20 +1,21 @@
-"""The coordinator's state and its decisions, without sockets or clocks (runtime/coordinator.py
+"""The coordinator's state and its decisions, without sockets or clocks (membership/coordinator.py
 serves it): who is a member of which epoch, leases, and the verdict on each op.
 
 `Ledger.handle` answers one request at a time `now`, `Ledger.expire` ends the leases and
-accusations that ran out; the rules are in runtime/coordinator.py's docstring. Pure, so the
+accusations that ran out; the rules are in membership/coordinator.py's docstring. Pure, so the
 tests drive it at fake times.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import secrets
 from collections.abc import Callable
 from collections.abc import Iterable
 
 from diloco_jax import errors
+from diloco_jax.wire.epoch import Epoch
+from diloco_jax.wire.epoch import Member
 
 CHALLENGE_S = 30.0  # how long a register's challenge may be answered
 VERDICTS_KEPT = 256  # a member further behind than this many ops is told nothing
@@ -29,44 +30,9 @@ class JobStopping(CoordinatorError):
   exit_code = 0
 
 
-class Dropped(errors.DilocoError):
-  """A frame that is not authenticated, a replay, or malformed: dropped and named."""
+class BadRequest(errors.DilocoError):
+  """A request that is not authenticated, a replay, or malformed: dropped and named."""
   prefix = "Dropped"
-
-
-@dataclasses.dataclass(frozen=True)
-class Member:
-  host: int
-  incarnation: str  # random, new at each registration
-  address: str  # where the host's peers reach it (the wire's address)
-
-
-@dataclasses.dataclass(frozen=True)
-class Epoch:
-  """Who trains together: `members` in host order. `number` only grows, as each host sees
-  it; `boot` (random at each start of the coordinator) tells apart two epochs that got one
-  number from coordinators before and after a restart, so a key derived from (boot, number)
-  belongs to one epoch only. `first_step`: the op its members continue at (the op after the
-  one whose commit admitted a host, the op redone, 0 at start-up): a host admitted into it
-  numbers its ops like the members from there."""
-  number: int
-  members: tuple[Member, ...]
-  boot: str = ""
-  first_step: int = 0
-
-  @property
-  def hosts(self) -> tuple[int, ...]:
-    return tuple(m.host for m in self.members)
-
-  def to_json(self) -> dict:
-    return {"number": self.number, "boot": self.boot, "first_step": self.first_step,
-            "members": [dataclasses.asdict(m) for m in self.members]}
-
-  @classmethod
-  def from_json(cls, body: dict) -> Epoch:
-    return cls(int(body["number"]), tuple(Member(int(m["host"]), str(m["incarnation"]),
-                                                 str(m["address"])) for m in body["members"]),
-               str(body["boot"]), int(body.get("first_step", 0)))
 
 
 class Ledger:
@@ -216,7 +182,7 @@ class Ledger:
     self._open(members, 0, why)
 
   def handle(self, req: dict, now: float) -> dict:
-    """The answer to `req`; raises Dropped for a replay or a malformed request."""
+    """The answer to `req`; raises BadRequest for a replay or a malformed request."""
     try:
       op = req["op"]
       if op == "hello":
@@ -228,13 +194,13 @@ class Ledger:
       if op in ("heartbeat", "leave", "commit"):
         return self._renew(op, req, now)
     except (KeyError, TypeError, ValueError) as e:
-      raise Dropped(f"malformed {req.get('op')!r} request: {e!r}") from None
-    raise Dropped(f"unknown op {op!r}")
+      raise BadRequest(f"malformed {req.get('op')!r} request: {e!r}") from None
+    raise BadRequest(f"unknown op {op!r}")
 
   def _register(self, req: dict, now: float) -> dict:
     challenge = str(req["challenge"])
     if self._challenges.pop(challenge, 0.0) <= now:
-      raise Dropped("register with an unknown, used or expired challenge (a replay?)")
+      raise BadRequest("register with an unknown, used or expired challenge (a replay?)")
     members = self._members()
     host, last_epoch = req["host"], int(req["last_epoch"])
     why = ""
@@ -298,7 +264,7 @@ class Ledger:
     if incarnation not in self._seq:  # lease ran out, registered again, or we restarted
       return {"op": "unknown", **echo}
     if seq <= self._seq[incarnation]:
-      raise Dropped(f"{op} #{seq} of host {req.get('host')} after #{self._seq[incarnation]} "
+      raise BadRequest(f"{op} #{seq} of host {req.get('host')} after #{self._seq[incarnation]} "
                     "(a replay?)")
     self._seq[incarnation] = seq
     host = next(m.host for m in (*self.epoch.members, *self._pending.values())
@@ -327,13 +293,13 @@ class Ledger:
     self._running = True
     if key not in self._verdicts:
       if e > self.epoch.number:
-        raise Dropped(f"commit vote of host {host} for epoch {e}, above the current "
+        raise BadRequest(f"commit vote of host {host} for epoch {e}, above the current "
                       f"{self.epoch.number}")
       if not self._joined.get(incarnation, e + 1) <= e:
-        raise Dropped(f"commit vote of host {host} for op {step} of epoch {e}, which it is not "
+        raise BadRequest(f"commit vote of host {host} for op {step} of epoch {e}, which it is not "
                       "a member of, and which has no verdict")
       if key <= self._forgotten:  # decided once maybe; deciding again could contradict it
-        raise Dropped(f"commit vote of host {host} for op {step} of epoch {e}: more than "
+        raise BadRequest(f"commit vote of host {host} for op {step} of epoch {e}: more than "
                       f"{VERDICTS_KEPT} ops ago, its verdict is no longer kept")
       if e < self.epoch.number:  # rule 2, for an op nobody voted on while e was current
         self._decide(key, False)

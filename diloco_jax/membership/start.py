@@ -2,8 +2,8 @@
 
 No `jax.distributed`: each host's JAX is a world of its own, so no host's loss can abort
 another's process, and there is no shutdown barrier to wait at. The host registers with the
-membership coordinator (`runtime/lease.py`), opens the epoch wire's collective
-(`wire/epochs.py`), says so to `runtime.world`, and compares its config with every other
+membership coordinator (`membership/lease.py`), opens the epoch wire's collective
+(`membership/collective.py`), says so to `runtime.world`, and compares its config with every other
 host's over the wire (every host sees every difference and all refuse alike).
 """
 
@@ -13,10 +13,10 @@ import ml_collections
 
 from diloco_jax import config as config_lib
 from diloco_jax.runtime import cluster
-from diloco_jax.runtime import lease as lease_lib
+from diloco_jax.membership import lease as lease_lib
 from diloco_jax.runtime import security
-from diloco_jax.runtime import world
-from diloco_jax.wire import epochs
+from diloco_jax.membership import world
+from diloco_jax.membership import collective as epochs
 
 
 def start(config: ml_collections.ConfigDict, spec: cluster.Cluster, membership: str,

@@ -3,7 +3,7 @@
 A job of fixed membership runs in one `jax.distributed` world, and `jax.process_index()` says
 which host this is. A live job (train's --membership) does not: each host's JAX is a world of
 its own (so that no host's loss can end another's process), and the host id and the job's
-host count come from the lease at the coordinator (`runtime/lease.py`). Code that needs to
+host count come from the lease at the coordinator (`membership/lease.py`). Code that needs to
 know which host it runs on asks `current()`.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from diloco_jax.runtime import lease as lease_lib
+from diloco_jax.membership import lease as lease_lib
 from diloco_jax.runtime import security
 
 

@@ -2,7 +2,7 @@
 
 Run it beside the hosts, e.g. on a small always-on machine beside a fleet of spot hosts:
 
-  python -m diloco_jax.runtime.coordinator --port=61100 --max_hosts=8 --bind=0.0.0.0
+  python -m diloco_jax.membership.coordinator --port=61100 --max_hosts=8 --bind=0.0.0.0
 
 Each host registers (`coordinator_client.Client`) and gets a lease; it heartbeats within the
 lease and each answer carries the current epoch: a number, the members in host order with
@@ -44,7 +44,7 @@ Admission at a round boundary: once a vote has been cast, a host that registers 
 (leased, but in no epoch: it has no state, and the members' next op would wait for it). The
 commit of an op that every member voted `boundary` (it ends a round) opens the next epoch with
 the pending hosts, numbered from the op after it (`first_step`), and names them (`admitted`);
-a joiner learns it from its heartbeat. A redo never admits. The ledger (runtime/ledger.py)
+a joiner learns it from its heartbeat. A redo never admits. The ledger (membership/ledger.py)
 holds the state and these rules, without sockets or clocks; this module serves it.
 """
 
@@ -62,12 +62,12 @@ from collections.abc import Callable
 import zmq
 
 from diloco_jax import errors
+from diloco_jax.membership.ledger import BadRequest
+from diloco_jax.membership.ledger import CoordinatorError
+from diloco_jax.membership.ledger import Ledger
 from diloco_jax.runtime import security
-from diloco_jax.runtime.ledger import CoordinatorError
-from diloco_jax.runtime.ledger import Dropped
-from diloco_jax.runtime.ledger import Epoch  # noqa: F401 -- the client's, and a host's epoch
-from diloco_jax.runtime.ledger import Ledger
-from diloco_jax.runtime.ledger import Member  # noqa: F401 -- an epoch's member
+from diloco_jax.wire.epoch import Epoch  # noqa: F401 -- the client's, and a host's epoch
+from diloco_jax.wire.epoch import Member  # noqa: F401 -- an epoch's member
 
 C2S, S2C = b"diloco_jax coordinator request|", b"diloco_jax coordinator answer|"
 _NO_TOKEN_KEY = b"diloco_jax coordinator: no join token"
@@ -77,23 +77,23 @@ def key_for(token: security.JoinToken | None) -> bytes:
   return _NO_TOKEN_KEY if token is None else token.derive_key("coordinator")
 
 
-def seal(key: bytes, direction: bytes, body: dict) -> list[bytes]:
+def sign(key: bytes, direction: bytes, body: dict) -> list[bytes]:
   data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
   return [data, hmac.new(key, direction + data, "sha256").digest()]
 
 
-def unseal(key: bytes, direction: bytes, frames: list[bytes]) -> dict:
+def verify(key: bytes, direction: bytes, frames: list[bytes]) -> dict:
   if len(frames) != 2:
-    raise Dropped(f"{len(frames)} parts, expected 2 (body, mac)")
+    raise BadRequest(f"{len(frames)} parts, expected 2 (body, mac)")
   data, mac = frames
   if not hmac.compare_digest(mac, hmac.new(key, direction + data, "sha256").digest()):
-    raise Dropped("not authenticated with this job's key (another join token, or none?)")
+    raise BadRequest("not authenticated with this job's key (another join token, or none?)")
   try:
     body = json.loads(data)
   except ValueError:
-    raise Dropped("authenticated but not JSON") from None
+    raise BadRequest("authenticated but not JSON") from None
   if not isinstance(body, dict) or not isinstance(body.get("op"), str):
-    raise Dropped("authenticated but has no 'op'")
+    raise BadRequest("authenticated but has no 'op'")
   return body
 
 
@@ -127,8 +127,8 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
         peer = frames[-1].get("Peer-Address") if frames else "?"
         route, frames = [f.bytes for f in frames[:2]], [f.bytes for f in frames[2:]]
         try:
-          answer = seal(key, S2C, ledger.handle(unseal(key, C2S, frames), time.monotonic()))
-        except Dropped as e:
+          answer = sign(key, S2C, ledger.handle(verify(key, C2S, frames), time.monotonic()))
+        except BadRequest as e:
           log(f"coordinator: dropped a frame from {peer}: {e}")
           answer = [json.dumps({"op": "dropped", "why": str(e)}).encode(), b""]
         sock.send_multipart(route + answer)
@@ -143,7 +143,7 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m diloco_jax.runtime.coordinator",
+      prog="python -m diloco_jax.membership.coordinator",
       description="Keeps which hosts train together: leases, and epochs that only grow.")
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--max_hosts", type=int, required=True)
