@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
   flags = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
            f"--config.num_rounds={args.rounds}", f"--config.inner_steps={args.inner_steps}",
            "--config.inner.warmup_steps=2", "--config.debug_checks=True",
-           "--config.elastic_timeout=120", "--heartbeat_timeout=20",
+           "--config.wire_timeout=120", "--heartbeat_timeout=20",
            *(SMOKE_FLAGS if args.smoke else [])]
   root = tempfile.mkdtemp(prefix="bench_churn_")
   log_dir = (os.path.dirname(args.out) if args.smoke

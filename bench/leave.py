@@ -68,7 +68,7 @@ def run(mode: str, hosts: int, rounds: int, kills: dict[int, int], workdir: str)
          "--config.replicas_per_host=1", f"--config.num_rounds={rounds}",
          "--config.inner_steps=5", "--config.inner.warmup_steps=5",
          f"--config.eval_every={rounds}", "--config.debug_checks=True",
-         "--config.elastic_timeout=120", *EXTRA.get(mode, [])]
+         "--config.wire_timeout=120", *EXTRA.get(mode, [])]
   t0 = time.monotonic()
   launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)

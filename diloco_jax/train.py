@@ -38,23 +38,25 @@ _WORKDIR = flags.DEFINE_string(
     "metrics, events and plots.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
-    "host:port of host 0's coordination service, the same on every host "
-    "(env DILOCO_COORDINATOR_ADDRESS). Unset with --num_hosts unset: one host, or SLURM.")
+    "host:port of host 0, the same on every host (env DILOCO_COORDINATOR_ADDRESS): host 0 "
+    "serves the job's membership coordinator there (ddp: jax.distributed's coordination "
+    "service). Unset with --num_hosts unset: one host, or SLURM.")
 _NUM_HOSTS = flags.DEFINE_integer("num_hosts", None, "Hosts in the job (env DILOCO_NUM_HOSTS).")
 _HOST_ID = flags.DEFINE_integer("host_id", None,
                                 "This host's index in [0, num_hosts) (env DILOCO_HOST_ID).")
 _INIT_TIMEOUT = flags.DEFINE_integer(
     "initialization_timeout", 300, "Seconds to wait for every host to join at start-up.")
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    "heartbeat_timeout", 100, "Seconds without a heartbeat after which a host counts as dead "
-    "and the job stops.")
+    "heartbeat_timeout", None, "Seconds without a heartbeat after which a host counts as "
+    "dead: host 0's coordinator drops it and the others train on (default 10); ddp: the job "
+    "stops (jax.distributed's, default 100).")
 _RESTART = flags.DEFINE_bool(
     "restart_from_scratch", False, "Move the workdir's previous run (checkpoints, metrics, "
     "events, run.json) into workdir/previous/<time>/ and train from round 1. Without it, a "
     "workdir whose checkpoints cannot be read is refused rather than trained again.")
 _LINK_TIMEOUT = flags.DEFINE_integer(
-    "link_timeout", None, "Seconds a host may be cut off from the others (a network outage) "
-    "before every host stops with 'link lost' and exit code 1, for a restart "
+    "link_timeout", None, "ddp: seconds a host may be cut off from the others (a network "
+    "outage) before every host stops with 'link lost' and exit code 1, for a restart "
     "(launch/local.py --max_restarts) to resume from the newest checkpoint; shorter "
     "outages are survived. Default: 40% of --heartbeat_timeout; 0: off "
     "(env DILOCO_LINK_TIMEOUT).")
@@ -69,20 +71,20 @@ _JOIN_TOKEN_FILE = flags.DEFINE_string(
     "DILOCO_JOIN_TOKEN_FILE, or DILOCO_JOIN_TOKEN to the token itself; never on the command "
     "line, where `ps` shows it. Unset: the job is unauthenticated (docs/security.md).")
 _MEMBERSHIP = flags.DEFINE_string(
-    "membership", None, "host:port of a membership coordinator (python -m "
-    "diloco_jax.membership.coordinator), the same on every host: live membership, where any "
-    "host may die and the others train on (docs/fault-tolerance.md). The hosts then run no "
-    "jax.distributed job (--coordinator_address is not used); --num_hosts hosts must "
-    "register before training starts (env DILOCO_MEMBERSHIP).")
+    "membership", None, "host:port of a membership coordinator on an always-on machine "
+    "(python -m diloco_jax.membership.coordinator), the same on every host (env "
+    "DILOCO_MEMBERSHIP): then no training host is the job's seat, and any may die while the "
+    "others train on (docs/fault-tolerance.md). Unset: host 0 serves one at "
+    "--coordinator_address.")
 _MIN_HOSTS = flags.DEFINE_integer(
-    "min_hosts", None, "Live membership: train once this many of the --num_hosts hosts have "
-    "registered (default: all of them); host ids up to --num_hosts - 1 that start later "
-    "join the running job at a round boundary, each with its own data shards.")
+    "min_hosts", None, "Train once this many of the --num_hosts hosts have registered "
+    "(default: all of them); host ids up to --num_hosts - 1 that start later join the "
+    "running job at a round boundary, each with its own data shards.")
 _WIRE_ADDRESS = flags.DEFINE_string(
-    "wire_address", None, "Live membership: host:port where the other hosts reach this "
-    "host's sums (default: this host's address toward the coordinator, a free port).")
+    "wire_address", None, "host:port where the other hosts reach this host's sums "
+    "(default: this host's address toward the coordinator, a free port).")
 _ALLOW_PUBLIC = flags.DEFINE_bool(
-    "allow_public_coordinator", False, "Run with a --coordinator_address that is a public "
+    "allow_public_coordinator", False, "Run with a coordinator address that is a public "
     "(internet-routable) address; refused without this, since anyone who reaches its port "
     "can join the job.")
 _PRINT_CONFIG = flags.DEFINE_bool(
@@ -245,14 +247,14 @@ def main(argv):
   # pylint: disable=import-outside-toplevel
   import jax
 
-  from diloco_jax.checkpoints import store
   from diloco_jax.checkpoints import shared_dir
   from diloco_jax.loop import trainer
+  from diloco_jax.membership import start as start_lib
   from diloco_jax.runtime import cluster
   from diloco_jax.wire import dispatch
   # pylint: enable=import-outside-toplevel
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
-  host_id = _HOST_ID.value  # known before jax.distributed starts, where given
+  host_id = _HOST_ID.value  # known before the hosts meet, where given
   if host_id is None and os.environ.get("DILOCO_HOST_ID", "").isdigit():
     host_id = int(os.environ["DILOCO_HOST_ID"])
   compile_cache.use(_COMPILATION_CACHE.value, _WORKDIR.value, host_id)
@@ -263,65 +265,30 @@ def main(argv):
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value,
       join_token_file=_JOIN_TOKEN_FILE.value, allow_public_coordinator=_ALLOW_PUBLIC.value)
-  membership = _MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP")
-  if membership:
-    _train_live(config, spec, membership)
-    return
-  if config.elastic:  # one switch for a job that outlives its hosts: live membership
-    sys.exit("Invalid config: config.elastic is set by live membership: run every host with "
-             "--membership=HOST:PORT of a membership coordinator (launch/local.py --live on "
-             "one machine; docs/fault-tolerance.md), where any host may die or join while "
-             "the others train on. Without it, the hosts share fate and restart from their "
-             "checkpoints (launch/local.py --max_restarts)")
+  options = start_lib.Options(
+      membership=_MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP") or None,
+      wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value)
+  world = None
   try:
-    # A save waiting for a host at a barrier gives up with the save's own timeout.
+    # A save waiting for a host at a barrier gives up with the save's own timeout (orbax,
+    # on the shared workdir of a single host or of ddp's hosts).
     shared_dir.set_barrier_timeout(config.checkpoint.timeout)
-    cluster.initialize(spec)
     # Before validation: hosts that disagree must all stop, not wait for each other.
-    cluster.check_same_config(config_lib.flatten(config), timeout_s=_INIT_TIMEOUT.value)
-    trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
-    if jax.process_count() > 1:
+    world = start_lib.start(config, spec, options)
+    trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value,
+                               world=world)
+    if world.live:
+      # Everything is written and the lease given back. Host 0 serves its coordinator
+      # until the others have left; then every host exits now, not after the
+      # interpreter's teardown, in which a second SIGTERM (the rest of the job being
+      # stopped) would find no handler and kill a host that has already left cleanly.
+      start_lib.finish(world)
+      _exit(0)
+    if world.num_hosts > 1:
       cluster.leave_together()
-  except dispatch.CollectiveError as e:
-    if isinstance(e.__cause__, store.CheckpointError):  # a save on the dispatch thread
-      _fail(f"Checkpoint error: {e.__cause__}")
-    traceback.print_exc()
-    if jax.process_count() == 1:
-      _fail(f"Stopped: {e}")
-    # A peer is gone: exit now rather than wait at JAX's shutdown barrier for a host that
-    # will never arrive (which would end in an abort at the heartbeat timeout).
-    sys.stderr.write(f"Stopped: {e}\nAnother host failed or was killed: see its log.\n")
-    _exit(1)
-  except errors.DilocoError as e:  # every other failure of the package: its prefix and
-    _fail(errors.describe(e), e.exit_code)  # message, a line per bad config field
+  except (errors.DilocoError, dispatch.CollectiveError) as e:
+    _stopped(e, world)
   except KeyboardInterrupt:  # before training started (then Ctrl-C asks for a checkpoint)
-    _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
-
-
-def _train_live(config: ml_collections.ConfigDict, spec, membership: str) -> None:
-  """A job whose membership is live (--membership; membership/start.py): every exit is this
-  process's own, with its one line."""
-  # pylint: disable=import-outside-toplevel
-  from diloco_jax.checkpoints import store
-  from diloco_jax.membership import start as live
-  from diloco_jax.loop import trainer
-  from diloco_jax.wire import dispatch
-  # pylint: enable=import-outside-toplevel
-  config.elastic = True  # live membership: the hosts come and go
-  try:
-    live.start(config, spec, membership, _WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value)
-    trainer.train_and_evaluate(config, _WORKDIR.value, restart_from_scratch=_RESTART.value)
-    # Everything is written and the lease given back: exit now, not after the interpreter's
-    # teardown, in which a second SIGTERM (the rest of the job being stopped) would find no
-    # handler and kill a host that has already left cleanly.
-    _exit(0)
-  except dispatch.CollectiveError as e:
-    if isinstance(e.__cause__, store.CheckpointError):
-      _fail(f"Checkpoint error: {e.__cause__}")
-    _fail(f"Stopped: {e.__cause__ or e}")
-  except errors.DilocoError as e:
-    _fail(errors.describe(e), e.exit_code)
-  except KeyboardInterrupt:
     _fail("Interrupted (Ctrl-C) before training started; nothing was trained", code=130)
 
 
@@ -335,6 +302,27 @@ def _check_init_from(config: ml_collections.ConfigDict, given: frozenset[str]) -
     resolve.resolved(config, given)
   except config_lib.ConfigError as e:
     sys.exit(f"Invalid config: {e}")
+
+
+def _stopped(e: Exception, world) -> None:
+  """Ends the process with the one line that says why the run stopped (`e`: the package's
+  failure, or a cross-host op's, whose cause says what failed), no traceback."""
+  from diloco_jax.checkpoints import store  # pylint: disable=import-outside-toplevel
+  from diloco_jax.wire import dispatch  # pylint: disable=import-outside-toplevel
+  if not isinstance(e, dispatch.CollectiveError):
+    _fail(errors.describe(e), e.exit_code)
+  cause = e.__cause__
+  if isinstance(cause, store.CheckpointError):  # a save on the dispatch thread
+    _fail(f"Checkpoint error: {cause}")
+  if world is not None and world.live:
+    _fail(f"Stopped: {cause or e}")
+  import jax  # pylint: disable=import-outside-toplevel  # main has imported it
+  if jax.process_count() == 1:
+    _fail(f"Stopped: {e}")
+  # ddp: a peer is gone. Exit now rather than wait at JAX's shutdown barrier for a host
+  # that will never arrive (which would end in an abort at the heartbeat timeout).
+  sys.stderr.write(f"Stopped: {e}\nAnother host failed or was killed: see its log.\n")
+  _exit(1)
 
 
 def _fail(message: str, code: int = 1) -> None:

@@ -3,32 +3,33 @@
   python launch/local.py --hosts=4 -- --config=configs/tiny.py --workdir=/tmp/run
 
 Everything after `--` goes to `python -m diloco_jax.train` on every host, followed by
---coordinator_address (a free port on 127.0.0.1), --num_hosts and --host_id. Each output
-line is prefixed with its host id. Hosts share fate: if one exits non-zero or is killed,
-the others are killed at once and the launcher exits non-zero with that host's code,
-or, with --max_restarts=N, starts every host again (up to N times): the trainer resumes
-from the newest checkpoint in --workdir. SIGTERM to the launcher is passed to every host
-(the trainer's preemption signal: checkpoint, exit 0; no restart follows), and so is a
-first Ctrl-C; a second Ctrl-C kills them. A failure is blamed on the host that exited
-first. Hosts die with the launcher even if it is SIGKILLed.
+--membership (a membership coordinator this launcher starts beside the hosts, on a free
+port of 127.0.0.1), --coordinator_address (another free port: ddp's jax.distributed),
+--num_hosts and --host_id. Each output line is prefixed with its host id, or with
+[coordinator].
 
---workdir_per_host gives host i the workdir WORKDIR/host<i> instead of WORKDIR itself, as
-hosts on different machines with disks of their own would have: each keeps its own
-checkpoints, and a host whose directory was wiped heals from the others.
-
---live starts a membership coordinator (python -m diloco_jax.membership.coordinator) beside
-the hosts and gives them --membership instead of --coordinator_address: live membership,
-where a host that dies (host 0 included) is dropped and the others train on. Hosts no longer
-share fate: the launcher waits for every host, reports each one that died, and exits 0 when
-every host that was not killed finished; it stops the coordinator at the end. Live
-membership keeps each host's checkpoints and records its own: with a shared --workdir, in
-WORKDIR/host<i>/, as --workdir_per_host would. With --rejoin_after=S, a host that dies, or
-leaves on a SIGTERM of its own, is started again S seconds later (up to --max_restarts
-times in all) and joins the running job; with --max_hosts=M, host ids --hosts .. M-1 start
---join_later seconds after the others (or one by one, each on a SIGUSR1 to the launcher)
-and join it. SIGTERM (or a first Ctrl-C) to a live launcher goes to the coordinator, which
-stops the whole job: every host after the same round, with a checkpoint, so that the same
-command resumes them together.
+The hosts have live membership: a host that dies (host 0 included) is dropped and the
+others train on. The launcher waits for every host, reports each one that died, and exits
+0 when every host that was not killed finished; it stops the coordinator at the end. Each
+host keeps its checkpoints and records: with a shared --workdir, in WORKDIR/host<i>/ (as
+--workdir_per_host gives each its own directory, as hosts on machines with disks of their
+own would have; a host whose directory was wiped heals from the others). What to do when a
+host dies:
+- nothing (the default): the others go on without it;
+- --rejoin_after=S: it is started again S seconds later (up to --max_restarts times in all)
+  and joins the running job;
+- --max_restarts=N alone: the hosts share fate, as a job on one scheduler does: the others
+  are killed at once, and every host is started again (up to N times); they resume from
+  their newest checkpoints, bit for bit as if never stopped.
+A ddp job's hosts (on jax.distributed: none registers with the coordinator) share fate
+whatever the flags: when one dies the others are killed at once.
+With --max_hosts=M, host ids --hosts .. M-1 start --join_later seconds after the others (or
+one by one, each on a SIGUSR1 to the launcher) and join the running job. SIGTERM (or a
+first Ctrl-C) to the launcher goes to the coordinator, which stops the whole job: every host
+after the same round, with a checkpoint, so that the same command resumes them together (a
+ddp job's hosts, which do not register, get the SIGTERM themselves); a second Ctrl-C kills
+them. Hosts die with the launcher even if it is SIGKILLed. --live, live membership before
+it was the only kind, is accepted and changes nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,7 +49,7 @@ import time
 from diloco_jax.runtime import hostmem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIVE_LEASE_S = 5.0  # --live: a host silent this long is dropped (--lease_s)
+LEASE_S = 5.0  # a host silent this long is dropped (--lease_s)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,9 +71,8 @@ class Hosts:
   """The running host processes and the threads copying their output."""
 
   def __init__(self, num_hosts: int, train_args: list[str], port: int,
-               workdir_per_host: bool = False, live: bool = False,
-               lease_s: float = LIVE_LEASE_S, max_hosts: int | None = None,
-               join_later: float = 0.0):
+               workdir_per_host: bool = False, lease_s: float = LEASE_S,
+               max_hosts: int | None = None, join_later: float = 0.0):
     # Huge pages asked for here: each host would otherwise start itself again for them.
     self._env = hostmem.with_huge_pages(
         {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
@@ -79,19 +80,19 @@ class Hosts:
     self._env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, self._env.get("PYTHONPATH")) if p)
     self.num_hosts, self.train_args, self.port = num_hosts, train_args, port
-    self.workdir_per_host, self.live = workdir_per_host, live
-    # Live: the job's host ids go up to max_hosts - 1; those from num_hosts on start
+    self.jax_port = free_port()  # ddp: jax.distributed's coordination service
+    self.workdir_per_host = workdir_per_host
+    # The job's host ids go up to max_hosts - 1; those from num_hosts on start
     # `join_later` seconds after the others and join the running job.
     self.max_hosts = max_hosts or num_hosts
-    self.coordinator: subprocess.Popen | None = None
-    if live:
-      self.coordinator = subprocess.Popen(
-          [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
-           f"--max_hosts={self.max_hosts}", f"--lease_s={lease_s}"],
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
-          start_new_session=True, preexec_fn=_die_with_parent)
-      threading.Thread(target=self._copy, args=("coordinator", self.coordinator),
-                       daemon=True).start()
+    self.registered = False  # a host registered with the coordinator (else: ddp's hosts)
+    self.coordinator = subprocess.Popen(
+        [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
+         f"--max_hosts={self.max_hosts}", f"--lease_s={lease_s}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
+        start_new_session=True, preexec_fn=_die_with_parent)
+    threading.Thread(target=self._copy, args=("coordinator", self.coordinator),
+                     daemon=True).start()
     self.procs: list[subprocess.Popen] = []
     self.exited_at: dict[int, float] = {}  # pid -> when it exited (monotonic)
     self._lock = threading.Lock()
@@ -101,16 +102,17 @@ class Hosts:
     # when hosts num_hosts.. start (join_later < 0: only one by one, each on a SIGUSR1)
     self.later_at = time.monotonic() + join_later if join_later >= 0 else float("inf")
     self.start_next = 0  # hosts to start now, ahead of `later_at` (SIGUSR1s)
+    self._told = False  # the hosts got the launcher's SIGTERM
 
   def _start(self, host: int) -> subprocess.Popen:
     args = self.train_args
     if self.workdir_per_host:
       args = [f"{a}/host{host}" if a.startswith("--workdir=") else a for a in args]
-    where = "membership" if self.live else "coordinator_address"
     more = ([f"--min_hosts={self.num_hosts}"] if self.max_hosts > self.num_hosts else [])
     cmd = [sys.executable, "-m", "diloco_jax.train", *args,
-           f"--{where}=127.0.0.1:{self.port}", f"--num_hosts={self.max_hosts}", *more,
-           f"--host_id={host}"]
+           f"--membership=127.0.0.1:{self.port}",
+           f"--coordinator_address=127.0.0.1:{self.jax_port}",
+           f"--num_hosts={self.max_hosts}", *more, f"--host_id={host}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=self._env, start_new_session=True,
                             preexec_fn=_die_with_parent)
@@ -129,8 +131,11 @@ class Hosts:
   def _copy(self, host: int | str, proc: subprocess.Popen) -> None:
     name = host if isinstance(host, str) else f"host {host}"
     for line in iter(proc.stdout.readline, b""):
+      text = line.decode(errors="replace")
+      if host == "coordinator" and re.search(r": epoch \d+: hosts \d", text):
+        self.registered = True  # the hosts have live membership (not ddp's jax.distributed)
       with self._lock:
-        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
+        sys.stdout.write(f"[{name}] {text}")
         sys.stdout.flush()
 
   def signal_all(self, sig: int) -> None:
@@ -142,14 +147,14 @@ class Hosts:
           pass
 
   def stop_job(self) -> None:
-    """Live: asks the coordinator to stop the job (every host after the same round, with
-    a checkpoint; hosts not yet admitted exit 0); it ends once they have left. A SIGTERM
+    """Asks the coordinator to stop the job (every host after the same round, with a
+    checkpoint; hosts not yet admitted exit 0); it ends once they have left. A SIGTERM
     to each host instead would make each leave alone, at rounds of its own."""
-    if self.coordinator is not None and self.coordinator.poll() is None:
+    if self.coordinator.poll() is None:
       self.coordinator.send_signal(signal.SIGTERM)
 
   def stop_coordinator(self) -> None:
-    if self.coordinator is not None and self.coordinator.poll() is None:
+    if self.coordinator.poll() is None:
       self.coordinator.terminate()
       try:
         self.coordinator.wait(timeout=10)
@@ -158,7 +163,7 @@ class Hosts:
 
   def wait_live(self, rejoin_after: float | None = None, max_restarts: int = 0,
                 stopping=lambda: False) -> int:
-    """Live membership: every host runs to its own end. 0 when every host exited 0 or was
+    """Every host runs to its own end. 0 when every host exited 0 or was
     killed by a signal (the others trained on without it) and at least one finished; else
     the code of the first host that failed, once all have ended. `rejoin_after`: a host
     that dies while another still runs, or leaves it (SIGTERM to it alone: it exits 0 with
@@ -168,9 +173,11 @@ class Hosts:
     reported: set[int] = set()
     restarts, due = 0, {}  # host -> when it starts again
     while True:
-      if stopping() and self.coordinator is not None and self.coordinator.poll() is not None:
+      if stopping() and self.coordinator.poll() is not None and not self._told:
         # The job stopped and its coordinator ended once its hosts had left: a host still
-        # starting (to join it) would find no coordinator. Nothing of its is lost.
+        # starting (to join it) would find no coordinator, and a ddp job's hosts never
+        # registered. Nothing of theirs is lost.
+        self._told = True
         self.signal_all(signal.SIGTERM)
         due.clear()
       if len(self.procs) < self.max_hosts and (self.start_next or
@@ -184,12 +191,20 @@ class Hosts:
       codes = [p.poll() for p in self.procs]
       for host, code in enumerate(codes):
         left = code == 0 and not stopping() and self._left_unfinished(host)
+        if code not in (None, 0) and not self.registered:
+          # No host registered: a ddp job, on jax.distributed, whose hosts share fate
+          print(f"[launcher] host {host} {_reason(code)}; the job runs on jax.distributed "
+                "(ddp): stopping the other hosts", flush=True)
+          self.kill_all()
+          self.stop_coordinator()
+          self._drain()
+          return code if code > 0 else 128 - code
         if (code not in (None, 0) or left) and host not in reported:
           reported.add(host)
           again = (rejoin_after is not None and restarts < max_restarts
-                   and any(c is None for c in codes))
+                   and any(c is None for c in codes) and not stopping())
           what = "left the job (its checkpoint saved)" if left else _reason(code)
-          print(f"[launcher] host {host} {what}; live membership: the other hosts go on"
+          print(f"[launcher] host {host} {what}; the other hosts go on"
                 + (f"; it starts again in {rejoin_after:g} s and joins them" if again else ""),
                 flush=True)
           if again:
@@ -239,10 +254,13 @@ class Hosts:
       except (ProcessLookupError, PermissionError):
         pass
 
-  def wait(self) -> int:
-    """0 when every host exits 0; else the code of the host that failed first (by exit
-    time), the rest killed."""
+  def wait(self, stopping=lambda: False) -> int:
+    """The hosts share fate (--max_restarts alone): 0 when every host exits 0; else the
+    code of the host that failed first (by exit time), the rest killed."""
     while True:
+      if stopping() and self.coordinator.poll() is not None and not self._told:
+        self._told = True  # a ddp job's hosts never registered: they get the SIGTERM
+        self.signal_all(signal.SIGTERM)
       codes = [p.poll() for p in self.procs]
       now = time.monotonic()
       failed = sorted(((h, c) for h, c in enumerate(codes) if c not in (None, 0)),
@@ -251,9 +269,11 @@ class Hosts:
         host, code = failed[0]
         print(f"[launcher] host {host} {_reason(code)}; stopping the other hosts", flush=True)
         self.kill_all()
+        self.stop_coordinator()
         self._drain()
         return code if code > 0 else 128 - code
       if all(c == 0 for c in codes):
+        self.stop_coordinator()
         self._drain()
         return 0
       time.sleep(0.1)
@@ -279,29 +299,29 @@ def main(argv: list[str]) -> int:
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--hosts", type=int, required=True, help="host processes to start")
-  parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+  parser.add_argument("--port", type=int, default=0,
+                      help="the membership coordinator's port (0: a free one)")
   parser.add_argument("--max_restarts", type=int, default=0,
-                      help="after a host fails, start all hosts again up to this many times "
-                           "(--live --rejoin_after: restarts of dead hosts, in all)")
+                      help="alone: after a host fails, kill the others and start every host "
+                           "again, up to this many times (the hosts share fate); with "
+                           "--rejoin_after: restarts of dead hosts, in all")
   parser.add_argument("--rejoin_after", type=float, default=None,
-                      help="--live: start a host that died, or left on a SIGTERM of its own, "
-                           "again after this many seconds, without stopping the others: it "
-                           "joins the running job")
+                      help="start a host that died, or left on a SIGTERM of its own, again "
+                           "after this many seconds, without stopping the others: it joins "
+                           "the running job")
   parser.add_argument("--live", action="store_true",
-                      help="live membership: start a membership coordinator beside the "
-                           "hosts; a host that dies is dropped and the others train on "
-                           "(each host's records in WORKDIR/host<i>)")
-  parser.add_argument("--lease_s", type=float, default=LIVE_LEASE_S,
-                      help="--live: seconds without a heartbeat after which the coordinator "
-                           "drops a host")
+                      help="(the default now: kept so that older commands run)")
+  parser.add_argument("--lease_s", type=float, default=LEASE_S,
+                      help="seconds without a heartbeat after which the coordinator drops a "
+                           "host")
   parser.add_argument("--max_hosts", type=int, default=None,
-                      help="--live: the job's host ids go up to this many; the ids from "
-                           "--hosts on start --join_later seconds after the others (which "
-                           "train once --hosts have registered) and join the running job")
+                      help="the job's host ids go up to this many; the ids from --hosts on "
+                           "start --join_later seconds after the others (which train once "
+                           "--hosts have registered) and join the running job")
   parser.add_argument("--join_later", type=float, default=30.0,
-                      help="--live --max_hosts: seconds after the start at which the later "
-                           "hosts start (< 0: never by themselves); SIGUSR1 to the launcher "
-                           "starts the next of them now")
+                      help="--max_hosts: seconds after the start at which the later hosts "
+                           "start (< 0: never by themselves); SIGUSR1 to the launcher starts "
+                           "the next of them now")
   parser.add_argument("--workdir_per_host", action="store_true",
                       help="host i gets --workdir=WORKDIR/host<i>: a disk of its own, as on "
                            "machines that share no filesystem")
@@ -316,28 +336,20 @@ def main(argv: list[str]) -> int:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
   if args.lease_s <= 0:
     parser.error(f"--lease_s={args.lease_s}: must be > 0")
-  if args.rejoin_after is not None and not args.live:
-    parser.error("--rejoin_after needs --live: without live membership the hosts share fate "
-                 "(--max_restarts starts them all again)")
-  if args.live and args.max_restarts and args.rejoin_after is None:
-    parser.error("--live keeps the others training when a host dies: --max_restarts (a "
-                 "restart of every host) does not apply; --rejoin_after=S restarts a dead "
-                 "host, which joins the others (--max_restarts: how many times in all)")
-  if args.max_hosts is not None and (not args.live or args.max_hosts < args.hosts):
-    parser.error(f"--max_hosts={args.max_hosts}: needs --live and must be >= --hosts")
+  if args.max_hosts is not None and args.max_hosts < args.hosts:
+    parser.error(f"--max_hosts={args.max_hosts}: must be >= --hosts")
   if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
     parser.error("--workdir_per_host needs the trainer's --workdir=DIR (with `=`) after `--`")
   if args.max_restarts < 0:
     parser.error(f"--max_restarts={args.max_restarts}: must be >= 0")
   current: list[Hosts] = []
   terminated = threading.Event()
+  shared_fate = bool(args.max_restarts) and args.rejoin_after is None
 
   def on_sigterm(*_):
     terminated.set()
-    if current and args.live:  # the coordinator stops them, every host after one round
+    if current:  # the coordinator stops them, every host after one round
       current[-1].stop_job()
-    elif current:
-      current[-1].signal_all(signal.SIGTERM)
 
   def on_sigint(*_):
     if terminated.is_set():  # the second Ctrl-C: stop everything now
@@ -346,8 +358,8 @@ def main(argv: list[str]) -> int:
           "(Ctrl-C again kills them)", flush=True)
     on_sigterm()
 
-  def on_sigusr1(*_):  # one more host joins now (live, up to --max_hosts)
-    if current and current[-1].live:
+  def on_sigusr1(*_):  # one more host joins now (up to --max_hosts)
+    if current:
       current[-1].start_next += 1
 
   signal.signal(signal.SIGTERM, on_sigterm)
@@ -357,17 +369,17 @@ def main(argv: list[str]) -> int:
   while True:
     # A fresh port each time: the old coordinator's may still be held by the kernel.
     current.append(Hosts(args.hosts, train_args, args.port or free_port(),
-                         args.workdir_per_host, args.live, args.lease_s, args.max_hosts,
+                         args.workdir_per_host, args.lease_s, args.max_hosts,
                          args.join_later))
     try:
-      code = (current[-1].wait_live(args.rejoin_after, args.max_restarts,
-                                    stopping=terminated.is_set) if args.live
-              else current[-1].wait())
+      code = (current[-1].wait(stopping=terminated.is_set) if shared_fate
+              else current[-1].wait_live(args.rejoin_after, args.max_restarts,
+                                         stopping=terminated.is_set))
     except KeyboardInterrupt:
       current[-1].kill_all()
       current[-1].stop_coordinator()
       return 130
-    if code == 0 or terminated.is_set() or args.live:  # live: dead hosts rejoin, if asked
+    if code == 0 or terminated.is_set() or not shared_fate:  # else dead hosts rejoin, if asked
       return code
     if attempt == args.max_restarts:
       return code

@@ -92,6 +92,13 @@ def paced(seconds_per_step: list[float], jitter: float = 0.0):
   return measured
 
 
+def host_dir(workdir, host: int = 0):
+  """Where host `host` of a job of several hosts keeps its records and checkpoints when
+  they share `workdir` (WORKDIR/host<i>); `workdir` itself for one host."""
+  path = os.path.join(workdir, f"host{host}")
+  return type(workdir)(path) if os.path.isdir(path) else workdir
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -104,7 +104,7 @@ def test_pacer_refuses_steps_the_hosts_disagree_on():
 
 
 def metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  with open(os.path.join(multihost.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -127,19 +127,22 @@ def test_speed_decides_weights_and_resumes_bit_identically_after_sigkill(tmp_pat
   assert [r["hosts_steps"] for r in want] == [[4, 4]] * 3 + [[8, 4]] * 5
   # steps of both hosts so far x 64 tokens (batch 4 x seq_len 16): 8 + 8 + 8, then + 12
   assert [r["tokens"] for r in want][2:5] == [64 * n for n in (24, 36, 48)]
-  with open(tmp_path / "a" / "work" / "run.json") as f:
+  with open(multihost.host_dir(tmp_path / "a" / "work") / "run.json") as f:
     assert json.load(f)["balance"]["decisions"] == [{"from_round": 1, "steps": [4, 4]},
                                                     {"from_round": 4, "steps": [8, 4]}]
-  hosts = multihost.start_hosts(tmp_path / "b", 2, **run)
+  # host 0's rounds from the 4th take 0.3 s more: the SIGKILL lands mid-run
+  hosts = multihost.start_hosts(tmp_path / "b", 2, **run,
+                                _slow={"host": 0, "from_round": 4, "seconds": 0.3})
   wait = time.monotonic() + 180
-  ckpts = tmp_path / "b" / "work" / store.CHECKPOINTS
-  while not (ckpts.is_dir() and any(d.isdigit() and int(d) >= 4 for d in os.listdir(ckpts))):
+  ckpts = lambda: multihost.host_dir(tmp_path / "b" / "work") / store.CHECKPOINTS  # noqa
+  while not (ckpts().is_dir() and any(d.isdigit() and int(d) >= 4 for d in os.listdir(ckpts()))):
     assert time.monotonic() < wait and hosts[0].poll() is None, "no checkpoint 4"
     time.sleep(0.05)
   time.sleep(random.uniform(0, 0.3))
   assert hosts[0].poll() is None, "host 0 ended before the SIGKILL"
   hosts[0].send_signal(signal.SIGKILL)
-  (killed, _), _ = multihost.finish(hosts, timeout=120)  # host 1 stops: its peer is gone
+  # host 1 stops: host 0 served the job's coordinator
+  (killed, _), _ = multihost.finish(hosts, timeout=120)
   assert killed == -signal.SIGKILL, killed
   resumed = multihost.run_hosts(tmp_path / "b", 2, **run)
   assert "resumed from checkpoint" in resumed[0]["output"], resumed[0]["output"][-3000:]

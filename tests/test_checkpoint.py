@@ -204,7 +204,7 @@ def launch(workdir, *extra, hosts=2, max_restarts=0):
 
 
 def records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  with open(os.path.join(multihost.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -225,9 +225,9 @@ def host_pid(launcher, host):
 
 
 def wait_for_checkpoint(workdir, round_, launcher, timeout=180):
-  ckpts = os.path.join(workdir, store.CHECKPOINTS)
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
+    ckpts = os.path.join(multihost.host_dir(workdir), store.CHECKPOINTS)
     if os.path.isdir(ckpts) and any(d.isdigit() and int(d) >= round_ for d in os.listdir(ckpts)):
       return
     assert launcher.poll() is None, launcher.communicate()[0][-4000:]
@@ -282,11 +282,14 @@ def test_fsdp_layout_trains_to_the_default_layouts_losses(references):
     assert [r[key] for r in fsdp] == pytest.approx([r[key] for r in default], rel=1e-5)
 
 
-def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):
+def test_sigterm_to_the_job_checkpoints_and_exits_zero(tmp_path, references):
+  """SIGTERM to the launcher (it goes to the job's coordinator): every host stops after
+  the same round with a checkpoint, exit 0, and the same command resumes there. (A
+  SIGTERM to one host alone makes that host leave: tests/test_live.py.)"""
   reference = references("sync")
   launcher = launch(tmp_path)
   wait_for_checkpoint(tmp_path, 2, launcher)
-  os.kill(host_pid(launcher, 1), signal.SIGTERM)
+  launcher.send_signal(signal.SIGTERM)
   text = launcher.communicate(timeout=120)[0]
   assert launcher.returncode == 0, text[-4000:]
   assert "preempted: stopped after round" in text, text[-4000:]
@@ -295,7 +298,9 @@ def test_sigterm_to_one_host_checkpoints_and_exits_zero(tmp_path, references):
   assert "Reached preemption sync point" not in text, text[-4000:]
   stopped = int(text.split("preempted: stopped after round ")[1].split()[0])
   assert stopped < 10
-  assert max(int(d) for d in os.listdir(tmp_path / store.CHECKPOINTS)) == stopped
+  for host in (0, 1):
+    saved = multihost.host_dir(tmp_path, host) / store.CHECKPOINTS
+    assert max(int(d) for d in os.listdir(saved) if d.isdigit()) == stopped
   text = launch(tmp_path).communicate(timeout=300)[0]
   assert f"resumed from checkpoint {stopped}" in text, text[-4000:]
   same_run(tmp_path, reference)
@@ -316,7 +321,7 @@ def test_nan_pseudo_gradient_skips_the_round_on_every_host(tmp_path):
     assert recs[1]["anchor_hash"] == recs[0]["anchor_hash"] != recs[2]["anchor_hash"]
     assert recs[1]["bad_replicas"] == "host 1 replica 0"
     assert all(np.isfinite(x).all() for x in host["leaves"])
-  with open(tmp_path / "work" / "metrics.jsonl") as f:
+  with open(multihost.host_dir(tmp_path / "work") / "metrics.jsonl") as f:
     assert [json.loads(line).get("skipped", 0) for line in f] == [0, 1, 0, 0]
 
 
@@ -443,7 +448,9 @@ def test_per_host_workdirs_resume_bit_identically_heal_and_refuse_a_divergence(
   assert "host 1 killed by signal 9" in text and "restart 1/1" in text, text[-4000:]
   assert "checkpoints in a workdir per host" in text and "resumed from checkpoint" in text
   same_run(work / "host0", reference)
-  assert not (work / "host1" / "metrics.jsonl").exists()  # host 0 alone writes them
+  # every host keeps its own records (live membership): the same anchors every round
+  assert ([r["anchor_hash"] for r in records(work / "host1")]
+          == [r["anchor_hash"] for r in records(work / "host0")])
   assert host_checkpoints(work, 0) == host_checkpoints(work, 1) == [8, 9, 10]
 
   ckpt = work / "host1" / store.CHECKPOINTS / "10"

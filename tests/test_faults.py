@@ -180,14 +180,17 @@ def test_full_disk_names_the_checkpoint_and_keeps_the_one_before(tmp_path):
 
 @pytest.mark.multihost
 def test_a_host_cut_off_stops_the_job_within_the_link_timeout(tmp_path):
-  """Host 1 stops answering (SIGSTOP: as if its link were down) while the job trains:
+  """A ddp job (its hosts share fate, on jax.distributed; a DiLoCo job's would drop the
+  silent host after its lease and train on: tests/test_live.py). Host 1 stops answering
+  (SIGSTOP: as if its link were down) while the job trains:
   host 0's link watchdog ends it with one "link lost" line within --link_timeout,
   instead of waiting for the heartbeat timeout (here 120 s). bench/linkdrop.py measures
   real link drops between network namespaces (docs/fault-tolerance.md)."""
   port = multihost.free_port()
   hosts = [multihost.start(train_cmd(
       tmp_path, "--config.replicas_per_host=1", f"--coordinator_address=127.0.0.1:{port}",
-      "--num_hosts=2", f"--host_id={h}", "--heartbeat_timeout=120", "--link_timeout=5"))
+      "--num_hosts=2", f"--host_id={h}", "--heartbeat_timeout=120", "--link_timeout=5",
+      "--config.mode=ddp"))
       for h in range(2)]
   try:
     read_until(hosts[0], "round   3/200")

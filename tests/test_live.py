@@ -59,7 +59,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
       # a cap: the run is stopped by SIGTERM a few rounds after host 0's loss
       "--config.replicas_per_host=1", "--config.num_rounds=1000",
       "--config.inner_steps=5", "--config.inner.warmup_steps=5", "--config.eval_every=2",
-      "--config.debug_checks=True", "--config.elastic_timeout=120", *extra])
+      "--config.debug_checks=True", "--config.wire_timeout=120", *extra])
   pids, lines, joined, events, whole = {}, [], None, [], False
   for line in launcher.stdout:
     lines.append(line)
@@ -202,19 +202,3 @@ def test_a_refusal_every_host_agrees_on_ends_every_process_with_its_line(tmp_pat
     assert len(refusals) == 1 and "config.inner_steps = 5" in refusals[0], out[-6000:]
     assert f"host {h} exited with code 1" in out
   assert "Traceback" not in out and "signal 6" not in out and "Check failed" not in out
-
-
-def test_elastic_without_live_membership_is_refused_in_one_line_per_host(tmp_path):
-  """config.elastic on jax.distributed (the older elastic path, gone): each host its line
-  pointing at live membership, before any host joins a JAX job (no abort, no wait)."""
-  launcher = multihost.start([
-      sys.executable, "launch/local.py", "--hosts=2", "--workdir_per_host", "--",
-      "--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.elastic=True",
-      "--config.num_rounds=3"])
-  out, _ = launcher.communicate(timeout=300)
-  assert launcher.returncode == 1, out[-6000:]
-  lines = [line for line in out.splitlines() if "Invalid config: config.elastic" in line]
-  assert lines and all("--membership" in line and "launch/local.py --live" in line
-                       for line in lines), out[-6000:]
-  assert "joining the job at coordinator" not in out, out[-6000:]
-  assert "signal 6" not in out and "Check failure" not in out, out[-6000:]

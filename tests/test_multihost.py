@@ -162,10 +162,13 @@ def test_a_host_whose_anchor_diverged_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_killed_host_stops_the_launcher(tmp_path):
-  """SIGKILL of host 1 mid-run: the launcher kills host 0 and exits non-zero at once."""
+  """SIGKILL of host 1 mid-run of a job whose hosts share fate (ddp: a gradient sum per
+  step, on jax.distributed): host 0 stops at once and the launcher exits non-zero, no
+  host left behind. (A DiLoCo job's hosts train on: tests/test_live.py.)"""
   launcher = multihost.start([sys.executable, "launch/local.py", "--hosts=2", "--",
                               "--config=configs/tiny.py", f"--workdir={tmp_path}",
-                              "--config.num_rounds=200", "--heartbeat_timeout=20"])
+                              "--config.num_rounds=200", "--heartbeat_timeout=20",
+                              "--config.mode=ddp"])
   lines = []
   for line in launcher.stdout:  # wait until training runs on both hosts
     lines.append(line)
@@ -173,7 +176,8 @@ def test_killed_host_stops_the_launcher(tmp_path):
       break
   else:
     raise AssertionError("".join(lines[-50:]))
-  hosts = multihost.children(launcher.pid)
+  hosts = [p for p in multihost.children(launcher.pid)  # (not the coordinator beside them)
+           if "diloco_jax.train" in open(f"/proc/{p}/cmdline").read()]
   assert len(hosts) == 2, hosts
   victim = next(p for p in hosts if "--host_id=1" in open(f"/proc/{p}/cmdline").read()
                 .replace("\0", " "))

@@ -293,7 +293,7 @@ def host_pid(launcher, host: int) -> int:
 
 
 def records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  with open(os.path.join(multihost.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -308,14 +308,14 @@ def test_sigkill_restart_resumes_bit_identically(prepared, tmp_path):
   text = launch(tmp_path / "ref", prepared, init_from=model).communicate(timeout=300)[0]
   assert "final eval loss" in text, text[-4000:]
   assert f"config.model.init_from = {model}: from its config.json, vocab_size 0 -> 260" in text
-  with open(tmp_path / "ref" / "run.json") as f:
+  with open(multihost.host_dir(tmp_path / "ref") / "run.json") as f:
     run = json.load(f)
   assert run["init_from"]["path"] == model
   assert run["num_params"] == model_lib.num_params_of(GPT2)
   launcher = launch(tmp_path / "run", prepared, max_restarts=1, init_from=model)
-  ckpts = tmp_path / "run" / store.CHECKPOINTS
+  ckpts = lambda: multihost.host_dir(tmp_path / "run") / store.CHECKPOINTS  # noqa: E731
   deadline = time.monotonic() + 180
-  while not (ckpts.is_dir() and any(d.isdigit() and int(d) >= 3 for d in os.listdir(ckpts))):
+  while not (ckpts().is_dir() and any(d.isdigit() and int(d) >= 3 for d in os.listdir(ckpts()))):
     assert launcher.poll() is None and time.monotonic() < deadline, \
         launcher.communicate()[0][-4000:]
     time.sleep(0.05)

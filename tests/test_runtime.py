@@ -63,6 +63,29 @@ def test_single_host_needs_no_flags(monkeypatch):
   assert cluster.initialize(cluster.Cluster(num_hosts=1)) is False
 
 
+def test_the_start_picks_each_jobs_path(monkeypatch):
+  """One host: a world of its own, nothing started. Several: ddp on jax.distributed (it
+  needs --coordinator_address, and says it leaves --membership unused), every DiLoCo mode
+  under live membership (it needs a coordinator's address). Each refusal is one line."""
+  from diloco_jax import config as config_lib
+  from diloco_jax.membership import start as start_lib
+  for var in ("DILOCO_COORDINATOR_ADDRESS", "DILOCO_NUM_HOSTS", "DILOCO_HOST_ID",
+              "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+    monkeypatch.delenv(var, raising=False)
+  config = config_lib.get_default_config()
+  world = start_lib.start(config, cluster.Cluster())
+  assert (world.host, world.num_hosts, world.live) == (0, 1, False)
+  for mode in ("sync", "delayed", "eager", "streaming"):
+    config.mode = mode
+    with pytest.raises(cluster.StartupError, match="several hosts need --coordinator_address"):
+      start_lib.start(config, cluster.Cluster(num_hosts=2, host_id=1))
+  config.mode = "ddp"
+  with pytest.raises(cluster.StartupError, match="over jax.distributed: give "
+                                                 "--coordinator_address"):
+    start_lib.start(config, cluster.Cluster(num_hosts=2, host_id=1),
+                    start_lib.Options(membership="127.0.0.1:1"))
+
+
 def test_a_host_waits_for_the_coordinators_port_not_for_grpcs_backoff():
   """A host other than 0 connects once host 0's service listens (polled every 10 ms), so
   that gRPC's first refused connect, retried only after a 1 s backoff, never happens; a

@@ -219,7 +219,7 @@ def test_a_save_that_hangs_stops_the_run_within_its_timeout(tmp_path, monkeypatc
   """A host's own save never waits for a peer; one whose disk hangs fails after
   config.checkpoint.timeout with one line, the checkpoints before it intact."""
   from diloco_jax.wire import collective as collective_lib
-  ckpt = per_host.PerHostStore(str(tmp_path), keep=2, dispatcher=None,
+  ckpt = per_host.PerHostStore(str(tmp_path), host=0, keep=2, dispatcher=None,
                                             collective=collective_lib.LocalCollective(),
                                             timeout=1)
   snap = store.Snapshot(1, {"anchor": np.arange(4, dtype=np.float32)},
@@ -262,9 +262,8 @@ def host_stores(tmp_path, job, hosts=2):
     collective = SimpleNamespace(
         allgather=lambda x, h=h: job._meet(h, x, np.stack),
         sum=lambda tree, h=h: {"bytes": job._meet(h, tree["bytes"], lambda rows: sum(rows))})
-    s = per_host.PerHostStore(str(tmp_path / f"host{h}"), keep=3, dispatcher=Inline,
+    s = per_host.PerHostStore(str(tmp_path / f"host{h}"), host=h, keep=3, dispatcher=Inline,
                               collective=collective)
-    s.host = h  # one process: jax.process_index() is 0 for both
     out.append(s)
   return out
 

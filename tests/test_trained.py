@@ -55,5 +55,6 @@ def eval_loss(model: trained.Trained) -> float:
 
 
 def final_eval_loss(workdir) -> float:
-  with open(workdir / "metrics.jsonl") as f:
+  from tests import multihost  # pylint: disable=import-outside-toplevel
+  with open(multihost.host_dir(workdir) / "metrics.jsonl") as f:
     return [json.loads(line) for line in f][-1]["eval_loss"]

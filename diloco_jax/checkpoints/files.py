@@ -118,14 +118,22 @@ def check(data: bytes, record: dict[str, Any], where: str) -> None:
         f"read hash to {got[:12]}{size}): changed or cut short since it was written")
 
 
-def to_tree(data: bytes, like: Any, record: dict[str, Any], where: str) -> Any:
-  """The tree shaped like `like` whose leaves `data` (a checked file's bytes) holds."""
+def leaves(data: bytes, record: dict[str, Any], where: str) -> dict[str, np.ndarray]:
+  """The leaves `data` (a checked file's bytes) holds, by name, in their dtypes."""
   try:
     arrays = safetensors.numpy.load(data)
   except (safetensors.SafetensorError, KeyError, ValueError) as e:
     raise store.CheckpointError(f"{where}: not a safetensors file this version reads "
                                 f"({type(e).__name__}: {e})") from None
-  bits = record.get("bits", {})
+  for name, dtype in record.get("bits", {}).items():
+    if name in arrays:
+      arrays[name] = arrays[name].view(np.dtype(dtype))
+  return arrays
+
+
+def to_tree(data: bytes, like: Any, record: dict[str, Any], where: str) -> Any:
+  """The tree shaped like `like` whose leaves `data` (a checked file's bytes) holds."""
+  arrays = leaves(data, record, where)
   named = _named(like)
   extra = sorted(arrays.keys() - {name for name, _ in named})
   if extra:
@@ -137,8 +145,6 @@ def to_tree(data: bytes, like: Any, record: dict[str, Any], where: str) -> Any:
       raise store.CheckpointError(f"{where} has no leaf {name} ({len(arrays)} leaves; "
                                   f"this run's state has {len(named)})")
     a = arrays[name]
-    if name in bits:
-      a = a.view(np.dtype(bits[name]))
     dtype, shape = np.dtype(want.dtype), tuple(np.shape(want))
     if a.dtype != dtype or a.shape != shape:
       raise store.CheckpointError(

@@ -7,6 +7,8 @@ host writes whole checkpoints of its own: workdir/checkpoints/<round>/ holds
                       momentum, ...),
   own.safetensors     this host's replicas, data iterators and, in async modes, its sum in
                       flight,
+  model.safetensors   in a finished run's last checkpoint only: the trained params (what
+                      `sample` and `export` read; readback/trained.py),
   meta.json           the round, config and world; the run's id, the host that wrote it,
                       the sha256 of the shared state (what the hosts compare), and the
                       sha256 of every file, checked before a byte of it is used
@@ -47,11 +49,11 @@ from diloco_jax.algo import state as state_lib
 from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import recovery
 from diloco_jax.checkpoints import store
-from diloco_jax.membership import world
 from diloco_jax.wire import collective as collective_lib
 
 PARTIAL = ".partial-"
 ITEMS = ("shared", "own")
+MODEL = "model"  # a finished run's trained params (store.Snapshot.model)
 
 
 def _fsync_dir(path: str) -> None:
@@ -82,11 +84,12 @@ class PerHostStore:
   `store.Store`; `restore` agrees with the other hosts on the round to resume from and
   heals a host that holds none (checkpoints/recovery.py)."""
 
-  def __init__(self, workdir: str, *, keep: int, dispatcher, collective, timeout: int = 900):
+  def __init__(self, workdir: str, *, host: int, keep: int, dispatcher, collective,
+               timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, store.CHECKPOINTS)
     self.keep, self.dispatcher, self.collective = keep, dispatcher, collective
-    self.host = world.current().host
+    self.host = host
     self.write_seconds: float | None = None
     self.recovered: store.Recovered | None = None  # what `restore` did, for the logs
     self.timeout = timeout  # config.checkpoint.timeout
@@ -107,6 +110,7 @@ class PerHostStore:
     t = time.perf_counter()
     shared = store.to_host(snapshot.shared, not last)
     own = store.to_host(snapshot.own, not last)
+    model = None if snapshot.model is None else store.to_host(snapshot.model, not last)
     blocked = time.perf_counter() - t
     meta = dict(snapshot.meta, host=self.host)
     future = concurrent.futures.Future()
@@ -115,22 +119,24 @@ class PerHostStore:
       try:
         if after is not None:
           after.wait()
-        future.set_result(self._write_checkpoint(snapshot.round, shared, own, meta))
+        future.set_result(self._write_checkpoint(snapshot.round, shared, own, meta, model))
       except BaseException as e:  # noqa: BLE001 -- reported by _finish_previous
         future.set_exception(e)
     threading.Thread(target=write, daemon=True, name=f"checkpoint-{snapshot.round}").start()
     self._pending = (snapshot.round, future)
     return blocked
 
-  def _write_checkpoint(self, r: int, shared: Any, own: Any, meta: dict) -> None:
+  def _write_checkpoint(self, r: int, shared: Any, own: Any, meta: dict,
+                        model: Any = None) -> None:
     t = time.monotonic()
-    store.check_space(self.directory, r, collective_lib.payload_bytes(shared)
-                               + collective_lib.payload_bytes(own))
+    trees = dict(zip(ITEMS, (shared, own)), **({MODEL: model} if model is not None else {}))
+    store.check_space(self.directory, r,
+                      sum(collective_lib.payload_bytes(tree) for tree in trees.values()))
     partial = os.path.join(self.directory, f"{r}{PARTIAL}{uuid.uuid4().hex[:8]}")
     os.makedirs(partial)
     written = {files.filename(item): files.write(os.path.join(partial, files.filename(item)),
                                                  tree)
-               for item, tree in zip(ITEMS, (shared, own))}
+               for item, tree in trees.items()}
     # shared_sha256 hashes the tree, not the file: what the hosts compare does not depend
     # on how a safetensors version lays out a file.
     meta.update(format=files.FORMAT, shared_sha256=state_lib.fingerprint(shared),

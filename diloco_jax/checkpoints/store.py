@@ -61,12 +61,16 @@ class Snapshot:
     missing: on restore, the hosts of this run that have no row of their own in it (a
       new, wiped or returning host, or more hosts than wrote it): they restart their
       replicas from the anchor. The same on every host.
+    model: the trained params, in a finished run's last checkpoint (what `sample` and
+      `export` read: eager's is the mean of every host's replicas, which no one host's
+      files hold); None otherwise. Written by the per-host store alone.
   """
   round: int
   shared: Any
   own: Any
   meta: dict[str, Any]
   missing: tuple[int, ...] = ()
+  model: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,10 +165,7 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
   _check_reporting(c, check)
   _check_wire(c, check, mode, num_replicas=num_hosts * c.replicas_per_host)
   _check_balance(c, check, mode)
-  check("config.elastic_timeout", c.elastic_timeout >= 1, "must be >= 1")
-  check("config.elastic", not c.elastic or not mode or mode.elastic_ok,
-        f"elastic mode is available for config.mode = {_modes(lambda d: d.elastic_ok)} only "
-        f"(not {c.mode!r})")
+  check("config.wire_timeout", c.wire_timeout >= 1, "must be >= 1")
   if errors:
     raise ConfigError("\n".join(errors))
 

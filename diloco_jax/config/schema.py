@@ -142,8 +142,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
   c.balance_tolerance = 0.1  # 'speed': hosts within it of the slowest train H; steps move by more.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
-  c.elastic = False  # Set by live membership (--membership): hosts come and go, the rest train on.
-  c.elastic_timeout = 60  # Elastic: seconds a sum waits on a silent peer still in the epoch.
+  c.wire_timeout = 60  # Several hosts: seconds an op waits on a silent peer still in the epoch.
   return c
 
 
@@ -156,8 +155,8 @@ RESUMABLE_CHANGES = ("config.eval_every", "config.eval_batches", "config.debug_c
                      "config.model.init_from",
                      "config.checkpoint.every", "config.checkpoint.keep",
                      "config.checkpoint.timeout",
-                     "config.outer.max_skipped_rounds", "config.elastic",
-                     "config.elastic_timeout", "config.mesh.replicas", "config.mesh.fsdp",
+                     "config.outer.max_skipped_rounds",
+                     "config.wire_timeout", "config.mesh.replicas", "config.mesh.fsdp",
                      "config.log.wandb_project", "config.log.wandb_mode",
                      "config.profile.start_round", "config.profile.num_rounds")
 
@@ -186,6 +185,10 @@ def from_saved(saved: dict) -> ml_collections.ConfigDict:
       else:
         into[key] = value
   config = get_default_config()
+  saved = dict(saved)
+  saved.pop("elastic", None)  # before 0.2: live membership was a switch of the config
+  if "wire_timeout" in saved:  # before 0.2: the wire's timeout had the switch's name
+    saved.setdefault("wire_timeout", saved.pop("wire_timeout"))
   merge(config, saved)
   model = saved.get("model", {})
   if "head_bias" not in model and model.get("family", "gpt") == "gpt":

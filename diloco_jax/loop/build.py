@@ -55,6 +55,7 @@ class Parts:
     config: the config as the run uses it (validated; a prepared corpus's vocabulary and
       init_from's model fields resolved).
     workdir, dispatcher: where the run writes; the thread that issues cross-host collectives.
+    world: which host this is, among whom (`membership.world.World`: fixed, or live).
     host, num_hosts, replicas_per_host, num_replicas: this host's index, the hosts, R, K.
     h, num_rounds: inner steps per round (the slowest host's), rounds in the run.
     tokens_per_replica_step, tokens_per_step: tokens one replica / all K take in a step.
@@ -77,6 +78,7 @@ class Parts:
   config: ml_collections.ConfigDict
   workdir: str
   dispatcher: dispatch.Dispatcher
+  world: world_lib.World
   host: int
   num_hosts: int
   replicas_per_host: int
@@ -138,13 +140,12 @@ class Parts:
 
 
 def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.Dispatcher,
-          restart_from_scratch: bool = False,
+          world: world_lib.World, restart_from_scratch: bool = False,
           pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None
           ) -> tuple[Parts, state_lib.RunState]:
   """This host's parts, and the state before any checkpoint is read (the anchor from the
   seed; init_from: zeros until `resume.resume` knows no checkpoint holds the state)."""
   phases = runinfo.Phases()  # "process": the interpreter, imports, jax.distributed
-  world = world_lib.current()
   host, num_hosts = world.host, world.num_hosts
   config = resolve.resolved(config, announce=host == 0)
   config_lib.validate(config, num_local_devices=jax.local_device_count(), num_hosts=num_hosts)
@@ -172,11 +173,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   inner_optimizer = optim.inner_optimizer(config.inner, num_rounds * h)
   mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
   store_lib.check_writable(workdir)  # after the data's checks: they may refuse
-  if config.elastic and not world.live:
-    raise config_lib.ConfigError(
-        "config.elastic is set by live membership (train's --membership, a membership "
-        "coordinator; launch/local.py --live): without it the hosts share fate")
-  membership = membership_lib.of(config)
+  membership = membership_lib.of(world, config)
   collective = membership.collective
   pacer = pacing.Pacer(config, host=host, num_hosts=num_hosts,
                        replicas_per_host=replicas_per_host, present=lambda: collective.live)
@@ -200,9 +197,11 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
     fixed_checkpoints = os.path.join(workdir, "checkpoints")
     if os.path.isdir(fixed_checkpoints) and os.listdir(fixed_checkpoints):
       raise store_lib.CheckpointError(
-          f"{workdir} holds the checkpoints of a job of fixed membership; live membership "
-          f"keeps each host's under {workdir}/host<i>/ and would not resume from them: "
-          "resume with the fixed job's command, or give the live job another --workdir")
+          f"{workdir} holds the checkpoints of a job of several hosts written by a version "
+          f"of diloco_jax before 0.2 (one directory for every host, by orbax); a job of "
+          f"several hosts now keeps each host's under {workdir}/host<i>/ and cannot resume "
+          "from them: resume it with the version that wrote it, or give this job another "
+          "--workdir")
     workdir = os.path.join(workdir, f"host{host}")
     os.makedirs(workdir, exist_ok=True)
     if host == min(collective.live):
@@ -222,8 +221,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
         save_timeout=membership.save_timeout, timeout=config.checkpoint.timeout)
   else:
     store = per_host.PerHostStore(
-        workdir, keep=config.checkpoint.keep, dispatcher=dispatcher, collective=collective,
-        timeout=config.checkpoint.timeout)
+        workdir, host=host, keep=config.checkpoint.keep, dispatcher=dispatcher,
+        collective=collective, timeout=config.checkpoint.timeout)
   phases.done("connect")  # the membership's connections, the workdir, the store
   train_step = driver.inner_step(loss_fn, inner_optimizer, mesh=mesh,
                                  grad_accum_steps=config.grad_accum_steps,
@@ -280,7 +279,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       # the run ends by writing a checkpoint and waiting for it: as long as the last did
       finish_estimate=lambda: store.write_seconds or 0.0)
   parts = Parts(
-      config=config, workdir=workdir, dispatcher=dispatcher, host=host, num_hosts=num_hosts,
+      config=config, workdir=workdir, dispatcher=dispatcher, world=world, host=host,
+      num_hosts=num_hosts,
       replicas_per_host=replicas_per_host, num_replicas=num_replicas, h=h,
       num_rounds=num_rounds, tokens_per_replica_step=tokens_per_replica_step,
       tokens_per_step=tokens_per_step, data=data, model_cfg=model_cfg,

@@ -49,7 +49,6 @@ from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import store
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
-from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import exchange as exchange_lib
 
 FORMAT = "diloco_jax.join/1"
@@ -101,10 +100,10 @@ def _message(parts, state: state_lib.RunState, r: int) -> tuple[bytes, bytes]:
 def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
   """The joiner: waits to be admitted, takes the members' state, and returns the state it
   continues from (the round the members ended with `admit`)."""
-  world = world_lib.current()
+  world = parts.world
   collective = parts.collective
   t = time.perf_counter()
-  world.lease.join(timeout_s=max(600.0, parts.config.elastic_timeout))
+  world.lease.join(timeout_s=max(600.0, parts.config.wire_timeout))
   collective.admitted()
   source, got = parts.dispatcher.run(collective.transfer, (world.host,), None,
                                      what="receiving the run's state")

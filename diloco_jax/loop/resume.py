@@ -44,7 +44,7 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
   if own is None:  # a new, wiped or returning host: no row of its own
     outer, replicas = membership.rejoin(
         parts.driver, snap, parts.init_replicas, None if change.changed else parts.data,
-        parts.pacer.steps_done(r))
+        parts.pacer.steps_done(r), parts.host)
   else:
     outer = parts.driver.join(snap.shared, own)
     replicas = parts.inner.place(own["replicas"])

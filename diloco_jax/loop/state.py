@@ -49,11 +49,13 @@ class RunState:
     return dataclasses.replace(self, **changes)
 
 
-def snapshot(parts, state: RunState, r: int, finished: bool = False) -> store.Snapshot:
+def snapshot(parts, state: RunState, r: int, finished: bool = False,
+             model=None) -> store.Snapshot:
   """Everything needed to continue after round r (after its outer step); `finished`:
-  after the last round, with what was in flight applied (the final model)."""
+  after the last round, with what was in flight applied, and `model` the trained params."""
   shared, own = parts.driver.split(state.outer)
-  return _snapshot(parts, state, r, shared, own, finished, bool(state.outer.inflight))
+  snap = _snapshot(parts, state, r, shared, own, finished, bool(state.outer.inflight))
+  return dataclasses.replace(snap, model=model)
 
 
 def snapshot_like(parts, state: RunState, meta: dict) -> store.Snapshot:

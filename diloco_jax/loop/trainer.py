@@ -56,10 +56,12 @@ class Trainer:
   it stands: replaced by every round, by `resume` and at the end)."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               dispatcher: dispatch.Dispatcher, restart_from_scratch: bool = False,
+               dispatcher: dispatch.Dispatcher, world: world_lib.World | None = None,
+               restart_from_scratch: bool = False,
                pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None):
-    self.parts, self.state = build_lib.build(config, workdir, dispatcher, restart_from_scratch,
-                                             pseudo_gradient_hook)
+    self.parts, self.state = build_lib.build(config, workdir, dispatcher,
+                                             world or world_lib.World.fixed(),
+                                             restart_from_scratch, pseudo_gradient_hook)
 
   def run_round(self, r: int) -> None:
     self.state = rounds.run_round(self.parts, self.state, r)
@@ -76,7 +78,7 @@ class Trainer:
   def run(self) -> TrainResult:
     parts = self.parts
     runinfo.announce(parts)
-    if world_lib.current().joining:  # the members' state, at their next round boundary
+    if parts.world.joining:  # the members' state, at their next round boundary
       self.state = join_lib.receive(parts, self.state)
       done = self.state.round
     else:
@@ -127,7 +129,7 @@ class Trainer:
     parts.store.wait()
     parts.store.close()
     parts.log.writer.close()
-    if parts.prints and preempted_at is not None:
+    if preempted_at is not None and (parts.prints or parts.preemption.alone):
       print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
             f"{parts.store.directory}; run the same command to continue", flush=True)
     elif parts.writes:
@@ -167,7 +169,8 @@ class Trainer:
         parts.log.add(num_rounds, eval_loss=final_eval, floor=parts.spec.floor)
     if not finished_before:
       hostmem.trim()  # what the eval's compile freed, before the save adds its buffers
-      parts.store.save(self.snapshot(num_rounds, finished=True), last=True)
+      parts.store.save(state_lib.snapshot(parts, self.state, num_rounds, finished=True,
+                                          model=final_params), last=True)
       parts.store.wait()  # the last line's "ETA 0s" is printed once it is on disk
       parts.log.write_through(num_rounds)
     return final_params, final_eval
@@ -193,14 +196,17 @@ class Trainer:
 
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, restart_from_scratch: bool = False, *,
+    world: world_lib.World | None = None,
     pseudo_gradient_hook: modes_base.PseudoGradientHook | None = None) -> TrainResult:
   """Trains per `config`, writing run.json, metrics, TensorBoard events and a loss plot to
-  `workdir` (host 0). On several hosts, `distributed.initialize` must have run first.
+  `workdir` (host 0; under live membership every host to its own). On several hosts,
+  `world` is the job's (`membership.start.start`); None: `jax.distributed`'s hosts (one,
+  unless it was started).
   `restart_from_scratch`: move the workdir's previous run aside and start from round 1.
   `pseudo_gradient_hook`: transforms this host's pseudo-gradients before they are checked
   and sent (`modes.base.PseudoGradientHook`; a tool's, e.g. bench/poison.py's attacks)."""
   with dispatch.Dispatcher() as dispatcher:
-    trainer = Trainer(config, workdir, dispatcher, restart_from_scratch,
+    trainer = Trainer(config, workdir, dispatcher, world, restart_from_scratch,
                       pseudo_gradient_hook=pseudo_gradient_hook)
     parts = trainer.parts
     try:

@@ -21,10 +21,16 @@ import time
 import zmq
 
 from diloco_jax.runtime import security
-from diloco_jax.membership.coordinator import C2S, S2C, BadRequest, CoordinatorError, key_for
+from diloco_jax.membership.coordinator import C2S, NOT_THIS_KEY, S2C, BadRequest, CoordinatorError
+from diloco_jax.membership.coordinator import key_for
 from diloco_jax.membership.coordinator import sign, verify
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.membership.ledger import JobStopping
+
+
+class TokenMismatch(CoordinatorError):
+  """The coordinator dropped our request: it was not signed with the job's key, so this
+  host's join token differs from the coordinator's (or one of them has none)."""
 
 
 class CoordinatorLost(CoordinatorError):
@@ -96,7 +102,9 @@ class Client:
         said = json.loads(frames[0]).get("why", "") if len(frames) == 2 and not frames[1] else ""
       except ValueError:
         said = ""
-      if said:  # the coordinator's unauthenticated refusal: a hint, trusted for nothing else
+      if said.startswith(NOT_THIS_KEY):  # an unauthenticated hint, trusted for nothing else
+        raise TokenMismatch(f"the coordinator at {self.address} dropped our {what}: {said}")
+      if said:
         raise CoordinatorError(f"the coordinator at {self.address} dropped our {what}: {said}")
       raise CoordinatorError(f"the coordinator at {self.address} answered our {what} with a "
                              f"frame we dropped: {e}") from None
@@ -129,8 +137,9 @@ class Client:
     host = self.host if host is None else host
     while True:
       nonce = secrets.token_hex(16)
-      hello = self._expect(self._ask({"op": "hello", "nonce": nonce}, "hello"), "challenge",
-                           nonce=nonce)
+      # (the host id a hello claims only names it in a refusal's line)
+      hello = self._expect(self._ask({"op": "hello", "nonce": nonce, "host": host}, "hello"),
+                           "challenge", nonce=nonce)
       challenge = hello["challenge"]
       answer = self._ask({"op": "register", "challenge": challenge, "host": host,
                           "address": address, "last_epoch": self.last_epoch,

@@ -70,6 +70,8 @@ from diloco_jax.wire.epoch import Epoch  # noqa: F401 -- the client's, and a hos
 from diloco_jax.wire.epoch import Member  # noqa: F401 -- an epoch's member
 
 C2S, S2C = b"diloco_jax coordinator request|", b"diloco_jax coordinator answer|"
+NOT_THIS_KEY = "not authenticated with this job's key"
+CLAIM_BYTES = 4096  # the most of an unauthenticated request read for the host it claims
 _NO_TOKEN_KEY = b"diloco_jax coordinator: no join token"
 
 
@@ -87,7 +89,7 @@ def verify(key: bytes, direction: bytes, frames: list[bytes]) -> dict:
     raise BadRequest(f"{len(frames)} parts, expected 2 (body, mac)")
   data, mac = frames
   if not hmac.compare_digest(mac, hmac.new(key, direction + data, "sha256").digest()):
-    raise BadRequest("not authenticated with this job's key (another join token, or none?)")
+    raise BadRequest(f"{NOT_THIS_KEY} (another join token, or none?)")
   try:
     body = json.loads(data)
   except ValueError:
@@ -101,12 +103,63 @@ def _log(line: str) -> None:
   print(line, file=sys.stderr, flush=True)
 
 
+def _claimed_host(frames: list[bytes]) -> int | None:
+  """The host id an unauthenticated request claims to be, for a line that names it (never
+  for a decision): None unless it is small JSON with a small integer "host"."""
+  try:
+    body = json.loads(frames[0]) if frames and len(frames[0]) <= CLAIM_BYTES else None
+    host = body.get("host") if isinstance(body, dict) else None
+  except (ValueError, RecursionError):
+    return None
+  return host if isinstance(host, int) and not isinstance(host, bool) and 0 <= host < 1 << 20 else None
+
+
+class Serving:
+  """A coordinator in a thread of this process: host 0's, for a job started with
+  --coordinator_address (it ends with host 0's process, as a jax.distributed job's
+  coordination service does). `refused` lists (peer, claimed host, why) of the requests
+  whose key was not this job's: a host with another join token."""
+
+  def __init__(self, port: int, max_hosts: int, lease_s: float, key: bytes, bind: str,
+               log: Callable[[str], None] = _log):
+    self._stop, self._finish, ready = threading.Event(), threading.Event(), threading.Event()
+    self.refused: list[tuple[str, int | None, str]] = []
+    self._failed: list[BaseException] = []
+
+    def run():
+      try:
+        serve(port, max_hosts, lease_s, key, bind, self._stop, log, finish=self._finish,
+              ready=ready, refused=lambda *r: self.refused.append(r))
+      except BaseException as e:  # noqa: BLE001 -- raised in the starting thread
+        self._failed.append(e)
+        ready.set()
+
+    self._thread = threading.Thread(target=run, name="coordinator", daemon=True)
+    self._thread.start()
+    ready.wait()
+    if self._failed:
+      raise self._failed[0]
+
+  def finish(self, timeout_s: float) -> bool:
+    """Serves until every host has left (the others finishing their last round and
+    checkpoint), at most `timeout_s`; True if they all left in time."""
+    self._finish.set()
+    self._thread.join(timeout_s)
+    self._stop.set()
+    return not self._thread.is_alive()
+
+
 def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "127.0.0.1",
           stop: threading.Event | None = None, log: Callable[[str], None] = _log,
-          accuse_s: float | None = None, drain: threading.Event | None = None) -> None:
-  """Answers hosts on tcp://bind:port until `stop` is set, or, once `drain` is set, until
-  the job it stops (every host after the same round) has no host left."""
+          accuse_s: float | None = None, drain: threading.Event | None = None,
+          finish: threading.Event | None = None, ready: threading.Event | None = None,
+          refused: Callable[[str, int | None, str], None] | None = None) -> None:
+  """Answers hosts on tcp://bind:port until `stop` is set; or, once `drain` is set, until
+  the job it stops (every host after the same round) has no host left; or, once `finish`
+  is set, until no host is left (the job ran to its end). Sets `ready` once it listens.
+  `refused(peer, claimed host, why)` hears of each request whose key is not this job's."""
   stop, drain = stop or threading.Event(), drain or threading.Event()
+  finish = finish or threading.Event()
   ledger = Ledger(max_hosts, lease_s, log, time.monotonic(), accuse_s)
   ctx = zmq.Context()
   sock = ctx.socket(zmq.ROUTER)
@@ -118,6 +171,8 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
     raise CoordinatorError(f"cannot listen on tcp://{bind}:{port}: {e}") from None
   log(f"coordinator: listening on tcp://{bind}:{port} for up to {max_hosts} hosts, "
       f"lease {lease_s:g} s")
+  if ready is not None:
+    ready.set()
   # leases and accusations end at most a quarter of theirs late
   tick_ms = max(10, int(min(lease_s, ledger.accuse_s) * 250))
   try:
@@ -130,9 +185,13 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
           answer = sign(key, S2C, ledger.handle(verify(key, C2S, frames), time.monotonic()))
         except BadRequest as e:
           log(f"coordinator: dropped a frame from {peer}: {e}")
+          if refused is not None and str(e).startswith(NOT_THIS_KEY):
+            refused(peer, _claimed_host(frames), str(e))
           answer = [json.dumps({"op": "dropped", "why": str(e)}).encode(), b""]
         sock.send_multipart(route + answer)
       ledger.expire(time.monotonic())
+      if finish.is_set() and ledger.idle:
+        break
       if drain.is_set():
         ledger.stop("the coordinator was asked to stop it")
         if ledger.idle:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -70,9 +71,11 @@ class Lease:
   @classmethod
   def start(cls, coordinator: str, *, host: int, num_hosts: int,
             token: security.JoinToken | None, timeout_s: float,
-            address: str | None = None, min_hosts: int | None = None) -> Lease:
+            address: str | None = None, min_hosts: int | None = None,
+            waiting: Callable[[], None] = lambda: None) -> Lease:
     """Registers, then waits up to `timeout_s` for an epoch of `min_hosts` hosts (None:
-    `num_hosts`); a host that finds the job running returns at once, `joining`."""
+    `num_hosts`), calling `waiting()` meanwhile (it may raise to give up); a host that
+    finds the job running returns at once, `joining`."""
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s))
     address = wire_address(coordinator, address)
     try:
@@ -82,6 +85,9 @@ class Lease:
     except coordinator_client.JobStopping as e:
       client.close()
       raise JobEnded(f"host {host}: {e}") from None
+    except coordinator_client.TokenMismatch:
+      client.close()
+      raise
     except coordinator_client.CoordinatorError as e:
       client.close()
       raise MembershipError(f"host {host}: {e}") from None
@@ -92,14 +98,20 @@ class Lease:
     deadline = time.monotonic() + timeout_s
     wanted = num_hosts if min_hosts is None else min_hosts
     while len(lease.epoch.members) < wanted:
+      try:
+        waiting()
+      except BaseException:
+        lease.close()
+        raise
       if client.stopping:
         lease._ended("the job was stopped before it started")
       if time.monotonic() > deadline:
         client.close()
         raise MembershipError(
-            f"host {host}: only hosts {list(lease.epoch.hosts)} of {wanted} registered "
-            f"with the coordinator at {coordinator} within {timeout_s:g} s (did every host "
-            "start, with the same --membership address and join token?)")
+            f"host {host}: not every host joined within --initialization_timeout="
+            f"{timeout_s:g}s: only hosts {list(lease.epoch.hosts)} of {wanted} registered "
+            f"with the coordinator at {coordinator} (did every host start, with the same "
+            "coordinator address and join token?)")
       time.sleep(min(0.05, lease.lease_s / 8))
       lease._heartbeat()
     lease._thread = threading.Thread(target=lease._renew, name="lease", daemon=True)

@@ -117,8 +117,7 @@ class Live:
   run.json, metrics, events, eval), so the run's record survives any host; the lowest
   live host prints."""
 
-  def __init__(self, world: world_lib.World, timeout_s: int, replicas_per_host: int):
-    del timeout_s  # the collective was made at start-up (train.py), with it
+  def __init__(self, world: world_lib.World, replicas_per_host: int):
     self.collective = world.collective
     self.save_timeout = None  # a save is this host's own: nothing to wait for
     self.host = world.host
@@ -180,16 +179,15 @@ class LiveReplicas:
     return {"replicas": np.float32(0), "hosts": np.float32(0), "pending": np.float32(0)}
 
 
-def of(config: ml_collections.ConfigDict) -> Membership:
+def of(world: world_lib.World, config: ml_collections.ConfigDict) -> Membership:
   """The membership of this job's hosts: live under a lease (train's --membership), else
   fixed."""
-  world = world_lib.current()
   if world.live:
-    return Live(world, config.elastic_timeout, config.replicas_per_host)
+    return Live(world, config.replicas_per_host)
   return Fixed()
 
 
-def rejoin(outer_step, snap, init_replicas: Callable, data, steps_done: int):
+def rejoin(outer_step, snap, init_replicas: Callable, data, steps_done: int, host: int):
   """A host back after the others trained without it, resuming from a checkpoint that has
   no row of its own: the shared outer state, its replicas from the anchor with fresh AdamW
   moments (the step count, which drives the lr schedule, set to `steps_done`: the steps
@@ -204,6 +202,6 @@ def rejoin(outer_step, snap, init_replicas: Callable, data, steps_done: int):
       opt_state=state_lib.with_step_count(replicas.opt_state, steps_done))
   if data is not None:
     data.set_state(snap.meta["data_state"])
-  print(f"host {world_lib.current().host}: rejoining at round {snap.round + 1}: replicas from the "
+  print(f"host {host}: rejoining at round {snap.round + 1}: replicas from the "
         f"anchor with fresh optimizer moments (step {steps_done})", flush=True)
   return outer, replicas

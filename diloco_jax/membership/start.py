@@ -1,54 +1,155 @@
-"""Start-up of a job whose membership is live (train's --membership).
+"""The start of a job on this host: which `World` it trains in.
 
-No `jax.distributed`: each host's JAX is a world of its own, so no host's loss can abort
-another's process, and there is no shutdown barrier to wait at. The host registers with the
-membership coordinator (`membership/lease.py`), opens the epoch wire's collective
-(`membership/collective.py`), says so to `runtime.world`, and compares its config with every other
-host's over the wire (every host sees every difference and all refuse alike).
+- One host (no coordinator address, no host count, no cluster detected): a world of its own.
+- `ddp` on several hosts: `jax.distributed` (runtime/cluster.py); its per-step gradient sums
+  run inside XLA, and the hosts share fate.
+- Every other multi-host job, in every DiLoCo mode, has live membership: no
+  `jax.distributed` (each host's JAX is a world of its own, so no host's loss can end
+  another's process); each host registers with a membership coordinator
+  (membership/lease.py), opens the epoch wire's collective (membership/collective.py) and
+  compares its config with every other host's over the wire (every host sees every
+  difference and all refuse alike). The coordinator is `--membership=ADDR`, one on an
+  always-on machine (`python -m diloco_jax.membership.coordinator`; no training host's loss
+  ends the job), or else host 0 serves one itself at `--coordinator_address`, in a thread:
+  the plain command of a fixed job starts a live one, whose seat is host 0 (its loss ends
+  the job, as a jax.distributed coordinator's would).
+
+`finish(world)` is the end of the job on this host.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
 from diloco_jax import config as config_lib
-from diloco_jax.runtime import cluster
+from diloco_jax.membership import client as client_lib
+from diloco_jax.membership import collective as collective_lib
+from diloco_jax.membership import coordinator as coordinator_lib
 from diloco_jax.membership import lease as lease_lib
+from diloco_jax.membership.world import World
+from diloco_jax.runtime import cluster
 from diloco_jax.runtime import security
-from diloco_jax.membership import world
-from diloco_jax.membership import collective as epochs
+
+LEASE_S = 10.0  # host 0's coordinator: a host silent this long is dropped (--heartbeat_timeout)
+FINISH_S = 600.0  # host 0 serves the others this long after its own end, at most
 
 
-def start(config: ml_collections.ConfigDict, spec: cluster.Cluster, membership: str,
-          wire_address: str | None, min_hosts: int | None = None) -> lease_lib.Lease:
-  """Registers this host at the coordinator `membership` ("host:port"), waits for
-  `min_hosts` hosts (None: `spec.num_hosts`), connects them and checks their configs agree;
-  or, if the job already runs, returns to join it later (`lease.joining`). Returns the
-  lease (close it at the end: the others then need not wait for it to run out)."""
-  c = spec.resolved()
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Attributes: membership, a standalone coordinator's "host:port" (None: host 0 serves
+  one at the cluster's coordinator address); wire_address, where the other hosts reach
+  this host's sums (None: a free port on the address that routes to the coordinator);
+  min_hosts, the hosts that start the job (None: every one of num_hosts)."""
+  membership: str | None = None
+  wire_address: str | None = None
+  min_hosts: int | None = None
+
+
+def start(config: ml_collections.ConfigDict, spec: cluster.Cluster,
+          options: Options = Options()) -> World:
+  """This host's world (module docstring). Must run before anything touches a jax
+  backend; raises a StartupError (or a MembershipError) naming what is wrong."""
+  from diloco_jax.modes import registry  # pylint: disable=import-outside-toplevel
+  c = cluster.detected(spec.resolved())
+  per_step = registry.driver(config.mode).per_step
+  if options.membership is None and c.single:
+    return World.fixed()
+  if per_step:  # ddp: a gradient sum per step, inside XLA
+    if options.membership is not None and not c.coordinator_address:
+      raise cluster.StartupError(
+          f"config.mode = {config.mode!r} sums gradients at every inner step, over "
+          "jax.distributed: give --coordinator_address (host 0's host:port); --membership "
+          "is for the DiLoCo modes")
+    if options.membership is not None and c.host_id == 0:
+      print(f"config.mode = {config.mode!r}: the hosts run on jax.distributed at "
+            f"{c.coordinator_address}; --membership is not used", flush=True)
+    cluster.initialize(c)
+    cluster.check_same_config(config_lib.flatten(config), timeout_s=c.initialization_timeout)
+    return World.fixed()
+  return _start_live(config, c, options)
+
+
+def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
+                options: Options) -> World:
   if c.num_hosts is None or c.host_id is None or not 0 <= c.host_id < c.num_hosts:
-    raise cluster.StartupError(f"--membership needs --num_hosts and --host_id in "
+    raise cluster.StartupError(f"several hosts need --num_hosts and --host_id in "
                                f"[0, num_hosts) (got {c.num_hosts} and {c.host_id})")
+  min_hosts = options.min_hosts
   if min_hosts is not None and not 1 <= min_hosts <= c.num_hosts:
     raise cluster.StartupError(f"--min_hosts={min_hosts}: must be in [1, --num_hosts="
                                f"{c.num_hosts}]")
+  address = options.membership or c.coordinator_address
+  if not address:
+    raise cluster.StartupError("several hosts need --coordinator_address (host 0's "
+                               "host:port) or --membership (a coordinator's host:port)")
   try:
-    security.check_coordinator_address(membership, c.allow_public_coordinator)
+    security.check_coordinator_address(address, c.allow_public_coordinator)
     token = security.JoinToken.from_environment(c.join_token_file)
   except security.SecurityError as e:
     raise cluster.StartupError(str(e)) from None
+  serving = None
+  if options.membership is None and c.host_id == 0:
+    serving = _serve(address, c, token)
   wanted = ("every host" if min_hosts in (None, c.num_hosts)
             else f"{min_hosts} of the {c.num_hosts} hosts")
   print(f"host {c.host_id} of {c.num_hosts} hosts: registering with the membership "
-        f"coordinator at {membership}; waiting up to {c.initialization_timeout}s for {wanted}",
+        f"coordinator at {address}; waiting up to {c.initialization_timeout}s for {wanted}",
         flush=True)
-  lease = lease_lib.Lease.start(membership, host=c.host_id, num_hosts=c.num_hosts,
-                                token=token, timeout_s=c.initialization_timeout,
-                                address=wire_address, min_hosts=min_hosts)
-  collective = epochs.EpochCollective(lease, token=token, timeout_s=config.elastic_timeout)
-  world.set_live(lease, token, collective)
+  seat = "the coordinator's" if options.membership else "host 0's"
+  try:
+    lease = lease_lib.Lease.start(
+        address, host=c.host_id, num_hosts=c.num_hosts, token=token,
+        timeout_s=c.initialization_timeout, address=options.wire_address,
+        min_hosts=min_hosts, waiting=lambda: _refused(serving, c.host_id))
+  except client_lib.TokenMismatch as e:
+    raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join token "
+                               f"differs from this host's ({e})") from None
+  collective = collective_lib.EpochCollective(lease, token=token,
+                                              timeout_s=config.wire_timeout)
+  world = World(c.host_id, c.num_hosts, lease, token, collective, serving)
   if lease.joining:  # the job runs: its config comes with the members' state (loop/join.py)
-    return lease
+    return world
   collective.connect()
   cluster.check_same_config_over(collective.allgather, c.host_id, config_lib.flatten(config))
-  return lease
+  return world
+
+
+def _serve(address: str, c: cluster.Cluster,
+           token: security.JoinToken | None) -> coordinator_lib.Serving:
+  """Host 0's coordinator, at the job's coordinator address."""
+  host, port = security.split_address(address)
+  bind = security.bind_address(address)
+  listen = security.split_address(bind)[0] if bind else "0.0.0.0"
+  try:
+    serving = coordinator_lib.Serving(port, c.num_hosts, c.heartbeat_timeout or LEASE_S,
+                                      coordinator_lib.key_for(token), listen)
+  except coordinator_lib.CoordinatorError as e:
+    raise cluster.StartupError(f"host 0: {e}") from None
+  auth = (f"hosts authenticated by the join token from {token.source}" if token else
+          "the job is unauthenticated: any process that reaches the coordinator port can "
+          f"join it (set ${security.TOKEN_ENV} on every host; docs/security.md)")
+  print(f"host 0: membership coordinator listening on {listen}:{port} ({host}:{port} for "
+        f"the hosts); {auth}", flush=True)
+  return serving
+
+
+def _refused(serving: coordinator_lib.Serving | None, me: int) -> None:
+  """Host 0, waiting for the others: a host whose requests its coordinator dropped for
+  another key holds another join token (its claimed id names it in the line)."""
+  if serving is not None and serving.refused:
+    peer, claimed, _ = serving.refused[0]
+    who = f"host {claimed}" if claimed is not None else f"a host at {peer}"
+    raise cluster.StartupError(f"host {me}: join token mismatch: {who}'s join token differs "
+                               "from this host's (its requests fail this job's key)")
+
+
+def finish(world: World) -> None:
+  """The end of this host's job: a live host leaves (the others need not wait for its
+  lease), and host 0 serves the others until they have left too."""
+  if world.collective is not None:
+    world.collective.close()
+  if world.coordinator is not None and not world.coordinator.finish(FINISH_S):
+    print(f"host 0: hosts still in the job {FINISH_S:g} s after this host's end; its "
+          "coordinator stops now (their work is in their checkpoints)", flush=True)

@@ -98,7 +98,8 @@ class Driver(Protocol):
     asynchronous: a round's mean is applied one round late, its sum hidden behind the
       next inner phase (delayed, eager).
     per_step: the hosts sum gradients at every inner step: one set of params, no
-      pseudo-gradients, nothing encoded on the wire (ddp).
+      pseudo-gradients, nothing encoded on the wire (ddp). Its hosts run on
+      jax.distributed; every other mode's have live membership (`membership/start.py`).
     fragments: it syncs fragments of the model mid-round (streaming); config.outer's
       fragment fields apply to it alone.
     carries_pace: one sum per round, which can carry each host's inner steps and seconds
@@ -106,7 +107,6 @@ class Driver(Protocol):
     needs_own_rows: a replica cannot start from the anchor, so a checkpoint resumes only
       with the rows of the hosts that wrote it; `why` says why.
     needs_mean: refuses robust aggregation; `why` says why.
-    elastic_ok: may take part in live membership (config.elastic).
     departure: how far its math departs from plain (sync) DiLoCo: 0 the same or a
       baseline, more for applying means later (the planner's recommendation keeps it small).
     param_sets: the sets of params the inner step holds on this host (R; ddp: 1).
@@ -117,7 +117,6 @@ class Driver(Protocol):
   carries_pace: Trait
   needs_own_rows: Trait
   needs_mean: Trait
-  elastic_ok: bool
   departure: int
   param_sets: int
 
@@ -192,7 +191,7 @@ class Driver(Protocol):
 
   def join(self, shared: dict, own: dict | None) -> Outer:
     """The carry of a checkpoint's trees, its sum in flight issued again (own None: a
-    host that was away in elastic mode starts from the shared state)."""
+    host that was away starts from the shared state)."""
     ...
 
 

@@ -99,7 +99,7 @@ class DDPStep(inner.Step):
 
 class DDPRound:
   """ddp's driver (`base.Driver`): no outer state, nothing in flight."""
-  asynchronous, per_step, fragments, elastic_ok, departure = False, True, False, False, 0
+  asynchronous, per_step, fragments, departure = False, True, False, 0
   carries_pace = base.Trait(False, "ddp's hosts all-reduce every step, so every host trains "
                             "every step")
   needs_own_rows = base.Trait(True, "keeps its model only in the replicas")

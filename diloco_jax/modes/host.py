@@ -188,7 +188,7 @@ class HostSide:
 
   def join(self, shared: dict, own: dict | None) -> base.Outer:
     """The carry of a checkpoint, its sum in flight issued again (own None: a host that
-    was away in elastic mode starts from the shared state)."""
+    was away starts from the shared state)."""
     own = own or {}
     state = jax.device_put(self.rule.join(shared["outer"], own.get("outer")), self.host_sharding)
     residuals = ({int(key): np.asarray(r) for key, r in own["wire"].items()} if "wire" in own

@@ -131,7 +131,7 @@ class OuterStep(host_lib.HostSide):
 class SyncStep(OuterStep):
   """sync: this round's mean, waited for (docs/algorithms.md §2)."""
   rule_class = diloco.Sync
-  asynchronous, per_step, fragments, elastic_ok, departure = False, False, False, True, 0
+  asynchronous, per_step, fragments, departure = False, False, False, 0
   carries_pace = base.Trait(True)
   needs_own_rows = base.Trait(False)
   needs_mean = base.Trait(False)
@@ -140,7 +140,7 @@ class SyncStep(OuterStep):
 class DelayedStep(OuterStep):
   """delayed: the previous round's mean, its sum behind this inner phase (§3)."""
   rule_class = diloco.Delayed
-  asynchronous, per_step, fragments, elastic_ok, departure = True, False, False, True, 2
+  asynchronous, per_step, fragments, departure = True, False, False, 2
   carries_pace = base.Trait(True)
   needs_own_rows = base.Trait(False)
   needs_mean = base.Trait(False)
@@ -149,7 +149,7 @@ class DelayedStep(OuterStep):
 class EagerStep(OuterStep):
   """eager: a replica's own Δ at once, the others' one round late (Kale et al., §4)."""
   rule_class = diloco.Eager
-  asynchronous, per_step, fragments, elastic_ok, departure = True, False, False, True, 1
+  asynchronous, per_step, fragments, departure = True, False, False, 1
   carries_pace = base.Trait(True)
   needs_own_rows = base.Trait(True, "keeps an outer state per replica")
   needs_mean = base.Trait(True, "each replica subtracts its own Δ/K from it")

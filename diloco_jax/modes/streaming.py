@@ -48,7 +48,7 @@ class StreamingOuterStep(host_lib.HostSide):
   """The streaming driver: `base.Driver` with events instead of a rule's round.
 
   `params`: the model's param shapes, which fix the fragments."""
-  asynchronous, per_step, fragments, elastic_ok, departure = False, False, True, True, 0
+  asynchronous, per_step, fragments, departure = False, False, True, 0
   carries_pace = base.Trait(False, "streaming's fragments sync at the same step on every host")
   needs_own_rows = base.Trait(False)
   needs_mean = base.Trait(False)

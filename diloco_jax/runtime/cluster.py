@@ -1,4 +1,5 @@
-"""Start-up across hosts: `jax.distributed`, from flags, environment or a cluster manager.
+"""Start-up across hosts: which hosts, from flags, environment or a cluster manager, and
+`jax.distributed` for the jobs that run on it (`ddp`; membership/start.py decides).
 
 Resolution order for each of coordinator address, number of hosts and host id: the
 explicit argument (a `--flag` of `train.py`), then `DILOCO_COORDINATOR_ADDRESS`,
@@ -35,6 +36,7 @@ from diloco_jax.runtime import watchdog
 _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOCO_NUM_HOSTS",
         "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT"}
 _LEFT = "diloco_jax/end/left/"  # a host's key once it is leaving (leave_together)
+JAX_HEARTBEAT_S = 100  # jax.distributed's heartbeat timeout, unless --heartbeat_timeout
 _watchdog: watchdog.LinkWatchdog | None = None  # this host's, when one runs
 
 
@@ -56,7 +58,7 @@ class Cluster:
   num_hosts: int | None = None
   host_id: int | None = None
   initialization_timeout: int = 300
-  heartbeat_timeout: int = 100
+  heartbeat_timeout: int | None = None  # None: jax.distributed's 100 s, a lease's 10 s
   link_timeout: int | None = None
   join_token_file: str | None = None
   allow_public_coordinator: bool = False
@@ -74,6 +76,25 @@ class Cluster:
           raise StartupError(f"{env}={raw!r}: must be an integer") from None
       values[field] = value
     return dataclasses.replace(self, **values)
+
+
+  @property
+  def single(self) -> bool:
+    """One host: told so, or told nothing (`detected` fills in a cluster manager's)."""
+    return self.num_hosts == 1 or (
+        self.coordinator_address is None and self.num_hosts is None and self.host_id is None)
+
+
+def detected(c: Cluster) -> Cluster:
+  """`c` with what a cluster manager (SLURM, Open MPI, Kubernetes, TPU pods; JAX's own
+  detectors) says filled in where it is unset."""
+  if c.num_hosts == 1 or not _cluster_detected():
+    return c
+  from jax._src import clusters  # pylint: disable=import-outside-toplevel
+  address, num_hosts, host_id, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      c.coordinator_address, c.num_hosts, c.host_id, None, None, c.initialization_timeout)
+  return dataclasses.replace(c, coordinator_address=address, num_hosts=num_hosts,
+                             host_id=host_id)
 
 
 def _cluster_detected() -> bool:
@@ -98,6 +119,7 @@ def initialize(cluster: Cluster) -> bool:
     raise StartupError(f"--num_hosts={c.num_hosts}: must be >= 1")
   if c.host_id is not None and c.num_hosts is not None and not 0 <= c.host_id < c.num_hosts:
     raise StartupError(f"--host_id={c.host_id}: must be in [0, --num_hosts={c.num_hosts})")
+  c = dataclasses.replace(c, heartbeat_timeout=c.heartbeat_timeout or JAX_HEARTBEAT_S)
   for name, value in (("initialization_timeout", c.initialization_timeout),
                       ("heartbeat_timeout", c.heartbeat_timeout)):
     if value < 1:

@@ -1,6 +1,6 @@
 """The coordination service of `jax.distributed` (key-value store, barriers, live hosts),
 reached through the one private JAX handle on it. Every protocol of this package that
-talks through the store (join token, config agreement, elasticity, integrity) starts here.
+talks through the store (join token, config agreement, integrity) starts here.
 """
 
 def jax_distributed_state():

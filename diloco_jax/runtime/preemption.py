@@ -74,6 +74,11 @@ class Preemption:
     except RuntimeError:  # the preemption service is off
       return False
 
+  @property
+  def alone(self) -> bool:
+    """Live membership: this host stops on a signal of its own, the others go on."""
+    return self._job_stopping is not None and self._requested.is_set() and not self._agreed
+
   def _interrupted(self, *_) -> None:
     self._interrupts += 1
     if self._interrupts > 1:
