@@ -83,6 +83,13 @@ def provenance(script: str, argv: list[str] | None = None,
           "date": datetime.date.today().isoformat(), "machine": machine(accelerator)}
 
 
+def host_dir(workdir, host: int = 0):
+  """Where host `host` of a job of several hosts keeps its records and checkpoints when
+  they share `workdir` (WORKDIR/host<i>); `workdir` itself for one host (or a ddp job)."""
+  path = os.path.join(workdir, f"host{host}")
+  return type(workdir)(path) if os.path.isdir(path) else workdir
+
+
 def write(path: str, result: dict, indent: int = 1) -> None:
   """Writes a bench's results file (JSON) at `path`, making its directory."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -66,8 +66,9 @@ class Job:
 
   def __init__(self, workdir: str, hosts: int, flags: list[str], log):
     self.hosts = hosts
+    # the hosts share fate: a host lost stops the job, and the bench starts it again
     cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}",
-           "--workdir_per_host", "--", f"--workdir={workdir}", *flags]
+           "--workdir_per_host", "--shared_fate", "--", f"--workdir={workdir}", *flags]
     self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True,
                                  env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -100,7 +100,7 @@ def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
   """`spare` (live): one host id more, started on a SIGUSR1 to the launcher."""
   extra = (["--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
             *([f"--max_hosts={hosts + 1}", "--join_later=-1"] if spare else [])] if live
-           else [])
+           else ["--shared_fate"])  # the restart path: a host lost stops the job
   cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}",
          "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
   return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -88,7 +88,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> str:
 
 
 def records(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -140,7 +140,7 @@ def part_c(args, tmp: str) -> dict:
               "--config.data.vocab_size=64", "--config.batch_size=4",
               "--config.inner_steps=2", "--config.data.num_sequences=64"]
   _, recs = train(workdir, flags, {"JAX_PLATFORMS": ""})
-  with open(os.path.join(workdir, "run.json")) as f:
+  with open(os.path.join(_smoke.host_dir(workdir), "run.json")) as f:
     run_json = json.load(f)
   steady = recs[1:] or recs
   median = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731

@@ -128,7 +128,7 @@ class Job:
 
 def read_metrics(workdir: str) -> dict[int, dict]:
   """The last record of every round (a resumed run logs the rounds it repeats again)."""
-  path = os.path.join(workdir, "metrics.jsonl")
+  path = os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")
   out = {}
   if os.path.exists(path):
     with open(path) as f:

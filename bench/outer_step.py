@@ -62,7 +62,7 @@ def run(model: str, hosts: int, rounds: int, extra: tuple[str, ...] = ()) -> dic
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
       raise RuntimeError(f"{model} on {hosts} hosts failed:\n{proc.stdout[-3000:]}")
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f][1:]  # round 1 compiles
   params = next(line for line in proc.stdout.splitlines() if "M params" in line)
   row = {"model": model, "hosts": hosts,

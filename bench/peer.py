@@ -225,12 +225,12 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
       with open(log_path) as f:
         raise RuntimeError(f"diloco_jax run failed ({code}; hosts found {pids}):\n"
                            + f.read()[-4000:])
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
-    with open(os.path.join(workdir, "run.json")) as f:
+    with open(os.path.join(_smoke.host_dir(workdir), "run.json")) as f:
       run = json.load(f)
     params, start_seconds = run["num_params"], run["start"].get("seconds", {})
-    startup = os.path.getmtime(os.path.join(workdir, "run.json")) - t0
+    startup = os.path.getmtime(os.path.join(_smoke.host_dir(workdir), "run.json")) - t0
   finally:
     if proc is not None and proc.poll() is None:  # interrupted: its hosts die with it
       os.killpg(proc.pid, signal.SIGKILL)

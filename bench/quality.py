@@ -120,9 +120,9 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t
     if proc.returncode != 0:
       raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
-    with open(os.path.join(workdir, "run.json")) as f:
+    with open(os.path.join(_smoke.host_dir(workdir), "run.json")) as f:
       params = json.load(f)["num_params"]
   last = records[-1]
   steady = records[1:] or records  # round 1 compiles

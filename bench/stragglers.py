@@ -143,7 +143,7 @@ def train(workdir: str, hosts: int, flags: list[str], slowdown: Slowdown, log) -
         p.kill()
   if any(codes):
     raise SystemExit(f"a host failed (exit codes {codes}); see {log.name}")
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 

@@ -120,7 +120,7 @@ LIVE = {"sync-live": None, "sync-live-mac": "bench-wan-join-token-0123456789"}  
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 

@@ -1,3 +1,3 @@
 """The package version, in one place below everything that reports it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

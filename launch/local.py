@@ -18,9 +18,10 @@ host dies:
 - nothing (the default): the others go on without it;
 - --rejoin_after=S: it is started again S seconds later (up to --max_restarts times in all)
   and joins the running job;
-- --max_restarts=N alone: the hosts share fate, as a job on one scheduler does: the others
-  are killed at once, and every host is started again (up to N times); they resume from
-  their newest checkpoints, bit for bit as if never stopped.
+- --shared_fate (or --max_restarts=N alone): the hosts share fate, as a job on one
+  scheduler does: the others are killed at once, and every host is started again (up to
+  --max_restarts times; 0: the launcher exits with the failed host's code); they resume
+  from their newest checkpoints, bit for bit as if never stopped.
 A ddp job's hosts (on jax.distributed: none registers with the coordinator) share fate
 whatever the flags: when one dies the others are killed at once.
 With --max_hosts=M, host ids --hosts .. M-1 start --join_later seconds after the others (or
@@ -309,6 +310,10 @@ def main(argv: list[str]) -> int:
                       help="start a host that died, or left on a SIGTERM of its own, again "
                            "after this many seconds, without stopping the others: it joins "
                            "the running job")
+  parser.add_argument("--shared_fate", action="store_true",
+                      help="when a host fails, kill the others (and with --max_restarts=N "
+                           "start every host again, up to N times); --max_restarts alone "
+                           "implies it")
   parser.add_argument("--live", action="store_true",
                       help="(the default now: kept so that older commands run)")
   parser.add_argument("--lease_s", type=float, default=LEASE_S,
@@ -336,6 +341,9 @@ def main(argv: list[str]) -> int:
     parser.error(f"--hosts={args.hosts}: must be >= 1")
   if args.lease_s <= 0:
     parser.error(f"--lease_s={args.lease_s}: must be > 0")
+  if args.shared_fate and args.rejoin_after is not None:
+    parser.error("--shared_fate and --rejoin_after: a dead host either stops the others or "
+                 "rejoins them, not both")
   if args.max_hosts is not None and args.max_hosts < args.hosts:
     parser.error(f"--max_hosts={args.max_hosts}: must be >= --hosts")
   if args.workdir_per_host and not any(a.startswith("--workdir=") for a in train_args):
@@ -344,7 +352,7 @@ def main(argv: list[str]) -> int:
     parser.error(f"--max_restarts={args.max_restarts}: must be >= 0")
   current: list[Hosts] = []
   terminated = threading.Event()
-  shared_fate = bool(args.max_restarts) and args.rejoin_after is None
+  shared_fate = args.shared_fate or (bool(args.max_restarts) and args.rejoin_after is None)
 
   def on_sigterm(*_):
     terminated.set()

@@ -21,7 +21,7 @@ from diloco_jax.algo import optim
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
-
+from bench._smoke import host_dir  # noqa: F401 -- the tests' too
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Importing jax here set TF_CPP_MIN_LOG_LEVEL=1 where unset: the hosts start without it,
 # as from a user's shell (the trainer's own default applies); another value is kept.
@@ -90,13 +90,6 @@ def paced(seconds_per_step: list[float], jitter: float = 0.0):
     self.busy = {r: busy and self.my_steps(r) * seconds_per_step[self.host] * wobble}
 
   return measured
-
-
-def host_dir(workdir, host: int = 0):
-  """Where host `host` of a job of several hosts keeps its records and checkpoints when
-  they share `workdir` (WORKDIR/host<i>); `workdir` itself for one host."""
-  path = os.path.join(workdir, f"host{host}")
-  return type(workdir)(path) if os.path.isdir(path) else workdir
 
 
 def free_port() -> int:

@@ -232,7 +232,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   # the word is the coordinator's stop of the whole job, and a host's own stop is its own.
   preemption = preemption_lib.Preemption(
       rides_sums=not driver.per_step,
-      job_stopping=(lambda: world.lease.stopping) if world.live else None)
+      job_stopping=(lambda: world.lease.stopping) if world.live else None,
+      stop_job=world.coordinator.stop_job if world.coordinator is not None else None)
   exchange = exchange_lib.Exchange(
       config.outer, collective=collective, dispatcher=dispatcher,
       replicas_per_host=replicas_per_host, steps_finished=train_step.steps_finished,

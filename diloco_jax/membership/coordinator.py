@@ -123,13 +123,14 @@ class Serving:
   def __init__(self, port: int, max_hosts: int, lease_s: float, key: bytes, bind: str,
                log: Callable[[str], None] = _log):
     self._stop, self._finish, ready = threading.Event(), threading.Event(), threading.Event()
+    self._drain = threading.Event()
     self.refused: list[tuple[str, int | None, str]] = []
     self._failed: list[BaseException] = []
 
     def run():
       try:
-        serve(port, max_hosts, lease_s, key, bind, self._stop, log, finish=self._finish,
-              ready=ready, refused=lambda *r: self.refused.append(r))
+        serve(port, max_hosts, lease_s, key, bind, self._stop, log, drain=self._drain,
+              finish=self._finish, ready=ready, refused=lambda *r: self.refused.append(r))
       except BaseException as e:  # noqa: BLE001 -- raised in the starting thread
         self._failed.append(e)
         ready.set()
@@ -139,6 +140,11 @@ class Serving:
     ready.wait()
     if self._failed:
       raise self._failed[0]
+
+  def stop_job(self) -> None:
+    """Every host stops after the same round with a checkpoint (as a SIGTERM to a
+    coordinator of its own does); the coordinator then ends once they have left."""
+    self._drain.set()
 
   def finish(self, timeout_s: float) -> bool:
     """Serves until every host has left (the others finishing their last round and

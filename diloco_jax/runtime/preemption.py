@@ -29,10 +29,15 @@ class Preemption:
   leaves; the others carry on. The whole live job stops when its coordinator is asked to
   (`job_stopping()` turns true on each host as its coordinator's answers say so, at
   different times): that is the word on the sums, so every host stops after one round.
+  `stop_job`, where given, is how this host's own signal stops the whole job instead: the
+  host that serves the job's coordinator (host 0 of a job started with
+  --coordinator_address) cannot leave alone, since the others need its coordinator.
   """
   name, keep, divisor = "stop", False, None
 
-  def __init__(self, rides_sums: bool = True, job_stopping: Callable[[], bool] | None = None):
+  def __init__(self, rides_sums: bool = True, job_stopping: Callable[[], bool] | None = None,
+               stop_job: Callable[[], None] | None = None):
+    self._stop_job = stop_job
     self._requested = threading.Event()
     self._agreed = False  # a sum said that some host was asked to stop
     self._interrupts = 0
@@ -40,7 +45,10 @@ class Preemption:
     self._words = rides_sums and (jax.process_count() > 1 or job_stopping is not None)
 
   def request(self) -> None:
-    self._requested.set()
+    if self._stop_job is not None:
+      self._stop_job()  # every host stops after the same round, this one with them
+    else:
+      self._requested.set()
 
   # A rider of every sum of pseudo-gradients (`wire.exchange.Rider`).
 
