@@ -15,14 +15,15 @@ more), the next event a few rounds after the job is whole again:
   kill_writer  SIGKILL the host that prints and writes the run's lines (the lowest live one).
   join_new     one host more, an id never seen before (at most once per run).
 
-live      `--live --rejoin_after=1`: a membership coordinator; a host that dies or leaves is
+live      `--rejoin_after=1`: the coordinator beside the hosts; a host that dies or leaves is
           dropped, the others train on, and the launcher starts it again: it joins at a
           round boundary. The job's ids go up to --hosts + 1 (`--max_hosts`); join_new is a
           SIGUSR1 to the launcher, which starts the spare id, and it joins the same way.
-restart   jax.distributed: any event stops every host, and the same command starts all of
+restart   `--shared_fate`: any event stops every host, and the same command starts all of
           them again from their checkpoints (a frozen host stalls the others until it wakes,
-          or, frozen longer than --link_timeout, stops the job too); join_new stops every
-          host with a checkpoint (SIGTERM) and starts one more than before.
+          or, frozen longer than its lease, is dropped and the job goes on without it);
+          join_new stops every host with a checkpoint (SIGTERM) and starts one more than
+          before.
 
 Goodput = the tokens the job kept (every round once, times the replicas that took part) ÷
 (the uninterrupted run's tokens/s on the same path × the wall time), as Decoupled DiLoCo
@@ -98,7 +99,7 @@ class Output:
 def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
              spare: bool = False) -> subprocess.Popen:
   """`spare` (live): one host id more, started on a SIGUSR1 to the launcher."""
-  extra = (["--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
+  extra = (["--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
             *([f"--max_hosts={hosts + 1}", "--join_later=-1"] if spare else [])] if live
            else ["--shared_fate"])  # the restart path: a host lost stops the job
   cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}",

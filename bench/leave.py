@@ -5,7 +5,7 @@
   python bench/leave.py --smoke  # 2 hosts, sync, 4 rounds, host 1 killed after round 2
 
 For each mode, two runs of `configs/tiny.py` (one replica per host) under live membership
-(`launch/local.py --live`, a membership coordinator beside the hosts): one uninterrupted, one
+(`launch/local.py`, a membership coordinator beside the hosts): one uninterrupted, one
 where host h is SIGKILLed as soon as round r's line is printed, for each r:h of --kills. The
 survivors train on without restarting. Per run: the final eval loss (of the lowest surviving
 host, which evaluates the final model), the replicas in each round's mean, the wall time,
@@ -63,7 +63,7 @@ def host_pids(launcher: int) -> dict[int, int]:
 def run(mode: str, hosts: int, rounds: int, kills: dict[int, int], workdir: str) -> dict:
   """One live run; `kills`: round -> host to SIGKILL once that round's line is out."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-  cmd = [sys.executable, "launch/local.py", f"--hosts={hosts}", "--live", "--lease_s=3",
+  cmd = [sys.executable, "launch/local.py", f"--hosts={hosts}", "--lease_s=3",
          "--", "--config=configs/tiny.py", f"--workdir={workdir}", f"--config.mode={mode}",
          "--config.replicas_per_host=1", f"--config.num_rounds={rounds}",
          "--config.inner_steps=5", "--config.inner.warmup_steps=5",

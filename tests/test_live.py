@@ -1,6 +1,7 @@
 """Live membership (issues 45, 46): 3 hosts with a workdir each, launched with a membership
-coordinator (launch/local.py --live --rejoin_after). Host 1 is SIGKILLed mid-run and its
-disk wiped; the launcher starts it again and it joins the running job; later host 0 (the
+coordinator (launch/local.py --rejoin_after; no flag for membership). Host 1 is SIGKILLed
+mid-run and its disk wiped; the launcher starts it again and it joins the running job;
+later host 0 (the
 seat of the old coordinator, metrics writer and lock holder) is SIGKILLed, or leaves on a
 SIGTERM of its own, and stays away; then a SIGTERM stops the others, each with a
 checkpoint. Host 2 trains throughout without a restart, in every mode that takes live
@@ -53,7 +54,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
                                                                leave, hosts, extra):
   launcher = multihost.start([
       sys.executable, "launch/local.py", "--hosts=3", f"--max_hosts={hosts}",
-      "--join_later=1", "--live", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1",
+      "--join_later=1", "--lease_s=3", "--rejoin_after=1", "--max_restarts=1",
       *(["--workdir_per_host"] if per_host else []), "--",
       "--config=configs/tiny.py", f"--workdir={tmp_path}", f"--config.mode={mode}",
       # a cap: the run is stopped by SIGTERM a few rounds after host 0's loss
@@ -153,7 +154,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
 
 def _live_job(workdir, *flags, rounds=ROUNDS):
   return multihost.start([
-      sys.executable, "launch/local.py", "--hosts=3", "--live", "--lease_s=3", "--",
+      sys.executable, "launch/local.py", "--hosts=3", "--lease_s=3", "--",
       "--config=configs/tiny.py", f"--workdir={workdir}", "--config.replicas_per_host=1",
       f"--config.num_rounds={rounds}", "--config.inner_steps=5",
       "--config.inner.warmup_steps=5", "--config.checkpoint.every=1", *flags])

@@ -19,7 +19,7 @@ from diloco_jax.wire import exchange
 
 class TwinHosts:
   """Two hosts that send the same: every sum over hosts is twice this host's."""
-  num_hosts, host_index, bytes_sent, live = 2, 0, 0, [0, 1]
+  num_hosts, host_index, bytes_sent, live, device = 2, 0, 0, [0, 1], None
 
   def sum(self, tree):
     return jax.tree.map(lambda x: np.asarray(x) * 2, tree)

@@ -260,7 +260,7 @@ def host_stores(tmp_path, job, hosts=2):
   out = []
   for h in range(hosts):
     collective = SimpleNamespace(
-        allgather=lambda x, h=h: job._meet(h, x, np.stack),
+        live=list(range(hosts)), allgather=lambda x, h=h: job._meet(h, x, np.stack),
         sum=lambda tree, h=h: {"bytes": job._meet(h, tree["bytes"], lambda rows: sum(rows))})
     s = per_host.PerHostStore(str(tmp_path / f"host{h}"), host=h, keep=3, dispatcher=Inline,
                               collective=collective)

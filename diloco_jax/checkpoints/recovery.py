@@ -203,7 +203,7 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
     if p.round == 0:
       return None, None
     # The plan numbers hosts by their rows; a live job's rows are its live hosts, in order.
-    ids = list(getattr(c.collective, "live", None) or range(len(tables)))
+    ids = list(c.collective.live)
     p = dataclasses.replace(p, source=ids[p.source], heal=tuple(ids[h] for h in p.heal))
     snap, error, sent = None, None, None
     if c.host not in p.heal:

@@ -91,8 +91,7 @@ class SharedDirStore:
   # A shared workdir never heals a host from a peer (per_host does): always None.
   recovered: store.Recovered | None = None
 
-  def __init__(self, workdir: str, *, keep: int, dispatcher, collective,
-               save_timeout: int | None = None, timeout: int = 900):
+  def __init__(self, workdir: str, *, keep: int, dispatcher, collective, timeout: int = 900):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, store.CHECKPOINTS)
     self.dispatcher, self.collective = dispatcher, collective
@@ -101,26 +100,14 @@ class SharedDirStore:
     self._writing: int | None = None  # the round of the save orbax may still be writing
     self._save_started = 0.0
     self.write_seconds: float | None = None  # how long the last finished save took
-    # Hosts that may leave (elastic membership): each save is finished within its job (so
-    # no host ever has one in flight when the next starts, and all decide alike), and a
-    # save whose barriers wait for a dead host gives up after this many seconds instead of
-    # holding the dispatch thread (and the sum that will find the host dead) for orbax's
-    # default 20 minutes. None: hosts share fate, saves run in the background.
-    self.save_timeout = save_timeout
     self.timeout = timeout  # config.checkpoint.timeout: a background save's own limit
     self._first_cpu = list(collective_lib.host_mesh().devices.flat)
     self.device = self._first_cpu[self.host]
     os.makedirs(self.directory, exist_ok=True)  # every host: the workdir is shared
-    dispatcher.run(self._open, list(range(self.num_hosts)),
-                   what="opening the checkpoint directory")
-
-  def _open(self, hosts: list[int]) -> None:
-    """For the hosts that write (all, unless elastic mode lost some): their shardings now,
-    their manager on first use (`manager`)."""
-    self.hosts = hosts
-    self._generation = getattr(self, "_generation", -1) + 1
-    self._replicated, self._rows = self._shardings(hosts)
-    self._manager = None
+    # One host, or ddp's hosts (who share fate): every host writes, for the whole run.
+    self.hosts = list(range(self.num_hosts))
+    self._replicated, self._rows = self._shardings(self.hosts)
+    self._manager = None  # made on first use (`manager`)
 
   @property
   def manager(self):
@@ -139,13 +126,10 @@ class SharedDirStore:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep, create=False, enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # a save cut short by a crash
-        async_options=ocp.AsyncOptions(timeout_secs=self.save_timeout or self.timeout,
+        async_options=ocp.AsyncOptions(timeout_secs=self.timeout,
                                        post_finalization_callback=self._written),
         multiprocessing_options=ocp.options.MultiprocessingOptions(
-            active_processes=processes,
-            # A new manager's barriers must not share names with an old one's, whose
-            # barriers had other hosts in them (elastic mode).
-            barrier_sync_key_prefix=f"diloco{self._generation}" if self._generation else None))
+            active_processes=processes))
     return ocp.CheckpointManager(self.directory, options=options)
 
   def _written(self) -> None:
@@ -179,9 +163,7 @@ class SharedDirStore:
     t = time.perf_counter()
     shared, own = store.to_host(snapshot.shared, not last), store.to_host(snapshot.own, not last)
     blocked = time.perf_counter() - t
-    # Elastic mode: only the live hosts write (the manager of the whole world is dropped,
-    # with any save it still had in flight).
-    hosts = list(getattr(self.collective, "live", self.hosts))
+    hosts = self.hosts
     snapshot.meta["hosts_in_rows"] = hosts
     # On a shared workdir host 0 writes the shared item and every host its row.
     needed = collective_lib.payload_bytes(shared) + len(hosts) * collective_lib.payload_bytes(own)
@@ -189,28 +171,15 @@ class SharedDirStore:
     def job():
       if after is not None:
         after.wait()
-      try:
-        if hosts != self.hosts:
-          self._open(hosts)
-        self._finish_previous()
-        store.check_space(self.directory, snapshot.round, needed)
-        self._save_started = time.monotonic()
-        ocp = _ocp()
-        self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
-            shared=ocp.args.StandardSave(self._to_replicated(shared)),
-            hosts=ocp.args.StandardSave(self._to_rows(own)),
-            meta=ocp.args.JsonSave(snapshot.meta)))
-        self._writing = snapshot.round
-        if self.save_timeout:
-          self.manager.wait_until_finished()
-      except Exception as e:  # noqa: BLE001
-        if not self.save_timeout:
-          raise
-        print(f"WARNING: host {self.host}: checkpoint {snapshot.round} failed (a host "
-              f"stopped?): {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
-        # The manager may still wait for the dead host; the next save opens a new one
-        # for the hosts live then (opening one now would wait at a barrier for the dead).
-        self.hosts = None
+      self._finish_previous()
+      store.check_space(self.directory, snapshot.round, needed)
+      self._save_started = time.monotonic()
+      ocp = _ocp()
+      self.manager.save(snapshot.round, force=True, args=ocp.args.Composite(
+          shared=ocp.args.StandardSave(self._to_replicated(shared)),
+          hosts=ocp.args.StandardSave(self._to_rows(own)),
+          meta=ocp.args.JsonSave(snapshot.meta)))
+      self._writing = snapshot.round
 
     self.dispatcher.submit(job, round_=snapshot.round, what="checkpoint save")
     return blocked
@@ -237,11 +206,10 @@ class SharedDirStore:
 
   def wait(self) -> None:
     """Until every started save is complete on disk."""
-    if self.hosts is not None:  # else the last save failed (elastic) and was reported
-      self.dispatcher.run(self._finish_previous, what="checkpoint save (finish)")
+    self.dispatcher.run(self._finish_previous, what="checkpoint save (finish)")
 
   def close(self) -> None:
-    if self.hosts is not None and self._manager is not None:
+    if self._manager is not None:
       self.dispatcher.run(self._manager.close, what="closing the checkpoint manager")
 
   def steps(self) -> list[int]:
@@ -281,8 +249,9 @@ class SharedDirStore:
       if error is None:
         check_meta(meta)
         want = like(meta)
-        # The hosts that wrote rows: all of them, except after elastic mode lost some
-        # (then a host without a row gets own=None and starts its replicas afresh).
+        # The hosts that wrote rows: all of them, except in a checkpoint of an elastic
+        # job before 0.2 that had lost some (a host without a row gets own=None and
+        # starts its replicas afresh).
         writers = meta.get("hosts_in_rows", list(range(meta["num_hosts"])))
         everyone = self._shardings(list(range(self.num_hosts)))[0]  # a copy on every host
         # Each host reads its own row; if some host has none, every host reads all rows

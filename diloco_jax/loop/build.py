@@ -218,7 +218,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   if shared_storage:
     store = shared_dir.SharedDirStore(
         workdir, keep=config.checkpoint.keep, dispatcher=dispatcher, collective=collective,
-        save_timeout=membership.save_timeout, timeout=config.checkpoint.timeout)
+        timeout=config.checkpoint.timeout)
   else:
     store = per_host.PerHostStore(
         workdir, host=host, keep=config.checkpoint.keep, dispatcher=dispatcher,

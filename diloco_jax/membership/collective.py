@@ -45,6 +45,7 @@ class EpochCollective:
     self.lease, self.token, self.timeout_s = lease, token, timeout_s
     self.num_hosts, self.host_index = lease.num_hosts, lease.host
     self.bytes_sent = 0
+    self.device = None  # (collective.Collective's: the sums are numpy, on no device)
     self.step = 0  # ops committed: every member numbers its ops alike
     self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     self._epoch = lease.epoch

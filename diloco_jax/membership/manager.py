@@ -1,13 +1,13 @@
 """Which hosts are in the job: one object the round loop asks, whatever the answer.
 
-`Live` (train's --membership) is the job without a seat that ends it: the hosts of the
-coordinator's current epoch sum over the epoch wire (`membership/collective.py`), any host may die
-and the others redo the op it left and train on, every host keeps its own workdir's
-records, and the lowest live host prints.
+`Live` (every DiLoCo job of several hosts): the hosts of the coordinator's current epoch
+sum over the epoch wire (`membership/collective.py`), any host may die and the others redo
+the op it left and train on, every host keeps its own workdir's records, and the lowest
+live host prints.
 
-`Fixed` is the default: the hosts share fate (one `jax.distributed` job), the collective
-covers all of them, a hash of the outer state travels through the coordination service,
-and a checkpoint save runs in the background with orbax's own timeout.
+`Fixed` (one host, and ddp's hosts on `jax.distributed`): the hosts share fate, the
+collective covers all of them, and a hash of the outer state travels through the
+coordination service.
 
 The round loop never asks which kind it has: it calls the same methods on both.
 """
@@ -38,13 +38,9 @@ class Membership(Protocol):
 
   Attributes:
     collective: the cross-host sum and allgather (over every host, or the live ones).
-    save_timeout: None: a checkpoint save runs in the background and a failure stops the
-      run; seconds: each save finishes within its dispatch job, gives up after this long
-      and is reported and skipped (a host may have gone).
     riders: what every sum of pseudo-gradients carries for it (`wire.exchange.Rider`).
   """
   collective: Any
-  save_timeout: int | None
   riders: tuple[exchange_lib.Rider, ...]
 
   def connect(self, dispatcher: dispatch.Dispatcher) -> None:
@@ -71,7 +67,6 @@ class Membership(Protocol):
 
 class Fixed:
   """Every host for the whole run; one that dies stops the job (the launcher restarts it)."""
-  save_timeout = None
   riders = ()
 
   def __init__(self):
@@ -119,7 +114,6 @@ class Live:
 
   def __init__(self, world: world_lib.World, replicas_per_host: int):
     self.collective = world.collective
-    self.save_timeout = None  # a save is this host's own: nothing to wait for
     self.host = world.host
     self.riders = (LiveReplicas(replicas_per_host, lambda: world.lease.pending),)
     self._join_due = False

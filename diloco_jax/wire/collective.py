@@ -42,11 +42,14 @@ class Collective(Protocol):
     live: the hosts that take part in the next op, in order (every host, unless live
       membership has lost some).
     bytes_sent: what this host has put on the wire over the run.
+    device: the CPU device the sums start from and end on, where the collective has one
+      (jax.distributed's: this host's device of the hosts' mesh); None: any.
   """
   num_hosts: int
   host_index: int
   live: list[int]
   bytes_sent: int
+  device: jax.Device | None
 
   def connect(self, quiet: bool = True) -> None:
     """Opens the connections between hosts (not counted in `bytes_sent`)."""
@@ -170,6 +173,7 @@ class LocalCollective:
   host_index = 0
   live = [0]
   bytes_sent = 0  # Over the whole run.
+  device = None
 
   def atomic(self, what: str, op: Callable[[Any], T]) -> T:
     del what

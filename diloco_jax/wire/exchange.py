@@ -175,8 +175,7 @@ class Exchange:
     self.feedback = outer.error_feedback and outer.compression != "none"
     self.plain = outer.compression == "none" and outer.aggregation == "mean"
     self.aggregates = outer.aggregation != "mean"  # the wire returns Δ̄, not Σ Δ
-    self.host_device = (getattr(collective, "device", None)
-                        or jax.local_devices(backend="cpu")[0])
+    self.host_device = collective.device or jax.local_devices(backend="cpu")[0]
     self._sum_R = jax.jit(diloco.replica_sum)
     self._mean = jax.jit(lambda total: diloco.divide(total, self.num_replicas))
     self._mean_by = jax.jit(diloco.divide)  # by the replicas a rider counts
