@@ -113,7 +113,7 @@ class FakeJob:
     self.barrier = threading.Barrier(hosts, timeout=self.TIMEOUT_S)
 
   def _meet(self, host, x, combine):
-    self.rows[host] = np.asarray(x)
+    self.rows[host] = x if x is None or isinstance(x, list) else np.asarray(x)
     self.barrier.wait()
     out = combine([self.rows[h] for h in range(self.hosts)])
     self.barrier.wait()  # nobody overwrites a row before everyone has read it
@@ -143,13 +143,20 @@ class FakeJob:
 
 
 def test_broadcast_carries_bytes_unchanged_through_integer_sums(monkeypatch):
-  monkeypatch.setattr(recovery, "CHUNK_BYTES", 100)  # several chunks, the last one short
+  """ddp's heal (jax.distributed has no point to point): HostCollective.broadcast."""
+  from types import SimpleNamespace
+  from diloco_jax.wire import collective as collective_lib
+  monkeypatch.setattr(collective_lib, "BROADCAST_BYTES", 100)  # several chunks, one short
   payload = bytes(range(256)) * 3 + b"\x01"
   job = FakeJob(3)
-  got = job.run(lambda h: recovery.broadcast(
-      payload if h == 1 else None, 1, host=h,
-      sum_=lambda tree, h=h: {"bytes": job._meet(h, tree["bytes"], lambda rows: sum(rows))},
-      allgather=lambda x, h=h: job._meet(h, x, np.stack)))
+
+  def host(h):
+    c = SimpleNamespace(
+        host_index=h,
+        sum=lambda tree: {"bytes": job._meet(h, tree["bytes"], lambda rows: sum(rows))},
+        allgather=lambda x: job._meet(h, x, np.stack))
+    return collective_lib.HostCollective.broadcast(c, [payload] if h == 1 else None, 1)[0]
+  got = job.run(host)
   assert got == [payload] * 3
 
 
@@ -261,6 +268,7 @@ def host_stores(tmp_path, job, hosts=2):
   for h in range(hosts):
     collective = SimpleNamespace(
         live=list(range(hosts)), allgather=lambda x, h=h: job._meet(h, x, np.stack),
+        broadcast=lambda parts, source, h=h: job._meet(h, parts, lambda rows: rows[source]),
         sum=lambda tree, h=h: {"bytes": job._meet(h, tree["bytes"], lambda rows: sum(rows))})
     s = per_host.PerHostStore(str(tmp_path / f"host{h}"), host=h, keep=3, dispatcher=Inline,
                               collective=collective)

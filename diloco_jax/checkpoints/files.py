@@ -158,11 +158,16 @@ def _content_sha(body: dict) -> str:
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def write_meta(path: str, meta: dict) -> None:
-  """meta.json, with the sha256 of its content (keys sorted), fsynced."""
+def meta_bytes(meta: dict) -> bytes:
+  """meta.json's bytes: `meta` with the sha256 of its content (keys sorted)."""
   body = json.loads(json.dumps(meta, default=str))  # as it will read back
-  with open(path, "w") as f:
-    json.dump({**body, META_SHA: _content_sha(body)}, f, sort_keys=True)
+  return json.dumps({**body, META_SHA: _content_sha(body)}, sort_keys=True).encode()
+
+
+def write_meta(path: str, meta: dict) -> None:
+  """meta.json (`meta_bytes`), fsynced."""
+  with open(path, "wb") as f:
+    f.write(meta_bytes(meta))
     f.flush()
     os.fsync(f.fileno())
 

@@ -15,18 +15,18 @@ of the run that wrote it. From that table every host computes the same `Plan`:
     from before the host count changed) heals rather than roll every other host back;
   - a host that does not hold that round (a new machine, a wiped or unreadable disk, or a
     host id the checkpoint's world did not have) heals: the lowest host that holds it
-    sends the bytes of its meta.json and shared.safetensors over the job's own collective
-    (chunked sums in which every other host adds zeros, so the bytes arrive unchanged),
-    and the receiver checks them before using them: meta.json's own sha256, the shared
-    file's sha256 against the one meta.json records, and the shared state's hash recorded
-    there against the table's.
+    sends the bytes of its meta.json and shared.safetensors, as on its disk, over the
+    job's own collective (`Collective.broadcast`: point to point on the epoch wire), and
+    the receiver checks them before using them: meta.json's own sha256, the shared file's
+    sha256 against the one meta.json records, and the shared state's hash recorded there
+    against the table's.
 
 A checkpoint a host cannot read (its meta.json, or a file of the chosen round when read)
 counts as not held: it is named in one line on that host, the table is gathered again,
 and the plan is made again without it.
 
-A healed host has no replica state of its own: the round loop restarts its replicas from
-the anchor (`membership.rejoin`).
+A healed host has no replica state of its own: its replicas start from the anchor
+(`loop.state.restore`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from diloco_jax.checkpoints import store
 # Per checkpoint: round, writer, sha256 (8 words), run id (4 words). int32: the collective
 # carries what jax does, and jax without x64 would cut int64 words in half.
 WORDS = 14
-CHUNK_BYTES = 64 << 20  # one sum of the heal's broadcast
 PATH_BYTES = 512  # of each host's checkpoint directory, for the messages
 
 
@@ -164,24 +163,6 @@ def plan(tables: list[tuple[list[Held], list[int]]], paths: list[str] | None = N
   return Plan(r, source, by_round[r][source], next(iter(runs)), heal)
 
 
-def broadcast(payload: bytes | None, source: int, *, sum_: Callable, allgather: Callable,
-              host: int) -> bytes:
-  """`payload` of host `source`, on every host: int32 sums of CHUNK_BYTES in which every
-  other host adds zeros (x + 0 is x, bit for bit, for integers)."""
-  length = len(payload) if host == source else 0
-  high, low = allgather(np.array([length >> 31, length & (2**31 - 1)], np.int32))[source]
-  n = (int(high) << 31) | int(low)
-  out = bytearray()
-  for start in range(0, n, CHUNK_BYTES):
-    size = min(CHUNK_BYTES, n - start)
-    words = np.zeros((size + 3) // 4, np.int32)
-    if host == source:
-      words.view(np.uint8)[:size] = np.frombuffer(payload, np.uint8, size, start)
-    total = np.asarray(sum_({"bytes": words})["bytes"])
-    out += total.view(np.uint8)[:size].tobytes()
-  return bytes(out)
-
-
 def resume(checkpointer, like: Callable[[dict], store.Snapshot],
            check_meta: Callable[[dict], None]
            ) -> tuple[store.Snapshot | None, store.Recovered | None]:
@@ -236,15 +217,8 @@ def resume(checkpointer, like: Callable[[dict], store.Snapshot],
   if snap is not None:
     snap = dataclasses.replace(snap, missing=p.heal)
   t = time.perf_counter()
-  send = c.host == p.source
-
-  def bcast(payload):
-    return run(lambda: broadcast(payload, ids.index(p.source), sum_=c.collective.sum,
-                                 allgather=c.collective.allgather, host=ids.index(c.host)),
-               what="healing a host")
-
-  raw_meta = bcast(sent[0] if send else None)
-  payload = bcast(sent[1] if send else None)
+  raw_meta, payload = run(c.collective.broadcast, list(sent) if c.host == p.source else None,
+                          p.source, what="healing a host")
   seconds = time.perf_counter() - t
   if c.host in p.heal:
     where = f"checkpoint {p.round} received from host {p.source}"

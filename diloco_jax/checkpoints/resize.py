@@ -8,7 +8,7 @@ one host does not carry over to another:
   - a host with a row of its own in the checkpoint keeps its replicas, their AdamW state
     and, unless the host count changed, its data iterators;
   - a host without one (new, wiped, or beyond the hosts that wrote it) starts its replicas
-    from the anchor with fresh AdamW moments at the run's step (`membership.rejoin`);
+    from the anchor with fresh AdamW moments at the run's step (`loop.state.restore`);
   - a sum in flight in the checkpoint (async modes) is dropped on every host: the hosts
     without a row have no part in it, and a sum must have every host's part;
   - when the number of hosts changes, the data is cut anew into K' = hosts x

@@ -303,6 +303,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   state = state_lib.RunState(
       outer=outer, replicas=init_replicas(anchor), schedule_steps=num_rounds * h,
       # run_round: on CPU the first round waits for its steps once
-      await_steps_once=mesh.devices.flat[0].platform == "cpu")
+      await_steps_once=mesh.devices.flat[0].platform == "cpu",
+      data=data.get_state(), pace=pacer.state())
   phases.done("state")  # the outer state and every replica's, from the anchor
   return parts, state

@@ -3,28 +3,30 @@
 A host started while the job runs (a restarted id, its disk wiped or not, or a new id) finds
 itself pending at the coordinator (`membership/lease.py`): it builds everything it needs, then
 registers again, ready, and waits. Each member's sums carry whether it has seen a host
-waiting (`membership.LiveReplicas`), so every member learns it from the same sum and, at the
-end of the same round r, all of them run `admit`:
+waiting (`membership.manager.LiveReplicas`), so every member learns it from the same sum and,
+at the end of the same round r, all of them run `admit`:
 
   1. the boundary op (`EpochCollective.boundary`), which the dispatch thread runs after
      whatever is in flight: a sum of the async modes arrives first, so the round after a
      join does not overlap its sum (what a join costs the members, with the transfer);
      its commit admits the waiting hosts into a new epoch;
   2. the transfer op (`EpochCollective.transfer`): the lowest member that was there sends
-     each joiner, point to point, a header (JSON: the round, the run's id, the data
-     position, the steps done, the config, each sum in flight as it arrived, the sha256 of
-     the body and the fingerprint of the shared state) and a body (safetensors: the shared
-     outer state, each arrived mean, and in eager mode the sender's first replica's own
-     state). If the sender dies mid-way the members left send it again from the lowest of
-     them; if a joiner dies, the op is redone without it.
+     each joiner, point to point, the run's state after round r in the one encoding of a
+     checkpoint (`loop/state.py`'s snapshot; checkpoints/files.py: meta.json and
+     safetensors files, each with its sha256): the shared outer state, in eager mode the
+     sender's first replica's own outer state (`own`), and each sum in flight as it
+     arrived (`arrived`: the means; meta.json its round, loss, flags and riders). If the
+     sender dies mid-way the members left send it again from the lowest of them; if a
+     joiner dies, the op is redone without it.
 
-The joiner (`receive`) checks the body against the header's sha256, its config against the
-header's and the shared state against its fingerprint, and starts where the members are
-after round r (docs/algorithms.md, "A host that joins"):
+The joiner (`receive`) checks meta.json's own sha256 and every file against it, its config
+against meta.json's and the shared state against its fingerprint, and restores the state
+(`state.restore`) as a host without rows of its own (docs/algorithms.md, "A host that
+joins"):
   - the outer state is the shared one; its replicas start from the anchor with fresh AdamW
     moments at the run's step count (eager: every replica takes the sender's θ_m, b_m and
     Δ_m,prev, so that its delayed correction cancels the sender's fresh term as the
-    sender's own does);
+    sender's own does); the pacer's decisions are the sender's;
   - a sum that was in flight arrives on the joiner too, as it arrived on the members (the
     second sync of the async protocol): the joiner had no part in it, applies its mean like
     every member, and its own Δ of that round is zero;
@@ -36,7 +38,6 @@ after round r (docs/algorithms.md, "A host that joins"):
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
 import types
 
@@ -51,8 +52,6 @@ from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.wire import exchange as exchange_lib
 
-FORMAT = "diloco_jax.join/1"
-
 
 def admit(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
   """A member, at the end of round r when a host waits to join (module docstring)."""
@@ -63,38 +62,42 @@ def admit(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
     return state  # the waiting host left, or was admitted by an earlier boundary
   sent = {}
 
-  def message() -> tuple[bytes, bytes]:
-    sent["parts"] = _message(parts, state, r)
+  def message() -> list[bytes]:
+    sent["parts"] = message_of(parts, state, r)
     return sent["parts"]
   source, _ = parts.dispatcher.run(collective.transfer, admitted, message, round_=r,
                                    what=f"sending the run's state to host(s) {list(admitted)}")
   if parts.prints:
-    size = f"state {units.format_bytes(len(sent['parts'][1]))} " if sent else "state "
+    size = (f"state {units.format_bytes(sum(len(p) for p in sent['parts']))} " if sent
+            else "state ")
     print(f"host(s) {list(admitted)} joined at round {r}: {size}from host {source} in "
           f"{time.perf_counter() - t:.1f} s", flush=True)
   return state
 
 
-def _message(parts, state: state_lib.RunState, r: int) -> tuple[bytes, bytes]:
-  """The sender's header and body (module docstring)."""
+def message_of(parts, state: state_lib.RunState, r: int) -> list[bytes]:
+  """What a member sends a joiner after round r: meta.json, then its files by name."""
   outer = state.outer
   arrived = [p.future.result() for p in outer.inflight]  # the boundary op came after them
-  shared, own = parts.driver.split(outer._replace(inflight=()))
-  body = {"shared": shared, "means": [a.mean for a in arrived]}
-  if "outer" in own:  # eager: per-replica outer state; the sender's first replica's
-    body["own"] = jax.tree.map(lambda x: np.asarray(x)[:1], own["outer"])
-  data, record = files.encode(jax.tree.map(np.asarray, body))
-  header = {
-      "format": FORMAT, "round": r, "run_id": state.run_id, "mode": parts.config.mode,
-      "num_hosts": parts.num_hosts, "replicas_per_host": parts.replicas_per_host,
-      "config": parts.config.to_dict(), "data_state": parts.data.get_state(),
-      "steps_done": parts.pacer.steps_done(r), "balance": parts.pacer.state(),
-      "shared_sha256": algo_state.fingerprint(shared), "body": record,
-      "inflight": [{"round": a.round, "key": a.key, "loss_sum": a.loss_sum,
-                    "bad_K": np.asarray(a.bad_K).tolist(), "replicas": a.replicas,
-                    "riders": {name: {word: np.asarray(x).tolist() for word, x in words.items()}
-                               for name, words in a.riders.items()}} for a in arrived]}
-  return json.dumps(header, default=str).encode(), data
+  snap = state_lib.snapshot(parts, state.replace(outer=outer._replace(inflight=())), r)
+  items = {"shared": snap.shared}
+  if "outer" in snap.own:  # eager: per-replica outer state; the sender's first replica's
+    items["own"] = {"outer": jax.tree.map(lambda x: np.asarray(x)[:1], snap.own["outer"])}
+  if arrived:
+    items["arrived"] = {"means": [a.mean for a in arrived]}
+  blobs, records = {}, {}
+  for item, tree in items.items():
+    name = files.filename(item)
+    blobs[name], records[name] = files.encode(jax.tree.map(np.asarray, tree))
+  meta = {**snap.meta, "format": files.FORMAT, "host": parts.host, "files": records,
+          "shared_sha256": algo_state.fingerprint(snap.shared),
+          "arrived": [{"round": a.round, "key": a.key, "loss_sum": a.loss_sum,
+                       "bad_K": np.asarray(a.bad_K).tolist(), "replicas": a.replicas,
+                       "aggregation": a.aggregation, "tolerated": a.tolerated,
+                       "riders": {name: {word: np.asarray(x).tolist()
+                                         for word, x in words.items()}
+                                  for name, words in a.riders.items()}} for a in arrived]}
+  return [files.meta_bytes(meta), *(blobs[name] for name in sorted(blobs))]
 
 
 def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
@@ -108,42 +111,56 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
   source, got = parts.dispatcher.run(collective.transfer, (world.host,), None,
                                      what="receiving the run's state")
   seconds = time.perf_counter() - t
-  raw_header, body = bytes(got[0]), bytes(got[1])
   where = f"the state host {world.host} received from host {source}"
-  header = _header(raw_header, where)
-  files.check(body, header["body"], where)
-  store.check_compatible(header, parts.config, num_hosts=parts.num_hosts,
-                         replicas_per_host=parts.replicas_per_host, where=where)
-  r = int(header["round"])
-  like = _like(parts, state, header)
-  tree = files.to_tree(body, like, header["body"], where)
-  if algo_state.fingerprint(tree["shared"]) != header["shared_sha256"]:
-    raise store.CheckpointError(f"{where}: its shared state is not the one the sender "
-                                "hashed: not used")
-  own = None
-  if "own" in tree:  # eager: every replica takes the sender's first replica's own state
-    own = {"outer": own_for_joiner(tree["own"], parts.replicas_per_host)}
-  outer = parts.driver.join(tree["shared"], own)
-  replicas = parts.init_replicas(parts.driver.model(outer, None))
-  replicas = replicas.replace(opt_state=algo_state.with_step_count(
-      replicas.opt_state, int(header["steps_done"])))
-  parts.data.set_state(header["data_state"])
-  outer = outer._replace(inflight=tuple(
-      _arrived(parts, outer, replicas, saved, mean)
-      for saved, mean in zip(header["inflight"], tree["means"])))
-  parts.pacer.restore(header.get("balance"), same_world=True)
-  joined = {"round": r, "source": source, "bytes": len(body) + len(raw_header),
-            "seconds": round(seconds, 3)}
+  state, r = restore_message(parts, state, [bytes(p) for p in got], where)
+  size = sum(len(p) for p in got)
+  joined = {"round": r, "source": source, "bytes": size, "seconds": round(seconds, 3)}
   state = rounds.reschedule(parts, state.replace(
-      outer=outer, replicas=replicas, round=r, run_id=header["run_id"],
       start={"round": r, "storage": "per_host", "joined": joined}))
-  print(f"host {world.host} joined at round {r}: state "
-        f"{units.format_bytes(joined['bytes'])} from host {source} in {seconds:.1f} s",
-        flush=True)
-  if outer.inflight:  # its figures arrive with it, as after a resume
+  print(f"host {world.host} joined at round {r}: state {units.format_bytes(size)} from "
+        f"host {source} in {seconds:.1f} s", flush=True)
+  if state.outer.inflight:  # its figures arrive with it, as after a resume
     rounds.open_record(parts, r, resumed=True, round_time=0.0, tokens_per_sec=0.0,
                        elapsed=0.0, eta=0.0)
   return state
+
+
+def restore_message(parts, state: state_lib.RunState, got: list[bytes],
+                    where: str) -> tuple[state_lib.RunState, int]:
+  """The state a joiner continues from, out of a member's `message_of`, each part checked
+  first; a part changed on the way is refused with one line naming it (sha256)."""
+  if not got:
+    raise store.CheckpointError(f"{where}: nothing came")
+  meta = files.load_meta(got[0], f"{where} ({files.META})")
+  names = sorted(meta["files"])
+  if len(names) != len(got) - 1:
+    raise store.CheckpointError(f"{where}: {len(got) - 1} files, meta.json lists "
+                                f"{len(names)}")
+  blobs = dict(zip(names, got[1:]))
+  for name, data in blobs.items():
+    files.check(data, meta["files"][name], f"{where} ({name})")
+  store.check_compatible(meta, parts.config, num_hosts=parts.num_hosts,
+                         replicas_per_host=parts.replicas_per_host, where=where)
+  r = int(meta["round"])
+  like = _like(parts, state, len(meta["arrived"]))
+
+  def tree(item: str):
+    name = files.filename(item)
+    return files.to_tree(blobs[name], like[item], meta["files"][name], f"{where} ({name})")
+  shared = tree("shared")
+  if algo_state.fingerprint(shared) != meta["shared_sha256"]:
+    raise store.CheckpointError(f"{where}: its shared state is not the one the sender "
+                                "hashed: not used")
+  own = None
+  if "own" in like:  # eager: every replica takes the sender's first replica's own state
+    own = {"outer": own_for_joiner(tree("own")["outer"], parts.replicas_per_host)}
+  means = tree("arrived")["means"] if meta["arrived"] else []
+
+  def inflight(outer, replicas):
+    return tuple(_arrived(parts, outer, replicas, saved, mean)
+                 for saved, mean in zip(meta["arrived"], means))
+  snap = store.Snapshot(r, shared, own, meta)
+  return state_lib.restore(parts, state, snap, inflight=inflight), r
 
 
 def own_for_joiner(sent_own, replicas: int):
@@ -152,26 +169,17 @@ def own_for_joiner(sent_own, replicas: int):
   return jax.tree.map(lambda x: np.repeat(np.asarray(x)[:1], replicas, axis=0), sent_own)
 
 
-def _header(raw: bytes, where: str) -> dict:
-  try:
-    header = json.loads(raw)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise store.CheckpointError(f"{where}: its header is not JSON ({e})") from None
-  if not isinstance(header, dict) or header.get("format") != FORMAT:
-    raise store.CheckpointError(f"{where}: a header of another format than {FORMAT!r} (a "
-                                "host of another diloco_jax version?)")
-  return header
-
-
-def _like(parts, state: state_lib.RunState, header: dict) -> dict:
-  """The shapes of the body: the shared state, each arrived mean (a Δ without its replica
-  axis) and, in eager mode, one replica's own state."""
+def _like(parts, state: state_lib.RunState, arrived: int) -> dict:
+  """The shapes of the files: the shared state, in eager mode one replica's own outer
+  state, and each arrived mean (a Δ without its replica axis)."""
   shared, own = parts.driver.split(state.outer._replace(inflight=()))
-  sent = parts.driver.sent_at_boundary(state.replicas.params)
-  mean = jax.tree.map(lambda x: np.zeros(np.shape(x)[1:], np.float32), sent)
-  like = {"shared": shared, "means": [mean for _ in header["inflight"]]}
+  like = {"shared": shared}
   if "outer" in own:
-    like["own"] = jax.tree.map(lambda x: np.asarray(x)[:1], own["outer"])
+    like["own"] = {"outer": jax.tree.map(lambda x: np.asarray(x)[:1], own["outer"])}
+  if arrived:
+    sent = parts.driver.sent_at_boundary(state.replicas.params)
+    mean = jax.tree.map(lambda x: np.zeros(np.shape(x)[1:], np.float32), sent)
+    like["arrived"] = {"means": [mean for _ in range(arrived)]}
   return jax.tree.map(np.asarray, like)
 
 
@@ -189,6 +197,7 @@ def _arrived(parts, outer, replicas, saved: dict, mean) -> exchange_lib.Pending:
   future.set_result(exchange_lib.Arrived(
       int(saved["round"]), key, jax.device_put(mean, parts.exchange.host_device),
       np.asarray(saved["bad_K"], bool), float(saved["loss_sum"]), residual, 0.0, 0, 0,
-      riders=riders, replicas=int(saved["replicas"])))
+      riders=riders, replicas=int(saved["replicas"]), aggregation=str(saved["aggregation"]),
+      tolerated=int(saved["tolerated"])))
   return exchange_lib.Pending(int(saved["round"]), key, zeros, np.float32(0),
                               np.ones(parts.replicas_per_host, bool), residual, future)

@@ -9,6 +9,7 @@ run's id (host 0's on every host), and what run.json says about the start.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import jax
@@ -16,7 +17,6 @@ import numpy as np
 
 from diloco_jax.checkpoints import resize
 from diloco_jax.checkpoints import store
-from diloco_jax.membership import manager as membership
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import pretrained
@@ -38,20 +38,19 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
   r = snap.round
   change = resize.Change.of(snap, parts.num_hosts)
   resize.check_mode(change, config.mode, where=f"checkpoint {r}")
-  parts.pacer.restore(snap.meta.get("balance"), same_world=not change.changed)
-  state = rounds.reschedule(parts, state.replace(finished_before=snap.meta["finished"], round=r))
-  own = resize.without_inflight(snap.own) if change.partial else snap.own
-  if own is None:  # a new, wiped or returning host: no row of its own
-    outer, replicas = membership.rejoin(
-        parts.driver, snap, parts.init_replicas, None if change.changed else parts.data,
-        parts.pacer.steps_done(r), parts.host)
-  else:
-    outer = parts.driver.join(snap.shared, own)
-    replicas = parts.inner.place(own["replicas"])
-    if not change.changed:  # else every replica starts a new pass over the new shards
-      parts.data.set_state(store.decode_json(own["data"]))
+  if change.partial:  # (a sum in flight is not every host's: dropped)
+    snap = dataclasses.replace(snap, own=resize.without_inflight(snap.own))
+  # Another host count: every replica starts a new pass over the new shards, and the
+  # speeds are measured anew.
+  state = state_lib.restore(parts, state.replace(finished_before=snap.meta["finished"]), snap,
+                            same_world=not change.changed)
+  state = rounds.reschedule(parts, state)
+  if snap.own is None:
+    print(f"host {parts.host}: starting from the anchor at round {r + 1}: replicas with "
+          f"fresh optimizer moments (step {parts.pacer.steps_done(r)})", flush=True)
+  outer = state.outer
   recovered = parts.store.recovered
-  state = state.replace(outer=outer, replicas=replicas, start={
+  state = state.replace(start={
       "round": r, "storage": storage, **change.describe(),
       "healed_from": recovered.source if recovered and recovered.healed else None,
       "heal_bytes": recovered.bytes if recovered else 0,

@@ -60,7 +60,7 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
   if (peak := mesh_lib.peak_bytes(parts.mesh.devices.flat)) is not None:
     parts.log.add(r, device_peak_bytes=peak)  # accelerators: the allocator's peak so far
   hostmem.trim()  # what the round's compiles and host copies freed
-  return state.replace(round=r)
+  return state.replace(round=r, data=parts.data.get_state(), pace=parts.pacer.state())
 
 
 def open_record(parts, r: int, **figures) -> None:

@@ -1,20 +1,28 @@
-"""The state of one host's run, a value: `RunState`, and the `Snapshot` a checkpoint saves.
+"""The state of one host's run, a value: `RunState`, and its `Snapshot`.
 
 Each round makes a new `RunState` from the last (`rounds.run_round`), as the mode drivers
 make a new outer state from the last; the parts that act on it (`build.Parts`) never
-change. A checkpoint holds everything in it that a resumed run needs to continue bit for
-bit, plus what the parts' own state needs (the data iterators, the pacer's decisions).
+change. `RunState` holds everything a checkpoint holds, the data iterators' positions and
+the pacer's decisions included (as they stood at the end of its round).
+
+`snapshot` and `restore` are the only functions that know its shape: `snapshot` gives the
+`Snapshot` that every transport moves in one encoding (checkpoints/files.py: meta.json and
+safetensors files, each with its sha256): to this host's disk (the stores), to a host that
+joins a live job (loop/join.py) and to a host that heals at a start (checkpoints/
+recovery.py); `restore` puts one back into a run, whichever way it came.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from diloco_jax._version import __version__
+from diloco_jax.algo import state as algo_state
 from diloco_jax.checkpoints import store
 
 
@@ -33,6 +41,9 @@ class RunState:
     compiles: the next round compiles (first of the process, or after a reschedule): its
       inner phase is not timed for balance 'speed'.
     await_steps_once: the first round waits for its steps before the outer step (CPU).
+    data: every local replica's data iterator position after `round` (`data.get_state`).
+    pace: balance 'speed': the pacer's decisions and timings after `round`
+      (`pacing.Pacer.state`).
   """
   outer: Any
   replicas: Any
@@ -44,6 +55,8 @@ class RunState:
   init_source: dict | None = None
   compiles: bool = True
   await_steps_once: bool = False
+  data: Any = None
+  pace: dict | None = None
 
   def replace(self, **changes) -> RunState:
     return dataclasses.replace(self, **changes)
@@ -65,12 +78,42 @@ def snapshot_like(parts, state: RunState, meta: dict) -> store.Snapshot:
 
 
 def _snapshot(parts, state, r, shared, own, finished, inflight) -> store.Snapshot:
-  own = {"replicas": state.replicas,
-         "data": store.encode_json(parts.data.get_state()), **own}
+  own = {"replicas": state.replicas, "data": store.encode_json(state.data), **own}
   meta = {"round": r, "finished": finished, "inflight": inflight, "mode": parts.config.mode,
           "num_hosts": parts.num_hosts, "replicas_per_host": parts.replicas_per_host,
-          "data_state": parts.data.get_state(),  # host 0's (meta is written by host 0)
-          "run_id": state.run_id, "balance": parts.pacer.state(),
+          "data_state": state.data,  # the writer's (a host without rows of its own takes it)
+          "run_id": state.run_id, "balance": state.pace,
           "config": parts.config.to_dict(), "diloco_jax": __version__,
           "jax": jax.__version__, "saved_at": time.time()}
   return store.Snapshot(r, shared, own, meta)
+
+
+def restore(parts, state: RunState, snap: store.Snapshot, *, same_world: bool = True,
+            inflight: Callable[[Any, Any], tuple] | None = None) -> RunState:
+  """The run after `snap`'s round, on this host: the outer state, and either this host's
+  own replicas, data positions and in-flight sum (`snap.own` holds "replicas": a resume
+  on the disk that wrote it), or, for a host without rows of its own (new, wiped, or
+  joining a live job), replicas from the anchor (eager: from `snap.own`'s outer rows) with
+  fresh AdamW moments at the run's step count and the writer's data positions. The
+  pacer's decisions come back too. `same_world` False: the host count changed, so the
+  speed decisions and data positions are not this world's (every replica starts a new
+  pass). `inflight(outer, replicas)`: the sums that were in flight, as they arrived on the
+  sender (a joiner applies them like every member: loop/join.py)."""
+  own = snap.own or {}
+  parts.pacer.restore(snap.meta.get("balance"), same_world=same_world)
+  outer = parts.driver.join(snap.shared, own or None)
+  if "replicas" in own:
+    replicas = parts.inner.place(own["replicas"])
+    data = store.decode_json(own["data"])
+  else:
+    replicas = parts.init_replicas(parts.driver.model(outer, None))
+    replicas = replicas.replace(opt_state=algo_state.with_step_count(
+        replicas.opt_state, parts.pacer.steps_done(snap.round)))
+    data = snap.meta["data_state"]
+  if same_world:
+    parts.data.set_state(data)
+  if inflight is not None:
+    outer = outer._replace(inflight=inflight(outer, replicas))
+  return state.replace(outer=outer, replicas=replicas, round=snap.round,
+                       run_id=snap.meta.get("run_id", state.run_id),
+                       data=parts.data.get_state(), pace=parts.pacer.state())

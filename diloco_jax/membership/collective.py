@@ -151,15 +151,15 @@ class EpochCollective:
     from the next op on)."""
     return self._unit("the round's boundary", lambda peers: peers.connect(), boundary=True)
 
-  def transfer(self, to: tuple[int, ...], message: Callable[[], tuple[bytes, bytes]]
-               ) -> tuple[int, tuple[bytearray, bytearray] | None]:
+  def transfer(self, to: tuple[int, ...], message: Callable[[], list[bytes]] | None
+               ) -> tuple[int, list[bytearray] | None]:
     """Point to point: a host of `to` (those admitted, as this host knows them; a joiner
     names itself) receives; every other member holds the state. The members say which
     they are in a one-byte all-gather, and the lowest holder (the source) sends
-    `message()` (a header and a body) to each receiver: a joiner need not know who else
-    was admitted with it. Returns the source and, on a receiver, what it got (else None).
-    An op like any: if the source or a receiver is lost mid-way, the members left redo it,
-    with the lowest holder left as the source."""
+    `message()` (its parts) to each receiver: a joiner need not know who else was admitted
+    with it. Returns the source and, on a receiver, the parts it got (else None). An op
+    like any: if the source or a receiver is lost mid-way, the members left redo it, with
+    the lowest holder left as the source."""
     def op(peers: Peers):
       holds = peers.allgather(np.array([self.host_index not in to], np.uint8))[:, 0]
       holders = [h for h, f in zip(peers.epoch.hosts, holds) if f]
@@ -171,18 +171,46 @@ class EpochCollective:
                                  "hosts' checkpoints")
       source = holders[0]
       if self.host_index == source:
-        parts = message()
-        for dst in receivers:
-          for part in parts:
-            peers.send(dst, part)
+        _send_parts(peers, receivers, message())
         return source, None
       if self.host_index in receivers:
-        return source, (peers.recv(source), peers.recv(source))
+        return source, _recv_parts(peers, source)
       return source, None
     return self._unit("the state transfer", op)
+
+  def broadcast(self, parts: list[bytes] | None, source: int) -> list[bytes]:
+    """`parts` of member `source` (None on every other member), on every member: sent
+    point to point from `source` to each other member, as one op (a heal at a start)."""
+    def op(peers: Peers):
+      if self.host_index == source:
+        _send_parts(peers, [h for h in peers.epoch.hosts if h != source], parts)
+        return parts
+      return [bytes(p) for p in _recv_parts(peers, source)]
+    return self._unit("sending a checkpoint", op)
 
   def close(self, leave: bool = True) -> None:
     if self._peers is not None:
       self._peers.close()
       self._peers = None
     self.lease.close(leave)
+
+
+MAX_PARTS = 64  # a message's parts at most (meta.json and a file per item)
+
+
+def _send_parts(peers: Peers, receivers, parts: list[bytes]) -> None:
+  """Each part to each receiver, after their count."""
+  count = np.array([len(parts)], np.uint64).tobytes()
+  for dst in receivers:
+    peers.send(dst, count)
+    for part in parts:
+      peers.send(dst, part)
+
+
+def _recv_parts(peers: Peers, source: int) -> list[bytearray]:
+  raw = peers.recv(source)
+  count = int(np.frombuffer(bytes(raw), np.uint64)[0]) if len(raw) == 8 else -1
+  if not 0 <= count <= MAX_PARTS:
+    raise WireError(f"host {source} sent a message of {count} parts (8 bytes of count "
+                    f"expected, at most {MAX_PARTS} parts)")
+  return [peers.recv(source) for _ in range(count)]

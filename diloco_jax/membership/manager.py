@@ -24,7 +24,6 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from diloco_jax.algo import state as state_lib
 from diloco_jax.runtime import coordination
 from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import collective as collective_lib
@@ -179,23 +178,3 @@ def of(world: world_lib.World, config: ml_collections.ConfigDict) -> Membership:
   if world.live:
     return Live(world, config.replicas_per_host)
   return Fixed()
-
-
-def rejoin(outer_step, snap, init_replicas: Callable, data, steps_done: int, host: int):
-  """A host back after the others trained without it, resuming from a checkpoint that has
-  no row of its own: the shared outer state, its replicas from the anchor with fresh AdamW
-  moments (the step count, which drives the lr schedule, set to `steps_done`: the steps
-  this host's replicas would have trained by the checkpoint's round), and its data
-  iterators where host 0's are (under balance 'fixed' every replica has read the same
-  number of batches of its own shard; under 'speed' host 0's position stands in for this
-  host's; `data` None: they start a new pass, the host count having changed). Returns the
-  outer step's carry and the replicas."""
-  outer = outer_step.join(snap.shared, None)
-  replicas = init_replicas(outer_step.model(outer, None))
-  replicas = replicas.replace(
-      opt_state=state_lib.with_step_count(replicas.opt_state, steps_done))
-  if data is not None:
-    data.set_state(snap.meta["data_state"])
-  print(f"host {host}: rejoining at round {snap.round + 1}: replicas from the "
-        f"anchor with fresh optimizer moments (step {steps_done})", flush=True)
-  return outer, replicas

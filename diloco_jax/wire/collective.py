@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax.algo import compress
 
 HOSTS_AXIS = "hosts"
+BROADCAST_BYTES = 64 << 20  # one sum of HostCollective.broadcast
 PyTree = Any
 T = TypeVar("T")
 
@@ -73,6 +74,9 @@ class Collective(Protocol):
     collectives over the same hosts (live membership redoes the whole of `op` among the
     hosts left if one is lost in it, so that a sum and the words summed beside it count
     the same hosts)."""
+
+  def broadcast(self, parts: list[bytes] | None, source: int) -> list[bytes]:
+    """Host `source`'s `parts` (None on every other host), on every host (a heal)."""
 
 
 def _pack(tree: PyTree) -> tuple[dict[np.dtype, np.ndarray], Any]:
@@ -179,6 +183,11 @@ class LocalCollective:
     del what
     return op(self)
 
+  @staticmethod
+  def broadcast(parts: list[bytes] | None, source: int) -> list[bytes]:
+    del source
+    return parts
+
   def sum(self, tree: PyTree) -> PyTree:
     return tree
 
@@ -244,6 +253,27 @@ class HostCollective:
   def atomic(self, what: str, op: Callable[[Any], T]) -> T:
     del what  # the hosts are fixed: every op is over all of them
     return op(self)
+
+  def broadcast(self, parts: list[bytes] | None, source: int) -> list[bytes]:
+    """XLA's collectives have no point to point: each part's bytes cross in int32 sums of
+    BROADCAST_BYTES in which every other host adds zeros (x + 0 is x, bit for bit)."""
+    count = self.allgather(np.array([len(parts) if parts else 0], np.int32))[source, 0]
+    out = []
+    for i in range(int(count)):
+      payload = parts[i] if self.host_index == source else b""
+      length = len(payload)
+      high, low = self.allgather(np.array([length >> 31, length & (2**31 - 1)],
+                                          np.int32))[source]
+      n = (int(high) << 31) | int(low)
+      got = bytearray()
+      for start in range(0, n, BROADCAST_BYTES):
+        size = min(BROADCAST_BYTES, n - start)
+        words = np.zeros((size + 3) // 4, np.int32)
+        if self.host_index == source:
+          words.view(np.uint8)[:size] = np.frombuffer(payload, np.uint8, size, start)
+        got += np.asarray(self.sum({"bytes": words})["bytes"]).view(np.uint8)[:size].tobytes()
+      out.append(bytes(got))
+    return out
 
   def connect(self, quiet: bool = True) -> None:
     """Opens the connections between hosts with a one-byte all-gather (not counted in
