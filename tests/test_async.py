@@ -236,9 +236,10 @@ JOIN_STARTS = (0, 0, 3)  # the round index (0-based) from which each host trains
 JOIN_ROUNDS = 7
 
 
-def join_problem(seed):
+def join_problem(seed, replicas=1):
+  """A problem for the join's hosts with `replicas` each (replica h·R + i on host h)."""
   rng = np.random.default_rng(seed)
-  shape = (JOIN_ROUNDS, len(JOIN_STARTS), H, B, D)
+  shape = (JOIN_ROUNDS, len(JOIN_STARTS) * replicas, H, B, D)
   batches = {"x": rng.normal(size=shape), "y": rng.normal(size=shape[:-1] + (O,))}
   params = {"w": rng.normal(size=(D, O)) * 0.1, "b": np.zeros(O)}
   return params, batches
@@ -316,71 +317,90 @@ def np_eager_join(params, batches, inner, starts=JOIN_STARTS, mu=MU):
   return history, final
 
 
-def drive_join(rule, params, batches, inner, starts=JOIN_STARTS):
-  """The rule driven on each host as `OuterStep` drives it, with the join as
-  `loop/join.py` makes it: at the end of round t, after the members' outer step of round
-  t and the arrival of round t's mean, the joiner takes `rule.split` of the first member's
-  state (eager: its own part through `own_for_joiner`), and the mean of round t as it
-  arrived, with its K. Returns (per round, every host's start of the next round; per
-  host, the trained params; per round, the mean and the K it was divided by, and each
-  host's Δ)."""
-  hosts = range(len(starts))
-  opts = {h: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for h in hosts if starts[h] == 0}
+def drive_join(rule, params, batches, inner, starts=JOIN_STARTS, replicas=1):
+  """The rule driven on each host (`replicas` replicas each, replica h·R + i) as
+  `OuterStep` drives it, with the join as `loop/join.py` makes it: at the end of round t,
+  after the members' outer step of round t and the arrival of round t's mean, the joiner
+  takes `rule.split` of the first member's state (eager: its own part through
+  `own_for_joiner`: every replica the first one's), and the mean of round t as it
+  arrived, with its K. Returns (per round, every replica's start of the next round, by
+  replica; per replica, the trained params; per round, the mean and the K it was divided
+  by, and each replica's Δ)."""
+  hosts, r = range(len(starts)), replicas
+  ids = lambda h: [h * r + i for i in range(r)]  # noqa: E731
+  opts = {m: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for h in hosts if starts[h] == 0
+          for m in ids(h)}
   static_k = len(opts)
   apply, drain = jax.jit(rule.apply), jax.jit(rule.drain)
   anchor = jax.tree.map(jnp.asarray, params)
-  states = {h: rule.init(anchor, 1) for h in opts}
+  states = {h: rule.init(anchor, r) for h in hosts if starts[h] == 0}
   mean, k = None, None  # round 1: no mean yet, the static K
   history, means, sent_by_round = [], [], []
-  to_np = lambda tree: {n: np.asarray(v) for n, v in tree.items()}
+  to_np = lambda tree: {n: np.asarray(v) for n, v in tree.items()}  # noqa: E731
+  rows = lambda tree: ([{n: v[i] for n, v in to_np(tree).items()} for i in range(r)]  # noqa: E731
+                       if rule.per_replica else [to_np(tree)] * r)
   for t in range(JOIN_ROUNDS):
     for h in hosts:
       if starts[h] == t and t > 0:
         shared, own = rule.split(states[min(states)])
         if own is not None:
-          own = own_for_joiner(own, 1)
+          own = own_for_joiner(own, r)
         states[h] = rule.join(shared, own)
-        opts[h] = joiner_adamw(inner, params, t)
+        for m in ids(h):
+          opts[m] = joiner_adamw(inner, params, t)
     sent = []
     for h in sorted(states):
-      start = to_np(rule.start(states[h]))
-      if rule.per_replica:
-        start = {n: v[0] for n, v in start.items()}
-      local = inner_phase(start, opts[h], batches, t, h)
-      deltas_R = {n: jnp.asarray((start[n] - local[n])[None]) for n in params}
+      starts_h = rows(rule.start(states[h]))
+      deltas_R = {n: [] for n in params}
+      for m, start in zip(ids(h), starts_h):
+        local = inner_phase(start, opts[m], batches, t, m)
+        for n in params:
+          deltas_R[n].append(start[n] - local[n])
+      deltas_R = {n: jnp.asarray(np.stack(v)) for n, v in deltas_R.items()}
       states[h] = apply(states[h], deltas_R, mean, k)
       sent.append(deltas_R)
-    start_of = lambda state: (jax.tree.map(lambda x: x[0], rule.start(state))
-                              if rule.per_replica else rule.start(state))
-    history.append({h: to_np(start_of(states[h])) for h in states})
+    history.append({m: start for h in sorted(states)
+                    for m, start in zip(ids(h), rows(rule.start(states[h])))})
     total = jax.tree.map(lambda *d: jnp.concatenate(d), *sent)
-    mean = diloco.divide(diloco.replica_sum(total), len(sent))
-    k = diloco.arrived_k(len(sent), static_k)
-    means.append((to_np(mean), len(sent)))
-    sent_by_round.append({h: {n: np.asarray(d[n][0]) for n in params}
-                          for h, d in zip(sorted(states), sent)})
+    count = len(sent) * r
+    mean = diloco.divide(diloco.replica_sum(total), count)
+    k = diloco.arrived_k(count, static_k)
+    means.append((to_np(mean), count))
+    sent_by_round.append({m: {n: np.asarray(d[n][i]) for n in params}
+                          for h, d in zip(sorted(states), sent) for i, m in enumerate(ids(h))})
   final = {}
   for h in sorted(states):
     trained = rule.final(drain(states[h], mean, k))
-    final[h] = to_np(jax.tree.map(lambda x: x[0], trained) if rule.per_replica else trained)
+    for m, row in zip(ids(h), rows(trained)):
+      final[m] = row
   return history, final, means, sent_by_round
 
 
-def outer_rule(mode, mu=MU):
-  return mode(optax.sgd(LR, momentum=mu, nesterov=True), sum(t == 0 for t in JOIN_STARTS))
+def outer_rule(mode, mu=MU, replicas=1):
+  return mode(optax.sgd(LR, momentum=mu, nesterov=True),
+              sum(t == 0 for t in JOIN_STARTS) * replicas)
+
+
+def replica_starts(replicas: int, starts=JOIN_STARTS) -> tuple[int, ...]:
+  """The round each replica starts at: its host's (replica h·R + i on host h)."""
+  return tuple(t for t in starts for _ in range(replicas))
 
 
 @pytest.mark.device
-def test_delayed_join_matches_numpy_float64():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_delayed_join_matches_numpy_float64(replicas):
   """§11, delayed: the joiner starts from the shared s_{t+1} and momentum, applies the
   mean of round t as it arrived, and is in the means from round t+1 on. The anchor after
-  every round is the same on every host, the joiner's from its first round."""
-  params, batches = join_problem(8)
+  every round is the same on every host, the joiner's from its first round; with one or
+  two replicas per host."""
+  params, batches = join_problem(8, replicas)
   inner = inner_config()
-  history, final, _, _ = drive_join(outer_rule(diloco.Delayed), params, batches, inner)
-  anchors, drained = np_delayed_join(params, batches, inner)
+  starts = replica_starts(replicas)
+  history, final, _, _ = drive_join(outer_rule(diloco.Delayed, replicas=replicas), params,
+                                    batches, inner, replicas=replicas)
+  anchors, drained = np_delayed_join(params, batches, inner, starts=starts)
   for t, (got, want) in enumerate(zip(history, anchors, strict=True)):
-    assert sorted(got) == [h for h, start in enumerate(JOIN_STARTS) if start <= t]
+    assert sorted(got) == [h for h, start in enumerate(starts) if start <= t]
     for h in got:
       for n in params:
         np.testing.assert_array_equal(got[h][n], got[0][n])  # bit for bit on every host
@@ -389,22 +409,24 @@ def test_delayed_join_matches_numpy_float64():
     for n in params:
       np.testing.assert_array_equal(final[h][n], final[0][n])
       np.testing.assert_allclose(final[h][n], drained[n], atol=1e-10, rtol=0)
-  _, alone = np_delayed_join(params, batches, inner, starts=JOIN_STARTS[:2])
+  _, alone = np_delayed_join(params, batches, inner, starts=starts[:2 * replicas])
   assert not np.allclose(final[0]["w"], alone["w"], atol=1e-6)  # the join made a difference
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("mu", [MU, 0.0])
-def test_eager_join_matches_numpy_float64(mu):
+@pytest.mark.parametrize("mu, replicas", [(MU, 1), (0.0, 1), (MU, 2)])
+def test_eager_join_matches_numpy_float64(mu, replicas):
   """§11, eager: every replica of the joiner takes the sender's first replica's
   (θ_m, b_m, Δ_m,prev) and applies the eager rule with K per round. Against
-  `np_eager_join` after every round and after the drain; with μ = 0, every replica after
-  round t+1, the joiner's included, is at θ⁰ − η[Σ_{s≤t} Δ̄^(s) + Δ_m^(t+1)/K_t]."""
-  params, batches = join_problem(9)
+  `np_eager_join` after every round and after the drain (one or two replicas per host);
+  with μ = 0, every replica after round t+1, the joiner's included, is at
+  θ⁰ − η[Σ_{s≤t} Δ̄^(s) + Δ_m^(t+1)/K_t]."""
+  params, batches = join_problem(9, replicas)
   inner = inner_config()
-  rule = outer_rule(diloco.Eager, mu)
-  history, final, means, sent = drive_join(rule, params, batches, inner)
-  expected, expected_final = np_eager_join(params, batches, inner, mu=mu)
+  starts = replica_starts(replicas)
+  rule = outer_rule(diloco.Eager, mu, replicas)
+  history, final, means, sent = drive_join(rule, params, batches, inner, replicas=replicas)
+  expected, expected_final = np_eager_join(params, batches, inner, starts=starts, mu=mu)
   for got, want in zip(history, expected, strict=True):
     assert len(got) == len(want)
     for h, theta in zip(sorted(got), want):
@@ -421,6 +443,6 @@ def test_eager_join_matches_numpy_float64(mu):
       for n in params:
         want = params[n] - LR * (past[n] + sent[t][h][n] / k_t)
         np.testing.assert_allclose(theta[n], want, atol=1e-10, rtol=0)
-  _, alone = np_eager_join(params, batches, inner, starts=JOIN_STARTS[:2], mu=mu)
+  _, alone = np_eager_join(params, batches, inner, starts=starts[:2 * replicas], mu=mu)
   mean = lambda thetas: {n: sum(th[n] for th in thetas) / len(thetas) for n in params}
   assert not np.allclose(mean(list(final.values()))["w"], mean(alone)["w"], atol=1e-6)
