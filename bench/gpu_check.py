@@ -103,8 +103,8 @@ def part_a(args, tmp: str) -> dict:
     raise NotInstalled(f"not run: pytest is missing; add it with `{CHECK_INSTALL}` in {REPO}, "
                        "then run this again")
   devices = jax.devices()
-  selection = [*device_test_files(), "-m", "device"] + (["-k", "test_sync_matches_numpy_float64"] if args.smoke
-                                  else [])
+  selection = [*device_test_files(), "-m", "device",
+               *(["-k", "test_sync_matches_numpy_float64"] if args.smoke else [])]
   t = time.perf_counter()
   out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
             env={"JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PLATFORMS": ""})

@@ -111,7 +111,8 @@ def _claimed_host(frames: list[bytes]) -> int | None:
     host = body.get("host") if isinstance(body, dict) else None
   except (ValueError, RecursionError):
     return None
-  return host if isinstance(host, int) and not isinstance(host, bool) and 0 <= host < 1 << 20 else None
+  ok = isinstance(host, int) and not isinstance(host, bool) and 0 <= host < 1 << 20
+  return host if ok else None
 
 
 class Serving:

@@ -76,9 +76,9 @@ class Links:
     self._inbox: dict[int, collections.deque] = {h: collections.deque() for h in epoch.hosts}
     self._arrived = threading.Condition()  # the reader files a frame or a HELLO
     self._trackers: list[tuple[int, zmq.MessageTracker]] = []
-    self._broken: WireError | None = None
+    self.broken: WireError | None = None
     self._reader_failed: BaseException | None = None
-    self._ready = epoch.size == 1
+    self.ready = epoch.size == 1
     self._heard: set[int] = set()  # peers whose HELLO arrived
     self._answered: set[int] = set()  # peers that said they heard ours
     self._logged: set[tuple] = set()
@@ -133,7 +133,7 @@ class Links:
       self._wake_r = self._wake_w = -1
     for s in [self._pull, *self._push.values()]:
       s.close()
-    self._broken = self._broken or WireError(f"epoch {self.epoch.number} is closed")
+    self.broken = self.broken or WireError(f"epoch {self.epoch.number} is closed")
 
   def __enter__(self) -> Links:
     return self
@@ -143,7 +143,7 @@ class Links:
 
   # -- sending -------------------------------------------------------------------------
 
-  def _send(self, dst: int, kind: int, buf: memoryview, chunk: int | None = None) -> None:
+  def send(self, dst: int, kind: int, buf: memoryview, chunk: int | None = None) -> None:
     total, sock, chunk = buf.nbytes, self._push[dst], chunk or self.chunk_bytes
     for offset in range(0, max(total, 1), chunk):
       piece = buf[offset:offset + chunk]
@@ -244,7 +244,7 @@ class Links:
                       f"during {what}: {reason} (seen from host {self.host})",
                       epoch=self.epoch.number, host=host)
 
-  def _handshake(self) -> None:
+  def handshake(self) -> None:
     """HELLOs until every peer has heard this host (module docstring)."""
     deadline, resend = time.monotonic() + self.timeout_s, 0.0
     with self._arrived:
@@ -264,7 +264,7 @@ class Links:
         self._wait(min(resend, deadline), late[0], "the epoch's start")
     for dst in self._push:  # the answer each peer may still wait for; it arrives now
       self._hello(dst)
-    self._ready = True
+    self.ready = True
 
   def _next(self, src: int, kind: int, what: str) -> tuple[frames.Header, memoryview]:
     """src's next accepted frame, waiting at most `timeout_s` of silence."""
@@ -284,7 +284,7 @@ class Links:
                       f"{frames.KINDS[kind]} ({what}): the members are out of step")
     return header, payload
 
-  def _chunks(self, src: int, kind: int, nbytes: int | None, what: str):
+  def chunks(self, src: int, kind: int, nbytes: int | None, what: str):
     """(offset, payload) of each chunk of one message from `src`, as each arrives; its
     size must be `nbytes` (None: any). The first item is the message's total size."""
     header, payload = self._next(src, kind, what)
@@ -303,9 +303,9 @@ class Links:
         return
       header, payload = self._next(src, kind, what)
 
-  def _recv_into(self, src: int, kind: int, out: memoryview | None, what: str) -> memoryview:
+  def recv_into(self, src: int, kind: int, out: memoryview | None, what: str) -> memoryview:
     """One message from `src` into `out` (its size must match; None: a new buffer)."""
-    chunks = self._chunks(src, kind, None if out is None else out.nbytes, what)
+    chunks = self.chunks(src, kind, None if out is None else out.nbytes, what)
     total = next(chunks)
     if out is None:
       out = memoryview(bytearray(total))
@@ -313,7 +313,7 @@ class Links:
       out[offset:offset + payload.nbytes] = payload
     return out
 
-  def _settle(self, what: str) -> None:
+  def settle(self, what: str) -> None:
     """Waits until zmq has released every buffer handed to it (the caller's may change)."""
     deadline = time.monotonic() + self.timeout_s
     for dst, tracker in self._trackers:

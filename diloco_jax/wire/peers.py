@@ -52,23 +52,48 @@ from diloco_jax.wire.links import Links
 from diloco_jax.wire.links import as_bytes
 
 
-class Peers(Links):
+class Peers:
   """One epoch's collectives, seen from member `host`: `Peers(epoch, host, token=...,
-  timeout_s=..., chunk_bytes=...)` (the connections: `links.Links`)."""
+  timeout_s=..., chunk_bytes=...)` over its connections (`links`: `links.Links`)."""
+
+  def __init__(self, epoch: Epoch, host: int, **options):
+    self.links = Links(epoch, host, **options)
+
+  # What the collectives read of the connections.
+  epoch = property(lambda self: self.links.epoch)
+  host = property(lambda self: self.links.host)
+  host_index = property(lambda self: self.links.host_index)  # its rank in the epoch
+  num_hosts = property(lambda self: self.links.num_hosts)
+  chunk_bytes = property(lambda self: self.links.chunk_bytes)
+  bytes_sent = property(lambda self: self.links.bytes_sent)
+  frame_bytes = property(lambda self: self.links.frame_bytes)
+  dropped = property(lambda self: self.links.dropped)
+
+  def halt(self) -> None:
+    self.links.halt()
+
+  def close(self) -> None:
+    self.links.close()
+
+  def __enter__(self) -> Peers:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
   def _run(self, what: str, fn, *args):
-    if self._broken is not None:
-      raise WireError(f"{what}: epoch {self.epoch.number} is unusable after: {self._broken}")
+    if self.links.broken is not None:
+      raise WireError(f"{what}: epoch {self.epoch.number} is unusable after: {self.links.broken}")
     try:
-      if not self._ready:
-        self._handshake()
+      if not self.links.ready:
+        self.links.handshake()
       out = fn(*args)
-      self._settle(what)
+      self.links.settle(what)
       return out
     except WireError as e:
-      self._broken = e
-      self.halt()
+      self.links.broken = e
+      self.links.halt()
       raise
 
   # -- collectives -----------------------------------------------------------------------
@@ -89,7 +114,7 @@ class Peers(Links):
     chunk = max(item, self.chunk_bytes - self.chunk_bytes % item)  # whole entries, so
     for i in range(n):  # each chunk is added as it arrives
       if i != me:
-        self._send(hosts[i], frames.SCATTER, as_bytes(flat[span[i]]), chunk)
+        self.links.send(hosts[i], frames.SCATTER, as_bytes(flat[span[i]]), chunk)
     out = np.empty_like(flat)
     own, total = flat[span[me]], out[span[me]]  # this host's chunk, summed in place
     if n == 1:
@@ -100,7 +125,7 @@ class Peers(Links):
         if i > 0:
           np.add(total, own, out=total)
         continue
-      chunks = self._chunks(hosts[i], frames.SCATTER, total.nbytes, what)
+      chunks = self.links.chunks(hosts[i], frames.SCATTER, total.nbytes, what)
       next(chunks)
       for offset, payload in chunks:
         if offset % item or payload.nbytes % item:
@@ -118,10 +143,10 @@ class Peers(Links):
           np.add(seg, part, out=seg)
     for i in range(n):
       if i != me:
-        self._send(hosts[i], frames.GATHER, as_bytes(total), chunk)
+        self.links.send(hosts[i], frames.GATHER, as_bytes(total), chunk)
     for i in range(n):
       if i != me:
-        self._recv_into(hosts[i], frames.GATHER, as_bytes(out[span[i]]), "a sum (all-gather)")
+        self.links.recv_into(hosts[i], frames.GATHER, as_bytes(out[span[i]]), "a sum (all-gather)")
     return out.reshape(x.shape)
 
   def allgather(self, x: np.ndarray) -> np.ndarray:
@@ -133,10 +158,10 @@ class Peers(Links):
     out[self.host_index] = x
     for i, h in enumerate(self.epoch.hosts):
       if i != self.host_index:
-        self._send(h, frames.GATHER, as_bytes(x))
+        self.links.send(h, frames.GATHER, as_bytes(x))
     for i, h in enumerate(self.epoch.hosts):
       if i != self.host_index:
-        self._recv_into(h, frames.GATHER, as_bytes(out[i]), "an all-gather")
+        self.links.recv_into(h, frames.GATHER, as_bytes(out[i]), "an all-gather")
     return out
 
   def all_to_all(self, x: np.ndarray) -> np.ndarray:
@@ -152,10 +177,10 @@ class Peers(Links):
     out[self.host_index] = x[self.host_index]
     for i, h in enumerate(self.epoch.hosts):
       if i != self.host_index:
-        self._send(h, frames.ALL_TO_ALL, as_bytes(x[i]))
+        self.links.send(h, frames.ALL_TO_ALL, as_bytes(x[i]))
     for i, h in enumerate(self.epoch.hosts):
       if i != self.host_index:
-        self._recv_into(h, frames.ALL_TO_ALL, as_bytes(out[i]), "an all-to-all")
+        self.links.recv_into(h, frames.ALL_TO_ALL, as_bytes(out[i]), "an all-to-all")
     return out
 
   def send(self, dst: int, data) -> None:
@@ -163,7 +188,7 @@ class Peers(Links):
     self.epoch.rank(dst)
     if dst == self.host:
       raise WireError(f"send: host {dst} is this host")
-    self._run(f"a send to host {dst}", self._send, dst, frames.POINT,
+    self._run(f"a send to host {dst}", self.links.send, dst, frames.POINT,
               memoryview(data).cast("B"))
 
   def recv(self, src: int) -> bytearray:
@@ -171,7 +196,7 @@ class Peers(Links):
     self.epoch.rank(src)
     if src == self.host:
       raise WireError(f"recv: host {src} is this host")
-    return self._run(f"a receive from host {src}", lambda: self._recv_into(
+    return self._run(f"a receive from host {src}", lambda: self.links.recv_into(
         src, frames.POINT, None, f"a transfer from host {src}").obj)
 
   # -- collective.HostCollective's interface ---------------------------------------------
@@ -179,9 +204,9 @@ class Peers(Links):
   def connect(self, quiet: bool = True) -> None:
     """Waits until every member is there (a one-byte all-gather, not counted)."""
     del quiet
-    sent, framed = self.bytes_sent, self.frame_bytes
+    sent, framed = self.links.bytes_sent, self.links.frame_bytes
     self.allgather(np.zeros(1, np.uint8))
-    self.bytes_sent, self.frame_bytes = sent, framed
+    self.links.bytes_sent, self.links.frame_bytes = sent, framed
 
   def sum(self, tree: Any) -> Any:
     """Σ over members of each leaf (one sum per dtype); every member gets the same bytes."""
