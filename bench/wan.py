@@ -124,15 +124,21 @@ def read_metrics(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
+BASELINE = "@base"  # a run of RUNS by another checkout's trainer: NAME@base (--baseline)
+
+
 def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
              smoke: bool = False, eval_every: int = 4,
              placement: cpushare.Placement | None = None,
-             train_flags: tuple[str, ...] = ()) -> dict:
+             train_flags: tuple[str, ...] = (), baseline: str | None = None) -> dict:
   """One run of RUNS on every host; figures from host 0's metrics and every host's veth
   (Localhost: host 0's metrics only). `placement`: each host's cores (bench/cpushare.py),
-  the reference's one-host jobs' too, so that hosts do not trade cores between runs."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
-  mode, extra, h = RUNS[name]
+  the reference's one-host jobs' too, so that hosts do not trade cores between runs.
+  NAME@base runs NAME with the trainer of the checkout at `baseline` (its own package,
+  the same installed dependencies)."""
+  repo = baseline if name.endswith(BASELINE) else REPO
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": repo, "PYTHONUNBUFFERED": "1"}
+  mode, extra, h = RUNS[name.removesuffix(BASELINE)]
   num_rounds = rounds * 25 // h
   if smoke:
     h, num_rounds = SMOKE_H, rounds
@@ -153,7 +159,7 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   if mode == "none":  # the reference: every host its own one-host job, nothing crosses
     procs = [subprocess.Popen(pinned(i, [sys.executable, "-m", "diloco_jax.train", *args,
                                "--config.mode=sync", f"--workdir={workdir}/h{i}"]),
-                              cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              cwd=repo, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   else:
@@ -174,7 +180,7 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
         *args, f"--config.mode={mode}", f"--workdir={workdir}",  # shared, as checkpoints need
         f"{join[0]}={net.address(0)}:{port}", f"--num_hosts={net.num_hosts}",
         f"--host_id={i}", join[1]])),
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(net.num_hosts)]
   outputs = [p.communicate()[0] for p in procs]
   if name in LIVE:
@@ -249,6 +255,10 @@ def main():
   parser.add_argument("--train_flags", default="",
                       help="trainer flags added to every run, space-separated (e.g. "
                            "--config.checkpoint.every=0: checkpoints at the end only)")
+  parser.add_argument("--baseline", default=None,
+                      help="a checkout of another diloco_jax version (e.g. `git worktree add "
+                           "/tmp/base 7bb7343`): the modes NAME@base run NAME with its trainer, "
+                           "side by side with this one's")
   parser.add_argument("--pin_cores", action="store_true",
                       help="host i on core i mod the cores (taskset), the reference too; with "
                            "more hosts than cores, every host an equal CPU quota instead "
@@ -266,15 +276,21 @@ def main():
   placement = cpushare.Placement(args.hosts, args.pin_cores and not args.smoke)
   with network as net, placement, tempfile.TemporaryDirectory() as scratch:
     tmp = args.workdir or scratch
-    unknown = set(args.modes.split(",")) - set(RUNS)
+    modes = args.modes.split(",")
+    unknown = {m for m in modes if m.removesuffix(BASELINE) not in RUNS}
     if unknown:
-      sys.exit(f"--modes: unknown {sorted(unknown)}; one of {', '.join(RUNS)}")
+      sys.exit(f"--modes: unknown {sorted(unknown)}; one of {', '.join(RUNS)}, each also "
+               f"as NAME{BASELINE} with --baseline")
+    if any(m.endswith(BASELINE) for m in modes) and not (
+        args.baseline and os.path.isdir(os.path.join(args.baseline, "diloco_jax"))):
+      sys.exit(f"--modes NAME{BASELINE} need --baseline=DIR, a checkout of diloco_jax "
+               f"(got {args.baseline!r})")
     for i, mode in enumerate(args.modes.split(",")):
       t = time.time()
       try:
         rows.append(run_mode(net, mode, args.rounds, os.path.join(tmp, f"{i}-{mode}"),
                              args.smoke, args.eval_every, placement,
-                             tuple(args.train_flags.split())))
+                             tuple(args.train_flags.split()), args.baseline))
       except RuntimeError as e:  # report it, keep the other runs' figures
         print(f"{mode}: FAILED\n{e}", flush=True)
         failed.append(mode)
