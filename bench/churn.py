@@ -97,15 +97,23 @@ class Output:
 
 
 def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
-             spare: bool = False) -> subprocess.Popen:
-  """`spare` (live): one host id more, started on a SIGUSR1 to the launcher."""
+             spare: bool = False, baseline: str | None = None) -> subprocess.Popen:
+  """`spare` (live): one host id more, started on a SIGUSR1 to the launcher. `baseline`:
+  the checkout of another version, whose launcher runs its default (0.1: the hosts on
+  jax.distributed, sharing fate)."""
   extra = (["--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
             *([f"--max_hosts={hosts + 1}", "--join_later=-1"] if spare else [])] if live
            else ["--shared_fate"])  # the restart path: a host lost stops the job
-  cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), f"--hosts={hosts}",
+  repo, env = REPO, {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if baseline:
+    repo, extra = baseline, []
+    env["PYTHONPATH"] = baseline
+    # 0.1 named the wire's timeout after its elastic switch
+    flags = [f.replace("--config.wire_timeout=", "--config.elastic_timeout=") for f in flags]
+  cmd = [sys.executable, os.path.join(repo, "launch", "local.py"), f"--hosts={hosts}",
          "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
-  return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -162,12 +170,14 @@ def wait_round(out: Output, job: subprocess.Popen, target: int) -> bool:
 
 
 def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[str, int]],
-        log, freeze_s: float, rng: random.Random, spare: bool = False) -> dict:
-  """Trains on `path` ('live' or 'restart') through `plan`; what happened. `spare` (live):
-  the job has one host id more, which only a join_new starts."""
+        log, freeze_s: float, rng: random.Random, spare: bool = False,
+        baseline: str | None = None) -> dict:
+  """Trains on `path` ('live' or 'restart'; 'base': the --baseline checkout's default,
+  uninterrupted) through `plan`; what happened. `spare` (live): the job has one host id
+  more, which only a join_new starts."""
   live, out = path == "live", Output(log)
   t0 = time.monotonic()
-  job = launcher(workdir, hosts, flags, live, spare)
+  job = launcher(workdir, hosts, flags, live, spare, baseline if path == "base" else None)
   readers, events = [out.follow(job)], []
   back_round, now_hosts, hosts_from = 0, hosts, [(1, hosts)]
   for kind, victim in plan:
@@ -274,12 +284,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--events", type=int, default=10, help="events (--smoke: 2 fixed)")
   parser.add_argument("--freeze_s", type=float, default=8.0,
                       help="how long a frozen host stays stopped (longer than the 3 s lease)")
-  parser.add_argument("--paths", default="live,restart", help="live, restart, or both")
+  parser.add_argument("--paths", default="live,restart",
+                      help="live, restart, or both; and base: --baseline's uninterrupted run")
+  parser.add_argument("--baseline", default=None,
+                      help="a checkout of another diloco_jax version (e.g. `git worktree add "
+                           "/tmp/base 7bb7343`), whose uninterrupted run is path base")
   parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
   args = _smoke.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
   paths = [p for p in args.paths.split(",") if p]
-  if args.hosts < 2 or not paths or set(paths) - {"live", "restart"}:
-    parser.error("--hosts must be >= 2 and --paths a list of live, restart")
+  if args.hosts < 2 or not paths or set(paths) - {"live", "restart", "base"}:
+    parser.error("--hosts must be >= 2 and --paths a list of live, restart, base")
+  if "base" in paths and not args.baseline:
+    parser.error("--paths=...,base needs --baseline=DIR, a checkout of diloco_jax")
   rng = random.Random(args.seed)
   again = [k for k in KINDS if k not in ONCE]
   kinds = (list(SMOKE_EVENTS) if args.smoke else
@@ -303,9 +319,13 @@ def main(argv: list[str] | None = None) -> None:
     with open(log_path, "w") as log:
       for path in paths:
         # live: both runs with the spare id the plan's join_new starts (the same job)
-        spare = any(kind in ONCE for kind, _ in plan)
+        spare = any(kind in ONCE for kind, _ in plan) and path != "base"
         ref = run(path, os.path.join(root, f"{path}_ref"), args.hosts, flags, [], log,
-                  args.freeze_s, random.Random(args.seed), spare)
+                  args.freeze_s, random.Random(args.seed), spare, args.baseline)
+        if path == "base":  # the other version's uninterrupted run alone
+          result["paths"][path] = {"uninterrupted": ref, "baseline": args.baseline}
+          print(f"{path}: uninterrupted {ref['wall_s']:.1f} s", flush=True)
+          continue
         churn = run(path, os.path.join(root, path), args.hosts, flags, plan, log,
                     args.freeze_s, random.Random(args.seed + 1), spare)
         rate = ref["kept_tokens"] / ref["wall_s"]

@@ -224,6 +224,15 @@ def run_mode(net: Network | Localhost, name: str, rounds: int, workdir: str,
   return row
 
 
+def checkout(path: str | None) -> str | None:
+  """The commit a --baseline checkout is at (its short hash), for the results file."""
+  if not path:
+    return None
+  done = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],
+                        capture_output=True, text=True, check=False)
+  return done.stdout.strip() or os.path.abspath(path)
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
   import matplotlib
 
@@ -311,7 +320,7 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"hosts": args.hosts, "rate_mbit": None if args.smoke else args.rate_mbit,
-               "placement": placement.describe(),
+               "placement": placement.describe(), "baseline": checkout(args.baseline),
                "rounds": args.rounds, "rows": rows, "smoke": args.smoke,
                **_smoke.provenance("wan")}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)

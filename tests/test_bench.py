@@ -344,16 +344,17 @@ def check_stragglers(result: dict) -> None:
 
 def check_wan(result: dict, out: str) -> None:
   has(result, WAN_KEYS)
-  assert [r["mode"] for r in result["rows"]] == ["none", "sync", "sync-live-mac"]
+  assert [r["mode"] for r in result["rows"]] == ["none", "sync", "sync-live-mac", "sync@base"]
+  assert result["baseline"]  # the checkout's commit
   for row in result["rows"]:
     has(row, WAN_ROW_KEYS if row["mode"] == "none" else WAN_COMM_ROW_KEYS)
   assert result["rows"][1]["bytes_per_host"][0] > 0  # the trainer's own count, no veth
-  # Sync on gloo and on the epoch wire (live membership, a join token): on 2 hosts both sums
-  # are a + b, so the runs are the same bits; the payloads are the same but for the words
-  # riding with Δ (fixed: each host's steps and seconds; live: the replicas and hosts of
-  # the sum), a few dozen bytes a round.
-  sync, live = result["rows"][1], result["rows"][2]
-  assert live["final_eval_loss"] == sync["final_eval_loss"]
+  # Sync with host 0's coordinator, with one of its own and a join token, and by the
+  # --baseline checkout's trainer (this one: the path NAME@base runs): on 2 hosts every sum
+  # is a + b, so the runs are the same bits; the payloads are the same but for the words
+  # riding with Δ, a few dozen bytes a round.
+  sync, live, base = result["rows"][1], result["rows"][2], result["rows"][3]
+  assert live["final_eval_loss"] == sync["final_eval_loss"] == base["final_eval_loss"]
   assert abs(live["bytes_per_host_counted"] - sync["bytes_per_host_counted"]) <= 2 * 64
   assert os.path.getsize(out.replace(".json", ".png")) > 0
 
@@ -465,6 +466,8 @@ def test_smoke(name, tmp_path):
   out = str(tmp_path / "x.json")
   # peer: diloco_jax's side only, whatever this machine has installed (torchft needs torch).
   extra = [f"--venv={tmp_path / 'no_venv'}"] if name in ("peer", "peer_wan") else []
+  if name == "wan":  # NAME@base: a checkout's trainer (here this one's) beside this one
+    extra = [f"--baseline={REPO}", "--modes=none,sync,sync-live-mac,sync@base"]
   code, log = run_bench(name, "--smoke", f"--out={out}", *extra)
   assert code == 0, log[-5000:]
   with open(out) as f:
