@@ -55,7 +55,8 @@ SECTIONS = {
     "stragglers": runs.stragglers, "models": training.models, "memory": training.memory,
     "data": training.data, "linkdrop": runs.linkdrop, "poison": runs.poison,
     "peer": runs.peer, "plan": planner.plan, "leave": live.leave, "wan_live": live.wan_live,
-    "churn": live.churn, "startup": runs.startup, "peer_wan": link.peer_wan,
+    "churn": live.churn, "churn_uninterrupted": live.churn_uninterrupted,
+    "startup": runs.startup, "peer_wan": link.peer_wan,
     "inner_step": training.inner_step,
 }
 

@@ -76,3 +76,17 @@ def churn(results: Results) -> dict:
   return {**d, "table": rows, "paths_table": paths,
           "goodput": {n: d["paths"][n]["churn"]["goodput"] for n in ("live", "restart")},
           "joins": (min(joins), max(joins)) if joins else None}
+
+
+def churn_uninterrupted(results: Results) -> dict:
+  """bench/churn.py's uninterrupted runs on the one path (`live`: that run and the one
+  with no event) against 0.1's (`base`: a checkout of it, its hosts on jax.distributed):
+  wall times, final eval losses, and 0.1's wall over the one path's mean (above 1: the
+  one path is faster)."""
+  d = results("churn_uninterrupted")
+  live, base = d["paths"]["live"], d["paths"]["base"]["uninterrupted"]
+  walls = [live["uninterrupted"]["wall_s"], live["churn"]["wall_s"]]
+  mean = sum(walls) / len(walls)
+  return {**d, "live_walls": walls, "base_wall": base["wall_s"], "ratio": base["wall_s"] / mean,
+          "same_loss": live["uninterrupted"]["final_eval_loss"] == base["final_eval_loss"],
+          "loss": base["final_eval_loss"]}

@@ -125,14 +125,21 @@ class Parts:
 
   @property
   def writes(self) -> bool:
-    """This host evaluates and writes run.json, metrics and events (host 0; every host of
-    a live job, each in its own workdir)."""
+    """This host writes run.json, metrics and events (host 0; every host of a live job,
+    each in its own workdir)."""
     return self.membership.writes(self.host)
 
   @property
   def prints(self) -> bool:
     """This host prints the run's lines now (host 0; the lowest live host of a live job)."""
     return self.membership.prints(self.host)
+
+  @property
+  def evaluates(self) -> bool:
+    """This host evaluates the model now: the host that prints. The others' records have
+    no eval: their hosts would compute the same loss from the same model (every host's
+    is the same bits), and on hosts that share cores it would cost the round."""
+    return self.prints
 
   def inner_optimizer(self, schedule_steps: int):
     """The inner optimizer whose learning-rate schedule spans `schedule_steps` steps."""

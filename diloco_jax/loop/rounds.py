@@ -113,6 +113,6 @@ def round_checks(parts, state: state_lib.RunState, r: int) -> None:
   when due (the eval is read late)."""
   replicated = parts.driver.replicated(state.outer, state.replicas)
   parts.log.add(r, **parts.anchor_check(replicated, r))
-  if parts.writes and r % parts.config.eval_every == 0 and r < parts.num_rounds:
+  if parts.evaluates and r % parts.config.eval_every == 0 and r < parts.num_rounds:
     parts.log.add(r, eval_loss=parts.eval_step(parts.driver.model(state.outer, state.replicas),
                                                parts.eval_batches), floor=parts.spec.floor)

@@ -136,7 +136,7 @@ class Trainer:
       title = (f"{parts.config.mode}: {parts.num_hosts} host(s) x {parts.replicas_per_host} "
                f"replicas, H={parts.h}")
       records, spec = parts.log.writer.records, parts.spec
-      if parts.prints:
+      if final_eval is not None:
         metrics.report(records, parts.workdir, final_eval=float(final_eval), floor=spec.floor,
                        unigram=spec.unigram_loss, elapsed=parts.log.elapsed,
                        num_rounds=parts.num_rounds, title=title)
@@ -153,7 +153,7 @@ class Trainer:
   def finish_run(self) -> tuple[Any, Any]:
     """After the last round: apply what is still in flight, evaluate the final model,
     write the last record and the final checkpoint (unless the run had finished). Returns
-    the final params and (host 0) their eval loss."""
+    the final params and (the evaluating host's) their eval loss."""
     parts, num_rounds = self.parts, self.parts.num_rounds
     finished_before = self.state.finished_before
     if not finished_before:
@@ -163,7 +163,7 @@ class Trainer:
                                parts.driver.drain(self.state.outer, self.state.replicas))
     final_params = parts.driver.final(self.state.outer, self.state.replicas)
     final_eval = None
-    if parts.writes:
+    if parts.evaluates:
       final_eval = parts.eval_step(final_params, parts.eval_batches)
       if not finished_before:
         parts.log.add(num_rounds, eval_loss=final_eval, floor=parts.spec.floor)
