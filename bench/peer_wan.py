@@ -8,7 +8,8 @@ bench/peer.py's race (configs/peer.py's 3.3M-param byte-level GPT, the same reci
 bytes, H = 50, 2 replicas each pinned to its own core and computing on one thread), run
 through bench/wan.py's links: each replica in a network namespace of its own on a bridge,
 its link shaped to the rate in both directions by `tc tbf`. torchft's lighthouse and
-diloco_jax's JAX coordinator sit in replica 0's namespace. Settings (SETTINGS):
+diloco_jax's host 0 (which serves its membership coordinator) sit in replica 0's namespace.
+Settings (SETTINGS):
 
   torchft     DiLoCo as its docs configure it (a Manager with a synchronous quorum,
               ProcessGroupGloo), and its streaming DiLoCo: 2 fragments of whole blocks,
@@ -18,11 +19,10 @@ diloco_jax's JAX coordinator sit in replica 0's namespace. Settings (SETTINGS):
               results file says whether triton was found).
   diloco_jax  sync; eager (the sum behind the next inner phase, applied one round late with
               this round's own term); streaming with 2 fragments and 20 overlap steps;
-              int8 and 4-bit sync; 4-bit eager; configs/sparseloco.py's wire and outer step;
-              and eager and streaming under live membership (`-live`: a membership
-              coordinator in namespace 0; the sums cross the epoch wire, sockets on the
-              dispatch thread, where the others' cross gloo, whose collectives run on the
-              host's CPU device in turn with the inner steps).
+              int8 and 4-bit sync; 4-bit eager; configs/sparseloco.py's wire and outer step.
+              Every one runs as the README's command does: host 0 serves the membership
+              coordinator, and the sums cross the epoch wire (sockets, on the dispatch
+              thread in the async modes, so the inner steps run meanwhile).
 
 `alone` is diloco_jax's compute alone: the two hosts as one-host jobs, nothing on the link.
 
@@ -73,21 +73,13 @@ SETTINGS = {
     "torchft-streaming": ("torchft", ["--fragments=2", "--sync_delay=20"]),
     "sync": ("diloco_jax", ["--config.mode=sync"]),
     "eager": ("diloco_jax", ["--config.mode=eager"]),
-    # Under live membership (`--membership`: a membership coordinator in namespace 0), the
-    # sums cross the epoch wire, sockets on the dispatch thread, instead of gloo's
-    # collectives, which run as XLA programs on the host's one CPU device, in turn with the
-    # inner steps. The live wire sends plain float32 sums (no compressed formats).
-    "eager-live": ("diloco_jax", ["--config.mode=eager"]),
     "streaming": ("diloco_jax", ["--config.mode=streaming", "--config.outer.fragments=2",
                                  "--config.outer.overlap_steps=20"]),
-    "streaming-live": ("diloco_jax", ["--config.mode=streaming", "--config.outer.fragments=2",
-                                      "--config.outer.overlap_steps=20"]),
     "sync-int8": ("diloco_jax", ["--config.mode=sync", "--config.outer.compression=int8"]),
     "sync-4bit": ("diloco_jax", ["--config.mode=sync", "--config.outer.compression=4bit"]),
     "eager-4bit": ("diloco_jax", ["--config.mode=eager", "--config.outer.compression=4bit"]),
     "sparseloco": ("diloco_jax", ["--config.mode=sync", *wan.SPARSELOCO]),
 }
-LIVE = {"eager-live", "streaming-live"}
 SMOKE = {"d_model": 32, "num_layers": 2, "num_heads": 2, "mlp_dim": 64, "seq_len": 16,
          "batch_size": 2, "inner_steps": 4, "rounds": 2, "eval_batches": 1, "rates": "0",
          "settings": "alone,sync,eager-4bit,torchft-diloco"}
@@ -102,12 +94,14 @@ def outer_flags(flags: list[str]) -> list[str]:
           f"--config.outer.momentum={wan.OUTER_MOMENTUM[mode]}"]
 
 
-def run_jax(args, net, flags: list[str], data: str, cpus: list[int], alone: bool = False,
-            live: bool = False) -> dict:
-  """One diloco_jax run: a trainer per namespace, host i pinned to cpus[i]; `alone`: each
-  a one-host job (the figures are the mean of the two); `live`: under live membership."""
+def run_jax(args, net, flags: list[str], data: str, cpus: list[int],
+            alone: bool = False) -> dict:
+  """One diloco_jax run: a trainer per namespace, host i pinned to cpus[i], host 0 serving
+  the membership coordinator (the README's command); `alone`: each a one-host job (the
+  figures are the mean of the two)."""
   workdir = tempfile.mkdtemp(prefix="bench_peer_wan_jax_")
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1",
+         "DILOCO_INSECURE": "1",  # namespaces of private addresses, as torchft's run
          "XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
                                              "--xla_cpu_multi_thread_eigen=false")))}
   port = net.port()
@@ -117,18 +111,12 @@ def run_jax(args, net, flags: list[str], data: str, cpus: list[int], alone: bool
             f"--config.eval_batches={args.eval_batches}",
             *(f"--config.model.{k}={getattr(args, k)}" for k in peer.SHAPE),
             *outer_flags(flags), *flags]
-  join = "--membership" if live else "--coordinator_address"
   hosts = ([[f"--workdir={workdir}/h{i}"] for i in range(2)] if alone else
-           [[f"{join}={net.address(0)}:{port}", "--num_hosts=2",
+           [[f"--coordinator_address={net.address(0)}:{port}", "--num_hosts=2",
              "--initialization_timeout=120", f"--host_id={i}"] for i in range(2)])
   before = [net.tx_bytes(i) for i in range(2)]
   procs = []
   try:
-    if live:  # the membership coordinator beside host 0, in its namespace (not pinned)
-      procs.append(subprocess.Popen(net.command(0, [
-          sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
-          "--max_hosts=2", f"--bind={net.address(0)}", "--lease_s=10"]),
-          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     trainers = [subprocess.Popen(net.command(i, [
         "taskset", "-c", str(cpus[i]), sys.executable, "-m", "diloco_jax.train", *common,
         *hosts[i]]), cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -139,9 +127,9 @@ def run_jax(args, net, flags: list[str], data: str, cpus: list[int], alone: bool
       if p.returncode:
         raise RuntimeError(f"diloco_jax host {i} failed ({p.returncode}):\n{out[-3000:]}")
     per_host = ([wan.read_metrics(f"{workdir}/h{i}") for i in range(2)] if alone
-                else [wan.read_metrics(f"{workdir}/host0" if live else workdir)])
+                else [wan.read_metrics(workdir)])  # host 0's, in WORKDIR/host0
   finally:
-    peer.stop(procs)  # the coordinator always; the trainers only after a failure
+    peer.stop(procs)  # the trainers, only after a failure
     shutil.rmtree(workdir, ignore_errors=True)
   mean = lambda key: [statistics.mean(r.get(key, 0.0) for r in rs)  # noqa: E731
                        for rs in zip(*per_host)]
@@ -336,8 +324,7 @@ def main(argv=None):
           system, flags = SETTINGS[name]
           t = time.time()
           run = (run_torch(args, net, flags, python, data, cpus) if system == "torchft"
-                 else run_jax(args, net, flags, data, cpus, alone=name == "alone",
-                              live=name in LIVE))
+                 else run_jax(args, net, flags, data, cpus, alone=name == "alone"))
           alone_s = (rows["alone"]["round_time_s"] if system == "diloco_jax"
                      and name != "alone" and "alone" in rows else None)
           rows[name] = summarize(run, tokens_per_round, alone_s)

@@ -144,14 +144,11 @@ def peer_wan(results: Results) -> dict:
                    f"{vs['tokens_per_sec']:.2f}" if vs else "–",
                    f"{vs['eval_loss_at_equal_wall']:.3f}"
                    if vs and vs["eval_loss_at_equal_wall"] else "–"])
-    gains = {m: r["rows"][f"{m}-live"]["tokens_per_sec_per_replica"]
-             / r["rows"][m]["tokens_per_sec_per_replica"]
-             for m in ("eager", "streaming") if m in r["rows"] and f"{m}-live" in r["rows"]}
     ours = {n: row for n, row in r["rows"].items() if "vs_torchft_best" in row}
     if ours:
       fastest = max(ours, key=lambda n: ours[n]["tokens_per_sec_per_replica"])
       best_loss = min(ours, key=lambda n: ours[n]["eval_loss_at_equal_wall"] or float("inf"))
-      leads.append({"rate": rate, "live_gain": gains, "torchft_best": r["torchft_best"],
+      leads.append({"rate": rate, "torchft_best": r["torchft_best"],
                     "equal_wall_s":
                     r["equal_wall_s"], "fastest": fastest,
                     "fastest_ratio": ours[fastest]["vs_torchft_best"]["tokens_per_sec"],
