@@ -87,6 +87,11 @@ _ALLOW_PUBLIC = flags.DEFINE_bool(
     "allow_public_coordinator", False, "Run with a coordinator address that is a public "
     "(internet-routable) address; refused without this, since anyone who reaches its port "
     "can join the job.")
+_INSECURE = flags.DEFINE_bool(
+    "insecure", False, "Run a job of several hosts without a join token although its "
+    "coordinator or wire listens beyond loopback (refused without this; also "
+    "DILOCO_INSECURE=1): anyone who reaches those ports could join it or write into its "
+    "sums. Every host says so at start.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config field with its value and what it means "
     "(with --config and its overrides), then exit; --workdir is not needed.")
@@ -264,10 +269,11 @@ def main(argv):
       coordinator_address=_COORDINATOR.value, num_hosts=_NUM_HOSTS.value,
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value,
-      join_token_file=_JOIN_TOKEN_FILE.value, allow_public_coordinator=_ALLOW_PUBLIC.value)
+      join_token_file=_JOIN_TOKEN_FILE.value, allow_public_coordinator=_ALLOW_PUBLIC.value,
+      insecure=_INSECURE.value)
   options = start_lib.Options(
       membership=_MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP") or None,
-      wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value)
+      wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value, workdir=_WORKDIR.value)
   world = None
   try:
     # A save waiting for a host at a barrier gives up with the save's own timeout (orbax,

@@ -12,8 +12,9 @@ the thread that commits ops may share one Client.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import os
 import secrets
 import threading
 import time
@@ -21,11 +22,44 @@ import time
 import zmq
 
 from diloco_jax.runtime import security
-from diloco_jax.membership.coordinator import C2S, NOT_THIS_KEY, S2C, BadRequest, CoordinatorError
-from diloco_jax.membership.coordinator import key_for
-from diloco_jax.membership.coordinator import sign, verify
+from diloco_jax.membership.ledger import CoordinatorError
+from diloco_jax.membership import protocol
+from diloco_jax.membership.protocol import C2S, NOT_THIS_KEY, S2C, BadRequest
+from diloco_jax.membership.protocol import key_for
+from diloco_jax.membership.protocol import sign, verify
 from diloco_jax.wire.epoch import Epoch
+from diloco_jax.wire.epoch import WireError
 from diloco_jax.membership.ledger import JobStopping
+
+
+@contextlib.contextmanager
+def _reading(address: str, what: str):
+  """Turns an answer's missing or mistyped field into one CoordinatorError naming it."""
+  try:
+    yield
+  except (protocol.Malformed, WireError, KeyError, TypeError) as e:
+    raise CoordinatorError(f"the coordinator at {address} answered a malformed {what}: "
+                           f"{e}") from None
+
+
+def _read_number(path: str | None) -> int:
+  try:
+    with open(path) as f:  # type: ignore[arg-type]
+      return max(0, min(int(f.read().strip() or 0), protocol.MAX_INT))
+  except (TypeError, OSError, ValueError):
+    return 0  # none yet, or unreadable: the coordinator's own numbers are used
+
+
+def _write_number(path: str | None, number: int) -> None:
+  if path is None:
+    return
+  try:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(f"{path}.tmp", "w") as f:
+      f.write(f"{number}\n")
+    os.replace(f"{path}.tmp", path)
+  except OSError:
+    pass  # a number is a courtesy to the next coordinator, not something to stop for
 
 
 class TokenMismatch(CoordinatorError):
@@ -62,7 +96,8 @@ class Client:
   number this host has seen; it is reported when registering, so that a restarted coordinator
   numbers its epochs above it."""
 
-  def __init__(self, address: str, token: security.JoinToken | None, timeout_s: float = 5.0):
+  def __init__(self, address: str, token: security.JoinToken | None, timeout_s: float = 5.0,
+               epoch_file: str | None = None):
     host, port = security.split_address(address)
     self.address, self.timeout_s = address, timeout_s
     self._endpoint = f"tcp://{host}:{port}"
@@ -73,7 +108,10 @@ class Client:
     # counter taken by one and sent after the other's larger one would read as a replay
     self._lock = threading.RLock()
     self._seq = 0
-    self.last_epoch = 0
+    # kept on disk (`epoch_file`), so that a coordinator started anew, with every host
+    # restarted too, still numbers its epochs above this run's
+    self._epoch_file = epoch_file
+    self.last_epoch = _read_number(epoch_file)
     self.host: int | None = None  # the id this host had: it registers again under it
     self.registration: Registration | None = None
     self.pending: tuple[int, ...] = ()  # the pending hosts, as the last answer that said
@@ -98,9 +136,10 @@ class Client:
     try:
       return verify(self._key, S2C, frames)
     except BadRequest as e:
-      try:
-        said = json.loads(frames[0]).get("why", "") if len(frames) == 2 and not frames[1] else ""
-      except ValueError:
+      try:  # an unauthenticated answer: read as strictly as the coordinator reads requests
+        said = (protocol.text(protocol.loads(frames[0]), "why")
+                if len(frames) == 2 and not frames[1] and len(frames[0]) <= 1024 else "")
+      except BadRequest:
         said = ""
       if said.startswith(NOT_THIS_KEY):  # an unauthenticated hint, trusted for nothing else
         raise TokenMismatch(f"the coordinator at {self.address} dropped our {what}: {said}")
@@ -112,20 +151,26 @@ class Client:
   def _expect(self, answer: dict, op: str, **echo) -> dict:
     if answer["op"] == "refused" and op == "registered" and answer.get("stopping"):
       self.stopping = True
-      raise JobStopping(f"the coordinator at {self.address} refused us: {answer['why']}")
+      raise JobStopping(f"the coordinator at {self.address} refused us: {str(answer.get('why'))[:300]}")
     if answer["op"] == "refused" and op == "registered":
-      raise CoordinatorError(f"the coordinator at {self.address} refused us: {answer['why']}")
+      raise CoordinatorError(f"the coordinator at {self.address} refused us: {str(answer.get('why'))[:300]}")
     if answer["op"] != op or any(answer.get(k) != v for k, v in echo.items()):
       raise CoordinatorError(f"the coordinator at {self.address} answered {answer['op']!r} to "
                              f"another request (a replayed answer?); expected {op!r}")
     return answer
 
-  def _seen(self, epoch: Epoch) -> Epoch:
-    if epoch.number < self.last_epoch:
+  def _seen(self, epoch: Epoch, fresh: bool = False) -> Epoch:
+    if epoch.number < self.last_epoch and not fresh:
       raise CoordinatorError(f"the coordinator at {self.address} went back from epoch "
                              f"{self.last_epoch} to {epoch.number}")
-    self.last_epoch = epoch.number
+    self._note(epoch.number)
     return epoch
+
+  def _note(self, number: int) -> None:
+    """`number` seen: the highest, in memory and in `epoch_file`."""
+    if number > self.last_epoch:
+      self.last_epoch = number
+      _write_number(self._epoch_file, number)
 
   def register(self, address: str, host: int | None = None,
                ready: bool = True) -> Registration:
@@ -147,16 +192,19 @@ class Client:
       if answer["op"] != "retry":
         break
       self._expect(answer, "retry", challenge=challenge)
-      time.sleep(min(float(answer["after_s"]), self.timeout_s))
+      with _reading(self.address, "retry"):
+        time.sleep(min(protocol.integer(answer, "after_ms") / 1000, self.timeout_s))
     self._expect(answer, "registered", challenge=challenge)
-    with self._lock:
-      self.host = int(answer["host"])
-      self._seq = 0
-      self.registration = Registration(int(answer["host"]), answer["incarnation"],
-                                       float(answer["lease_s"]),
-                                       self._seen(Epoch.from_json(answer["epoch"])),
-                                       bool(answer.get("pending", False)))
-      return self.registration
+    with self._lock, _reading(self.address, "registration"):
+      registration = Registration(
+          protocol.integer(answer, "host"), protocol.text(answer, "incarnation"),
+          protocol.integer(answer, "lease_ms", 1) / 1000,
+          # (an answer to this challenge: fresh; a pending host's epoch may be a restarted
+          # coordinator's, below the number this host had seen)
+          self._seen(Epoch.from_json(answer["epoch"]), fresh=True),
+          protocol.flag(answer, "pending", False))
+      self.host, self._seq, self.registration = registration.host, 0, registration
+      return registration
 
   def _renew(self, op: str, expect: tuple[str, ...], **fields) -> dict:
     """Sends `op` with the next counter; its answer, one of the ops `expect`, or unknown."""
@@ -180,10 +228,18 @@ class Client:
     answer = self._renew("heartbeat", ("epoch",))
     if answer["op"] == "unknown":
       return None
-    with self._lock:
-      self.pending = tuple(int(h) for h in answer.get("pending", ()))
-      self.stopping = self.stopping or bool(answer.get("stopping", False))
-      return self._seen(Epoch.from_json(answer["epoch"]))
+    with self._lock, _reading(self.address, "heartbeat"):
+      epoch = Epoch.from_json(answer["epoch"])
+      self._news(answer)
+      return self._seen(epoch)
+
+  def _news(self, answer: dict) -> None:
+    """The pending hosts and whether the job stops, as an answer says."""
+    pending = answer.get("pending", [])
+    if not isinstance(pending, list) or len(pending) > protocol.MAX_HOSTS:
+      raise protocol.Malformed(f"pending={str(pending)[:40]}: expected a list of host ids")
+    self.pending = tuple(protocol.integer({"host": h}, "host") for h in pending)
+    self.stopping = self.stopping or protocol.flag(answer, "stopping", False)
 
   def commit(self, epoch: int, step: int, ok: bool, suspect: int | None = None,
              poll_s: float = 0.002, max_poll_s: float = 0.05, *,
@@ -203,18 +259,22 @@ class Client:
             f"host {self.host}: the coordinator no longer knows this host (its lease ran out "
             "or the coordinator restarted): it was dropped from the job")
       if answer["op"] == "verdict":
-        if (answer["epoch"], answer["step"]) != (epoch, step):
-          raise CoordinatorError(f"the coordinator at {self.address} answered op "
-                                 f"{answer['step']} of epoch {answer['epoch']} to our vote on op "
-                                 f"{step} of epoch {epoch}")
-        after = Epoch.from_json(answer["next"])
-        with self._lock:
+        with self._lock, _reading(self.address, "verdict"):
+          if answer.get("epoch") != epoch or answer.get("step") != step:
+            raise CoordinatorError(f"the coordinator at {self.address} answered op "
+                                   f"{str(answer.get('step'))[:20]} of epoch "
+                                   f"{str(answer.get('epoch'))[:20]} to our vote on op {step} "
+                                   f"of epoch {epoch}")
+          after = Epoch.from_json(answer["next"])
+          admitted = answer.get("admitted", [])
+          if not isinstance(admitted, list) or len(admitted) > protocol.MAX_HOSTS:
+            raise protocol.Malformed(f"admitted={str(admitted)[:40]}: expected host ids")
+          verdict = Verdict(protocol.flag(answer, "commit"), after,
+                            tuple(protocol.integer({"host": h}, "host") for h in admitted))
+          self._news(answer)
           # a verdict keeps the epoch of its decision: a later heartbeat may have seen newer
-          self.last_epoch = max(self.last_epoch, after.number)
-          self.pending = tuple(int(h) for h in answer.get("pending", ()))
-          self.stopping = self.stopping or bool(answer.get("stopping", False))
-        return Verdict(bool(answer["commit"]), after,
-                       tuple(int(h) for h in answer.get("admitted", ())))
+          self._note(after.number)
+        return verdict
       time.sleep(delay)
       delay = min(delay * 2, max_poll_s)
 

@@ -89,21 +89,32 @@ class EpochCollective:
 
   def _unit(self, what: str, op: Callable[[Peers], Any], boundary: bool = False) -> Any:
     """`op` among the current epoch's members until the coordinator commits it (`boundary`:
-    the op ends a round, and its commit admits the hosts waiting to join)."""
+    the op ends a round, and its commit admits the hosts waiting to join). Whatever fails
+    inside the op is a not-ok vote, naming the peer where the failure names one; this host
+    failing the same op `MAX_TRIES` times in a row ends its run with one line."""
+    failures: list[str] = []
     while True:
       ok, suspect, result = True, None, None
       peers = None
+      sent = 0
       try:
         peers = self._open()
         sent = peers.bytes_sent
         result = op(peers)
       except PeerError as e:
         ok, suspect = False, e.host
-      except WireError:
+        failures.append(str(e))
+      except lease_lib.MembershipError:
+        raise  # out of the job (or the job ended): nothing to vote on
+      except Exception as e:  # noqa: BLE001 -- a peer's bytes, a full memory: a redo
         ok = False  # the epoch is broken (closed under it, a protocol error): redo
+        failures.append(f"{type(e).__name__}: {e}"[:300])
       finally:
         if peers is not None:
           self.bytes_sent += peers.bytes_sent - sent
+      if len(failures) >= MAX_TRIES:
+        raise WireError(f"host {self.host_index}: {what} (op {self.step}) failed {MAX_TRIES} "
+                        f"times in a row on this host; the last time: {failures[-1]}")
       verdict = self.lease.commit(self._epoch.number, self.step, ok, suspect, boundary)
       if verdict.commit:
         if not ok:  # cannot happen: a commit needs every member's ok vote
@@ -195,6 +206,7 @@ class EpochCollective:
     self.lease.close(leave)
 
 
+MAX_TRIES = 16  # a host's failed tries of one op before it gives up (the others go on)
 MAX_PARTS = 64  # a message's parts at most (meta.json and a file per item)
 
 

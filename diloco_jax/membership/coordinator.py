@@ -18,11 +18,13 @@ measured for issue 45): JAX's service takes an exact host count at start and its
 every host; the Lighthouse restarts its number at 1 and authenticates nothing; etcd needs a
 system binary and a data dir, and the epoch logic would still be ours.
 
-Frames: [body, mac]; body is canonical JSON, mac = HMAC-SHA256(key, direction | body), the key
-derived from the join token (without a token: a fixed, public key, which checks integrity only).
-A register answers a fresh single-use challenge; a heartbeat, commit or leave carries a counter
-that must grow; every answer echoes what it answers. So a frame without the key, a replayed frame
-and a replayed answer are dropped, each named in one line.
+Messages (membership/protocol.py): [body, mac], each checked for size, MAC, JSON and every
+field's type and bounds before anything acts on it. A register answers a fresh single-use
+challenge; a heartbeat, commit or leave carries a counter that must grow; every answer echoes
+what it answers. So a frame without the key, a replayed frame and a replayed answer are
+dropped. Whatever arrives, the coordinator goes on: each request is handled inside one `try`,
+and one that fails any check, or raises anything while handled, is dropped and named in a
+line per sender address and reason (wire/droplog.py: bounded, with counts of the rest).
 
 Commit: the hosts run each cross-host op (a sum of pseudo-gradients, an all-gather) over the
 members of an epoch, and one may die mid-op; if one survivor then applied the result that
@@ -51,7 +53,6 @@ holds the state and these rules, without sockets or clocks; this module serves i
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import signal
 import sys
@@ -62,41 +63,23 @@ from collections.abc import Callable
 import zmq
 
 from diloco_jax import errors
-from diloco_jax.membership.ledger import BadRequest
 from diloco_jax.membership.ledger import CoordinatorError
 from diloco_jax.membership.ledger import Ledger
+from diloco_jax.membership.protocol import C2S  # noqa: F401 -- re-exported for callers
+from diloco_jax.membership.protocol import MAX_REQUEST
+from diloco_jax.membership.protocol import NOT_THIS_KEY
+from diloco_jax.membership.protocol import S2C
+from diloco_jax.membership.protocol import BadRequest
+from diloco_jax.membership.protocol import key_for
+from diloco_jax.membership.protocol import sign
+from diloco_jax.membership.protocol import verify
 from diloco_jax.runtime import security
+from diloco_jax.wire.droplog import DropLog
 from diloco_jax.wire.epoch import Epoch  # noqa: F401 -- the client's, and a host's epoch
 from diloco_jax.wire.epoch import Member  # noqa: F401 -- an epoch's member
 
-C2S, S2C = b"diloco_jax coordinator request|", b"diloco_jax coordinator answer|"
-NOT_THIS_KEY = "not authenticated with this job's key"
 CLAIM_BYTES = 4096  # the most of an unauthenticated request read for the host it claims
-_NO_TOKEN_KEY = b"diloco_jax coordinator: no join token"
-
-
-def key_for(token: security.JoinToken | None) -> bytes:
-  return _NO_TOKEN_KEY if token is None else token.derive_key("coordinator")
-
-
-def sign(key: bytes, direction: bytes, body: dict) -> list[bytes]:
-  data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-  return [data, hmac.new(key, direction + data, "sha256").digest()]
-
-
-def verify(key: bytes, direction: bytes, frames: list[bytes]) -> dict:
-  if len(frames) != 2:
-    raise BadRequest(f"{len(frames)} parts, expected 2 (body, mac)")
-  data, mac = frames
-  if not hmac.compare_digest(mac, hmac.new(key, direction + data, "sha256").digest()):
-    raise BadRequest(f"{NOT_THIS_KEY} (another join token, or none?)")
-  try:
-    body = json.loads(data)
-  except ValueError:
-    raise BadRequest("authenticated but not JSON") from None
-  if not isinstance(body, dict) or not isinstance(body.get("op"), str):
-    raise BadRequest("authenticated but has no 'op'")
-  return body
+QUEUE = 1024  # requests queued in zmq, at most, each at most MAX_REQUEST bytes a part
 
 
 def _log(line: str) -> None:
@@ -171,6 +154,11 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
   ctx = zmq.Context()
   sock = ctx.socket(zmq.ROUTER)
   sock.setsockopt(zmq.LINGER, 0)
+  # zmq cuts the connection of a part over this size, before it is buffered whole; and
+  # keeps at most QUEUE whole requests waiting (then it stops reading from the sockets)
+  sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST + 64)
+  sock.setsockopt(zmq.RCVHWM, QUEUE)
+  sock.setsockopt(zmq.SNDHWM, QUEUE)
   try:
     sock.bind(f"tcp://{bind}:{port}")
   except zmq.ZMQError as e:
@@ -182,20 +170,11 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
     ready.set()
   # leases and accusations end at most a quarter of theirs late
   tick_ms = max(10, int(min(lease_s, ledger.accuse_s) * 250))
+  drops = DropLog(log, "coordinator")
   try:
     while not stop.is_set():
       if sock.poll(tick_ms):
-        frames = sock.recv_multipart(copy=False)
-        peer = frames[-1].get("Peer-Address") if frames else "?"
-        route, frames = [f.bytes for f in frames[:2]], [f.bytes for f in frames[2:]]
-        try:
-          answer = sign(key, S2C, ledger.handle(verify(key, C2S, frames), time.monotonic()))
-        except BadRequest as e:
-          log(f"coordinator: dropped a frame from {peer}: {e}")
-          if refused is not None and str(e).startswith(NOT_THIS_KEY):
-            refused(peer, _claimed_host(frames), str(e))
-          answer = [json.dumps({"op": "dropped", "why": str(e)}).encode(), b""]
-        sock.send_multipart(route + answer)
+        _answer(sock, key, ledger, drops, refused)
       ledger.expire(time.monotonic())
       if finish.is_set() and ledger.idle:
         break
@@ -205,6 +184,39 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
           break
   finally:
     ctx.destroy(linger=0)
+
+
+def _answer(sock: zmq.Socket, key: bytes, ledger: Ledger, drops: DropLog,
+            refused: Callable[[str, int | None, str], None] | None) -> None:
+  """Takes one request off `sock` and answers it. Nothing a request holds can raise out of
+  here: whatever fails is a dropped request, said in `drops`' bounded lines."""
+  try:
+    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+  except zmq.ZMQError:
+    return
+  peer = _peer_address(msg)
+  # a REQ's request through a ROUTER: [routing id, empty delimiter, body, mac]
+  route, frames = [f.bytes for f in msg[:2]], [f.bytes for f in msg[2:]]
+  try:
+    answer = sign(key, S2C, ledger.handle(verify(key, C2S, frames), time.monotonic()))
+  except Exception as e:  # noqa: BLE001 -- one bad request must not end the coordinator
+    why = str(e) if isinstance(e, BadRequest) else f"{type(e).__name__} while handling it"
+    drops(peer, why)
+    if refused is not None and why.startswith(NOT_THIS_KEY):
+      refused(peer, _claimed_host(frames), why)
+    answer = [json.dumps({"op": "dropped", "why": why[:200]}).encode(), b""]
+  try:
+    sock.send_multipart(route + answer, zmq.NOBLOCK)
+  except zmq.ZMQError:
+    pass  # its sender is gone, or reads nothing: it gets no answer
+
+
+def _peer_address(msg: list) -> str | None:
+  """The address a message's connection came from (None where zmq cannot say)."""
+  try:
+    return msg[-1].get("Peer-Address")
+  except (zmq.ZMQError, IndexError, AttributeError):
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--accuse_s", type=float, default=None,
                       help="a host another accuses of failing an op is dropped after this "
                            "long, if the op is still undecided (default: --lease_s)")
+  parser.add_argument("--insecure", action="store_true",
+                      help="serve without a join token on an address other machines reach "
+                           "(refused without this; also DILOCO_INSECURE=1)")
   parser.add_argument("--join_token_file", default=None,
                       help="the job's join token (else $DILOCO_JOIN_TOKEN_FILE, "
                            "$DILOCO_JOIN_TOKEN); frames are authenticated with a key from it")
@@ -237,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(sig, on_signal)
   try:
     token = security.JoinToken.from_environment(args.join_token_file)
-    if token is None:
-      _log("coordinator: no join token: any process that reaches the port can register")
+    warning = security.require_token(token, {"the coordinator": f"{args.bind}:{args.port}"},
+                                     security.insecure(args.insecure))
+    if warning:
+      _log(f"coordinator: {warning}")
+    elif token is None:
+      _log("coordinator: no join token: any process on this machine can register")
     serve(args.port, args.max_hosts, args.lease_s, key_for(token), args.bind, stop,
           accuse_s=args.accuse_s, drain=drain)
   except errors.DilocoError as e:

@@ -72,11 +72,14 @@ class Lease:
   def start(cls, coordinator: str, *, host: int, num_hosts: int,
             token: security.JoinToken | None, timeout_s: float,
             address: str | None = None, min_hosts: int | None = None,
-            waiting: Callable[[], None] = lambda: None) -> Lease:
+            waiting: Callable[[], None] = lambda: None,
+            epoch_file: str | None = None) -> Lease:
     """Registers, then waits up to `timeout_s` for an epoch of `min_hosts` hosts (None:
     `num_hosts`), calling `waiting()` meanwhile (it may raise to give up); a host that
-    finds the job running returns at once, `joining`."""
-    client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s))
+    finds the job running returns at once, `joining`. `epoch_file` keeps the highest epoch
+    number this host has seen, across its restarts."""
+    client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s),
+                                       epoch_file=epoch_file)
     address = wire_address(coordinator, address)
     try:
       # Not ready: if the job runs, the members would admit it at their next round
@@ -186,8 +189,11 @@ class Lease:
       self.epoch = epoch
 
   def _renew(self) -> None:
-    while not self._stop.wait(self.lease_s / 4) and self.lost is None:
-      self._heartbeat()
+    try:
+      while not self._stop.wait(self.lease_s / 4) and self.lost is None:
+        self._heartbeat()
+    except Exception as e:  # noqa: BLE001 -- never a thread that dies unsaid
+      self.lost = f"host {self.host}: its lease's heartbeat failed: {type(e).__name__}: {e}"
 
   def interrupt(self, members: tuple[int, ...]) -> str | None:
     """Why an op among `members` cannot complete (None: it may): the coordinator is lost,

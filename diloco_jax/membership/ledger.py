@@ -14,10 +14,14 @@ from collections.abc import Callable
 from collections.abc import Iterable
 
 from diloco_jax import errors
+from diloco_jax.membership import protocol
+from diloco_jax.membership.protocol import BadRequest
+from diloco_jax.runtime import security
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import Member
 
 CHALLENGE_S = 30.0  # how long a register's challenge may be answered
+CHALLENGES_PER_HOST = 4  # outstanding challenges kept per host id (the oldest go first)
 VERDICTS_KEPT = 256  # a member further behind than this many ops is told nothing
 
 class CoordinatorError(errors.DilocoError, RuntimeError):
@@ -28,11 +32,6 @@ class CoordinatorError(errors.DilocoError, RuntimeError):
 class JobStopping(CoordinatorError):
   """The job is stopping (its coordinator was asked to stop it): nothing to join."""
   exit_code = 0
-
-
-class BadRequest(errors.DilocoError):
-  """A request that is not authenticated, a replay, or malformed: dropped and named."""
-  prefix = "Dropped"
 
 
 class Ledger:
@@ -70,7 +69,10 @@ class Ledger:
     self.epoch = Epoch(0, (), secrets.token_hex(8))
     self._deadline: dict[int, float] = {}  # host -> when its lease runs out
     self._seq: dict[str, int] = {}  # incarnation -> the last counter it sent
-    self._challenges: dict[str, float] = {}  # outstanding challenge -> when it expires
+    # outstanding challenge -> when it expires, oldest first; at most a few per host id, so
+    # a flood of hellos costs the coordinator no more than that
+    self._challenges: collections.OrderedDict[str, float] = collections.OrderedDict()
+    self._floor = 0  # the highest epoch number a registering host reported
     # For one lease after a start, every host that was a member before has heard `unknown`
     # and registered again under its own id; until then no free id is given out, so that a
     # newcomer cannot take the id of a host that is still coming back.
@@ -109,7 +111,7 @@ class Ledger:
     """Opens the next epoch of `members`; its ops start at `first_step` (default: the op
     that was undecided, which the members redo, else the one after the last commit)."""
     ended = self.epoch.number
-    number = max(self.epoch.number, at_least) + 1
+    number = max(self.epoch.number, at_least, self._floor) + 1
     if first_step is None:
       first_step = min(self._votes, default=self._next_step)
     if not members and self._running and self.stopping is None:
@@ -118,7 +120,7 @@ class Ledger:
       if members:
         why += f"; the job stopped: pending host(s) {_ids(members)} start it again"
     self.epoch = Epoch(number, tuple(members[h] for h in sorted(members)), self.epoch.boot,
-                       first_step)
+                       first_step, nonce=secrets.token_hex(16))
     for m in self.epoch.members:
       self._joined.setdefault(m.incarnation, number)
     self._log(f"coordinator: epoch {number}: hosts {_ids(members) or 'none'} ({why})")
@@ -150,7 +152,8 @@ class Ledger:
 
   def expire(self, now: float) -> None:
     late = sorted(h for h, t in self._deadline.items() if t <= now)
-    self._challenges = {c: t for c, t in self._challenges.items() if t > now}
+    while self._challenges and next(iter(self._challenges.values())) <= now:
+      self._challenges.popitem(last=False)
     gone = [h for h in late if h in self._pending]
     for h in gone:  # not a member: no epoch to end
       self._forget(self._pending, h)
@@ -183,40 +186,47 @@ class Ledger:
 
   def handle(self, req: dict, now: float) -> dict:
     """The answer to `req`; raises BadRequest for a replay or a malformed request."""
+    op = protocol.text(req, "op")
     try:
-      op = req["op"]
       if op == "hello":
+        nonce = protocol.text(req, "nonce")
         challenge = secrets.token_hex(16)
         self._challenges[challenge] = now + CHALLENGE_S
-        return {"op": "challenge", "nonce": str(req["nonce"]), "challenge": challenge}
+        while len(self._challenges) > CHALLENGES_PER_HOST * self.max_hosts + 16:
+          self._challenges.popitem(last=False)
+        return {"op": "challenge", "nonce": nonce, "challenge": challenge}
       if op == "register":
         return self._register(req, now)
       if op in ("heartbeat", "leave", "commit"):
         return self._renew(op, req, now)
-    except (KeyError, TypeError, ValueError) as e:
-      raise BadRequest(f"malformed {req.get('op')!r} request: {e!r}") from None
-    raise BadRequest(f"unknown op {op!r}")
+    except protocol.Malformed as e:
+      raise BadRequest(f"malformed {op[:20]!r} request: {e}") from None
+    raise BadRequest(f"unknown op {op[:20]!r}")
 
   def _register(self, req: dict, now: float) -> dict:
-    challenge = str(req["challenge"])
+    challenge = protocol.text(req, "challenge")
+    host, last_epoch = req.get("host"), protocol.integer(req, "last_epoch")
+    address, ready = protocol.text(req, "address"), protocol.flag(req, "ready", True)
     if self._challenges.pop(challenge, 0.0) <= now:
       raise BadRequest("register with an unknown, used or expired challenge (a replay?)")
     members = self._members()
-    host, last_epoch = req["host"], int(req["last_epoch"])
+    self._floor = max(self._floor, last_epoch)  # pending or not, numbered above it
     why = ""
     if self.stopping is not None:
       return {"op": "refused", "challenge": challenge, "stopping": True,
               "why": f"the job is stopping ({self.stopping}): nothing to join"}
     if host is None and now < self._rebuilt_at:
-      return {"op": "retry", "challenge": challenge, "after_s": self._rebuilt_at - now}
+      return {"op": "retry", "challenge": challenge, "after_ms": max(1, round((self._rebuilt_at - now) * 1000))}
     if host is None:  # the lowest free id
       host = next((h for h in range(self.max_hosts)
                    if h not in members and h not in self._pending), None)
       why = "" if host is not None else f"all {self.max_hosts} host ids are taken (--max_hosts)"
-    elif not isinstance(host, int) or not 0 <= host < self.max_hosts:
-      why = f"host id {host!r} is outside 0..{self.max_hosts - 1} (--max_hosts)"
+    elif type(host) is not int or not 0 <= host < self.max_hosts:  # noqa: E721 -- no bool
+      why = f"host id {str(host)[:20]} is outside 0..{self.max_hosts - 1} (--max_hosts)"
+    if not why:  # a member's peers connect to it: an address they cannot use would fail them
+      why = security.address_error(address, f"host {host}'s wire address") or ""
     if why:
-      self._log(f"coordinator: refused {req['address']!r}: {why}")
+      self._log(f"coordinator: refused {address[:80]!r}: {why}")
       return {"op": "refused", "challenge": challenge, "why": why}
     why = f"host {host} joined"
     replaced = host in members
@@ -226,16 +236,16 @@ class Ledger:
     if host in self._pending:  # the same, for a host not yet admitted
       self._forget(self._pending, host)
     incarnation = secrets.token_hex(8)
-    member = Member(host, incarnation, str(req["address"]))
+    member = Member(host, incarnation, address)
     pending = self._running and bool(members)
-    if pending and not req.get("ready", True):
+    if pending and not ready:
       # A probe: the host learns that the job runs (and an old incarnation of it is gone)
       # and registers again once it can take the members' state; until then it is in no
       # list, so no boundary admits a host that is not ready.
       if replaced:
         self._open(members, last_epoch, why)
       return {"op": "registered", "challenge": challenge, "host": host,
-              "incarnation": incarnation, "lease_s": self.lease_s,
+              "incarnation": incarnation, "lease_ms": round(self.lease_s * 1000),
               "epoch": self.epoch.to_json(), "pending": True}
     self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
     if pending:  # the members run on; it waits for a round boundary, when they admit it
@@ -250,17 +260,15 @@ class Ledger:
       members[host] = member
       self._open(members, last_epoch, why)
     return {"op": "registered", "challenge": challenge, "host": host, "incarnation": incarnation,
-            "lease_s": self.lease_s, "epoch": self.epoch.to_json(), "pending": pending}
+            "lease_ms": round(self.lease_s * 1000), "epoch": self.epoch.to_json(), "pending": pending}
 
   def _renew(self, op: str, req: dict, now: float) -> dict:
-    incarnation, seq = str(req["incarnation"]), int(req["seq"])
+    incarnation, seq = protocol.text(req, "incarnation"), protocol.integer(req, "seq", 1)
     echo = {"incarnation": incarnation, "seq": seq}
     if op == "commit":  # its fields checked before it counts as the host's frame
-      vote = req["epoch"], req["step"], req["ok"], req["suspect"], req.get("boundary", False)
-      if [type(v) for v in vote] not in ([int, int, bool, int, bool],
-                                         [int, int, bool, type(None), bool]):
-        raise TypeError(f"epoch, step, ok, suspect, boundary = {vote!r}: expected int, int, "
-                        "bool, int|None, bool")
+      vote = (protocol.integer(req, "epoch"), protocol.integer(req, "step"),
+              protocol.flag(req, "ok"), protocol.optional_integer(req, "suspect"),
+              protocol.flag(req, "boundary", False))
     if incarnation not in self._seq:  # lease ran out, registered again, or we restarted
       return {"op": "unknown", **echo}
     if seq <= self._seq[incarnation]:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ml_collections
 
@@ -41,10 +42,12 @@ class Options:
   """Attributes: membership, a standalone coordinator's "host:port" (None: host 0 serves
   one at the cluster's coordinator address); wire_address, where the other hosts reach
   this host's sums (None: a free port on the address that routes to the coordinator);
-  min_hosts, the hosts that start the job (None: every one of num_hosts)."""
+  min_hosts, the hosts that start the job (None: every one of num_hosts); workdir, the
+  --workdir given (a file in it keeps the highest epoch number this host has seen)."""
   membership: str | None = None
   wire_address: str | None = None
   min_hosts: int | None = None
+  workdir: str | None = None
 
 
 def start(config: ml_collections.ConfigDict, spec: cluster.Cluster,
@@ -89,9 +92,18 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
     token = security.JoinToken.from_environment(c.join_token_file)
   except security.SecurityError as e:
     raise cluster.StartupError(str(e)) from None
-  serving = None
-  if options.membership is None and c.host_id == 0:
-    serving = _serve(address, c, token)
+  wire = lease_lib.wire_address(address, options.wire_address)
+  serves = options.membership is None and c.host_id == 0
+  listens = {f"host {c.host_id}'s wire": wire}
+  if serves:
+    listens["host 0's coordinator"] = f"{_listen(address)}:{security.split_address(address)[1]}"
+  try:
+    warning = security.require_token(token, listens, security.insecure(c.insecure))
+  except security.SecurityError as e:
+    raise cluster.StartupError(f"host {c.host_id}: {e}") from None
+  if warning:
+    print(warning, flush=True)
+  serving = _serve(address, c, token) if serves else None
   wanted = ("every host" if min_hosts in (None, c.num_hosts)
             else f"{min_hosts} of the {c.num_hosts} hosts")
   print(f"host {c.host_id} of {c.num_hosts} hosts: registering with the membership "
@@ -101,8 +113,10 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
   try:
     lease = lease_lib.Lease.start(
         address, host=c.host_id, num_hosts=c.num_hosts, token=token,
-        timeout_s=c.initialization_timeout, address=options.wire_address,
-        min_hosts=min_hosts, waiting=lambda: _refused(serving, c.host_id))
+        timeout_s=c.initialization_timeout, address=wire,
+        min_hosts=min_hosts, waiting=lambda: _refused(serving, c.host_id),
+        epoch_file=(os.path.join(options.workdir, f".last_epoch.host{c.host_id}")
+                    if options.workdir else None))
   except client_lib.TokenMismatch as e:
     raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join token "
                                f"differs from this host's ({e})") from None
@@ -120,8 +134,7 @@ def _serve(address: str, c: cluster.Cluster,
            token: security.JoinToken | None) -> coordinator_lib.Serving:
   """Host 0's coordinator, at the job's coordinator address."""
   host, port = security.split_address(address)
-  bind = security.bind_address(address)
-  listen = security.split_address(bind)[0] if bind else "0.0.0.0"
+  listen = _listen(address)
   try:
     serving = coordinator_lib.Serving(port, c.num_hosts, c.heartbeat_timeout or LEASE_S,
                                       coordinator_lib.key_for(token), listen)
@@ -133,6 +146,15 @@ def _serve(address: str, c: cluster.Cluster,
   print(f"host 0: membership coordinator listening on {listen}:{port} ({host}:{port} for "
         f"the hosts); {auth}", flush=True)
   return serving
+
+
+def _listen(address: str) -> str:
+  """The IP host 0's coordinator binds: the coordinator address's own, where it is one of
+  this machine's, else every interface."""
+  if security.split_address(address)[0] == "localhost":
+    return "127.0.0.1"
+  bind = security.bind_address(address)
+  return security.split_address(bind)[0] if bind else "0.0.0.0"
 
 
 def _refused(serving: coordinator_lib.Serving | None, me: int) -> None:

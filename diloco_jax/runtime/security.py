@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import os
+import re
 import secrets
 import socket
 from typing import Callable
@@ -30,6 +32,7 @@ from typing import Callable
 from diloco_jax import errors
 
 MIN_TOKEN_CHARS = 16
+MIN_TOKEN_BITS = 64  # by `token_bits`' estimate: secrets.token_urlsafe(32) has about 200
 TOKEN_ENV, TOKEN_FILE_ENV = "DILOCO_JOIN_TOKEN", "DILOCO_JOIN_TOKEN_FILE"
 _KEY = "diloco_jax/join/"
 _NO_TOKEN = "none"  # a host's proof when it was given no token
@@ -53,6 +56,66 @@ def split_address(address: str, where: str = "--coordinator_address") -> tuple[s
   if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
     raise SecurityError(f"{where}={address!r}: expected host:port, e.g. 10.0.0.1:61000")
   return host.strip("[]"), int(port)
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def address_error(address: str, where: str) -> str | None:
+  """What is wrong with `address` as a place to connect to ('host:port', the host an IP
+  address or a DNS name); None if nothing."""
+  try:
+    host, _ = split_address(address, where)
+  except SecurityError as e:
+    return str(e)
+  try:
+    ipaddress.ip_address(host)
+    return None
+  except ValueError:
+    pass
+  if len(host) <= 253 and _HOST_NAME.fullmatch(host):
+    return None
+  return f"{where}={str(address)[:80]!r}: {host[:40]!r} is neither an IP address nor a host name"
+
+
+INSECURE_ENV = "DILOCO_INSECURE"  # "1": as --insecure
+
+
+def insecure(flag: bool) -> bool:
+  """--insecure, or $DILOCO_INSECURE=1."""
+  return flag or os.environ.get(INSECURE_ENV, "") == "1"
+
+
+def is_loopback(host: str) -> bool:
+  """Whether `host` (an IP or a name) is reachable from this machine only."""
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
+
+
+def require_token(token: JoinToken | None, listens: dict[str, str], allow: bool) -> str | None:
+  """Refuses to listen on anything but loopback without a join token: `listens` maps what
+  listens (e.g. "host 0's coordinator") to its address. `allow` (--insecure): runs anyway;
+  returns the warning every host then prints. None when nothing needs saying."""
+  exposed = {what: address for what, address in listens.items()
+             if not is_loopback(split_address(address, what)[0])}
+  if token is not None or not exposed:
+    return None
+  where = "; ".join(f"{what} at {address}" for what, address in exposed.items())
+  if not allow:
+    raise SecurityError(
+        f"no join token, and {where} would listen where other machines can reach it: "
+        "anyone who reaches that port could join the job, write into its sums or stop it. "
+        f"Give every host the same token (${TOKEN_ENV}, ${TOKEN_FILE_ENV} or "
+        "--join_token_file; make one with: python -c 'import secrets; "
+        "print(secrets.token_urlsafe(32))'), or pass --insecure (or set "
+        f"${INSECURE_ENV}=1) to run unauthenticated on a network you trust.")
+  return (f"WARNING: --insecure: no join token, and {where} listens unauthenticated: any "
+          "process that reaches the port can join this job, write into its sums or stop it")
 
 
 def is_private(ip: str) -> bool:
@@ -115,6 +178,14 @@ def bind_address(address: str) -> str | None:
   return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+def token_bits(secret: str) -> float:
+  """A rough upper bound on a token's entropy: its length times log2 of the number of
+  distinct characters in it. It cannot tell a random token from a memorable one, but it
+  refuses the weakest (one character repeated, a short run of digits)."""
+  distinct = len(set(secret))
+  return len(secret) * math.log2(distinct) if distinct > 1 else 0.0
+
+
 class JoinToken:
   """The job's shared secret. Its text is kept out of repr, logs and errors."""
 
@@ -123,6 +194,12 @@ class JoinToken:
       raise SecurityError(
           f"the join token from {source} is shorter than {MIN_TOKEN_CHARS} characters; "
           "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    if token_bits(secret) < MIN_TOKEN_BITS:
+      raise SecurityError(
+          f"the join token from {source} is too easy to guess (about "
+          f"{token_bits(secret):.0f} bits, from its length and the characters it repeats; "
+          f"at least {MIN_TOKEN_BITS} are needed); make one with: python -c 'import "
+          "secrets; print(secrets.token_urlsafe(32))'")
     self._key = secret.encode()
     self.source = source
 

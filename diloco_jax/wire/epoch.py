@@ -9,10 +9,12 @@ another epoch is dropped.
 
 Keys. With a join token, every frame carries a MAC (`wire/frames.py`: HMAC-SHA256 over the
 header and the payload's NH hash) under keys that belong to this epoch alone, derived from
-HMAC(token, "diloco_jax wire v1|epoch <number>")
-(`runtime.security.JoinToken.derive_key`). A frame recorded in one epoch therefore fails the
-MAC in every other, on top of naming the wrong epoch in its header. The token itself never
-crosses the network.
+HMAC(token, "diloco_jax wire v2|epoch <number>|<nonce>")
+(`runtime.security.JoinToken.derive_key`), where the nonce is 128 random bits the
+coordinator draws for each epoch it opens and announces inside its authenticated answers.
+A frame recorded in one epoch therefore fails the MAC in every other, of this job or of any
+other run with the same token (whose epochs count from 1 again), on top of naming the wrong
+epoch in its header. The token itself never crosses the network.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ class Epoch:
   `number` only grows; `boot` (random at each start of the coordinator) tells apart two
   epochs that got one number from coordinators before and after a restart; `first_step`:
   the op its members continue at (the op after the one whose commit admitted a host, the
-  op redone, 0 at start-up), so that a host admitted into it numbers its ops like them."""
+  op redone, 0 at start-up), so that a host admitted into it numbers its ops like them;
+  `nonce`: random for each epoch the coordinator opens, part of its frames' key."""
   number: int
   members: tuple[Member, ...]
   boot: str = ""
   first_step: int = 0
+  nonce: str = ""
 
   @classmethod
   def of(cls, number: int, hosts, addresses) -> Epoch:
@@ -87,7 +91,9 @@ class Epoch:
       raise WireError(f"epoch {self.number}: member host ids {list(hosts)} must be "
                       "distinct and >= 0")
     for m in self.members:
-      security.split_address(m.address, f"epoch {self.number}, host {m.host}")
+      wrong = security.address_error(m.address, f"epoch {self.number}, host {m.host}")
+      if wrong:
+        raise WireError(wrong)
     return self
 
   def rank(self, host: int) -> int:
@@ -108,13 +114,23 @@ class Epoch:
 
   def to_json(self) -> dict:
     return {"number": self.number, "boot": self.boot, "first_step": self.first_step,
-            "members": [dataclasses.asdict(m) for m in self.members]}
+            "nonce": self.nonce, "members": [dataclasses.asdict(m) for m in self.members]}
 
   @classmethod
-  def from_json(cls, body: dict) -> Epoch:
-    return cls(int(body["number"]), tuple(Member(int(m["host"]), str(m["incarnation"]),
-                                                 str(m["address"])) for m in body["members"]),
-               str(body["boot"]), int(body.get("first_step", 0)))
+  def from_json(cls, body) -> Epoch:
+    """The epoch `to_json` wrote; WireError naming what is missing or of another type."""
+    def field(d, name, kind, default=None):
+      value = d.get(name, default) if isinstance(d, dict) else None
+      if type(value) is not kind or (kind is int and not 0 <= value < 1 << 62):  # noqa: E721
+        raise WireError(f"an epoch whose {name!r} is {str(value)[:40]!r}, not a "
+                        f"{'count' if kind is int else kind.__name__}")
+      return value
+    members = field(body, "members", list)
+    return cls(field(body, "number", int),
+               tuple(Member(field(m, "host", int), field(m, "incarnation", str),
+                            field(m, "address", str)) for m in members),
+               field(body, "boot", str), field(body, "first_step", int, 0),
+               field(body, "nonce", str, ""))
 
 
 def endpoint(address: str) -> str:
@@ -123,8 +139,9 @@ def endpoint(address: str) -> str:
   return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def epoch_key(token: security.JoinToken | None, number: int) -> bytes | None:
-  """The key of epoch `number`'s frames; None without a token (frames then carry no MAC)."""
+def epoch_key(token: security.JoinToken | None, epoch: Epoch) -> bytes | None:
+  """The key of `epoch`'s frames (module docstring); None without a token (frames then
+  carry no MAC)."""
   if token is None:
     return None
-  return token.derive_key(f"wire v1|epoch {number}")
+  return token.derive_key(f"wire v2|epoch {epoch.number}|{epoch.nonce}")

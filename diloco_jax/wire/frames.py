@@ -15,7 +15,7 @@ the NH hash of UMAC (Black et al., "UMAC: fast and secure message authentication
 (zero-padded), two passes of Σ_i ((m_2i + k_2i) mod 2^32)(m_2i+1 + k_2i+1) mod 2^64 over
 its little-endian 32-bit words m, the second pass with the key shifted by two words
 (UMAC's Toeplitz iteration). Both keys come from the epoch's key (`epoch.epoch_key`, so
-from the join token and the epoch number) by HMAC-SHA256. Why it is a MAC: NH* is
+from the join token, the epoch number and the epoch's nonce) by HMAC-SHA256. Why it is a MAC: NH* is
 2^-64-almost-universal on equal-length inputs (two 2^-32 passes), so an attacker who does
 not know k_nh finds another payload with the same NH* with probability at most 2^-64 per
 try; the length and the whole header (epoch, sender, receiver, sequence number, offset) go

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import collections
 import errno
-import hmac
 import os
-import re
 import threading
 import time
 from typing import Callable
@@ -25,6 +23,7 @@ import numpy as np
 import zmq
 
 from diloco_jax.wire import frames
+from diloco_jax.wire.droplog import DropLog
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import PeerError
 from diloco_jax.wire.epoch import WireError
@@ -35,12 +34,25 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK = 1 << 20
 HELLO_EVERY_S = 0.05
 INTERRUPT_EVERY_S = 0.1  # how often a wait asks `interrupt` whether to give up
+RECEIVE_QUEUE = 64  # whole messages zmq holds for the reader, each at most a chunk and a header
 BIND_RETRY_S = 5.0  # the last epoch's listener on the same port may still be closing
 
 
 def _warn(line: str) -> None:
   from absl import logging  # pylint: disable=import-outside-toplevel
   logging.warning("%s", line)
+
+
+def free_memory() -> int:
+  """Bytes this host can still allocate (the kernel's MemAvailable; 2**62 where unknown)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return 1 << 62
 
 
 def as_bytes(a: np.ndarray) -> memoryview:
@@ -69,7 +81,7 @@ class Links:
     self.num_hosts = epoch.size
     self.timeout_s, self.chunk_bytes, self._log = float(timeout_s), chunk_bytes, log
     self._interrupt, self._asked = interrupt, 0.0
-    self._token, self._key = token, epoch_key(token, epoch.number)
+    self._key = epoch_key(token, epoch)
     self._members = set(epoch.hosts)
     self._seq_out: dict[int, int] = collections.defaultdict(int)
     self._seq_in: dict[int, int] = {}
@@ -81,14 +93,15 @@ class Links:
     self.ready = epoch.size == 1
     self._heard: set[int] = set()  # peers whose HELLO arrived
     self._answered: set[int] = set()  # peers that said they heard ours
-    self._logged: set[tuple] = set()
+    self._drops = DropLog(log, f"wire: epoch {epoch.number}, host {host}")
     self.bytes_sent = 0  # payload bytes this host put on the wire in this epoch
     self.frame_bytes = 0  # the same with headers and MACs
-    self.dropped = 0  # frames refused
     ctx = context or zmq.Context.instance()
     linger = int(self.timeout_s * 1000)  # close() returns at once; queued frames still go
     self._pull = ctx.socket(zmq.PULL)
-    self._pull.setsockopt(zmq.RCVHWM, 0)
+    # Whole messages queued in zmq before the reader takes them (then zmq stops reading the
+    # connections, and TCP slows the senders): at most RECEIVE_QUEUE chunks
+    self._pull.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
     self._pull.setsockopt(zmq.MAXMSGSIZE, frames.MAX_CHUNK + 1024)  # a bigger frame: cut
     self._pull.setsockopt(zmq.LINGER, 0)
     self._bind(endpoint(epoch.address(host)))
@@ -189,19 +202,14 @@ class Links:
                                      epoch=self.epoch.number, me=self.host,
                                      members=self._members, expected_seq=self._seq_in)
     except frames.Dropped as d:
-      self.dropped += 1
-      if self._moved_on(d.header, msg):
+      if self._moved_on(d.header):
+        self._drops.dropped += 1  # counted, without a line: nothing is wrong
         return
       try:
         address = msg[0].get("Peer-Address")
       except zmq.ZMQError:
-        address = "an unknown address"
-      what = (address, d.sender, re.sub(r"\d+", "#", str(d)))
-      if what not in self._logged:  # one line per sender and reason, however many frames
-        self._logged.add(what)
-        who = "" if d.sender is None else f" (claims host {d.sender})"
-        self._log(f"wire: epoch {self.epoch.number}, host {self.host}: dropped a frame "
-                  f"from {address}{who}: {d}")
+        address = None
+      self._drops(address, str(d), "" if d.sender is None else f" (claims host {d.sender})")
       return
     with self._arrived:
       if header.kind == frames.HELLO:
@@ -212,15 +220,18 @@ class Links:
         self._inbox[header.sender].append((header, payload))
       self._arrived.notify_all()
 
-  def _moved_on(self, header: frames.Header | None, msg: list) -> bool:
-    """Whether a frame is a peer's HELLO of a later epoch, genuine (its MAC checks out
-    under that epoch's key): a peer that opened the next epoch first reaches this listener
-    until it closes. Dropped without a log line: nothing is wrong."""
-    if header is None or header.kind != frames.HELLO or header.epoch <= self.epoch.number:
-      return False
-    key = epoch_key(self._token, header.epoch)
-    return key is None or (len(msg) == 3 and hmac.compare_digest(
-        frames.mac(key, bytes(msg[0].buffer), msg[1].buffer), bytes(msg[2].buffer)))
+  @property
+  def dropped(self) -> int:
+    """Frames refused in this epoch."""
+    return self._drops.dropped
+
+  def _moved_on(self, header: frames.Header | None) -> bool:
+    """Whether a frame is a HELLO of a later epoch: a peer that opened the next epoch first
+    reaches this listener until it closes. Its MAC cannot be checked (that epoch's key comes
+    with its nonce, which this host has not heard yet), and need not be: it is dropped
+    either way, only without a line (the drop log would say nothing is wrong)."""
+    return (header is not None and header.kind == frames.HELLO
+            and header.epoch > self.epoch.number)
 
   # -- waiting ---------------------------------------------------------------------------
 
@@ -308,6 +319,11 @@ class Links:
     chunks = self.chunks(src, kind, None if out is None else out.nbytes, what)
     total = next(chunks)
     if out is None:
+      room = free_memory()
+      if total > room:  # a size no honest peer sends: refused before any allocation
+        raise PeerError(f"epoch {self.epoch.number}: host {src} announced {total} bytes for "
+                        f"{what}, more than the {room} this host has free (seen from host "
+                        f"{self.host})", epoch=self.epoch.number, host=src)
       out = memoryview(bytearray(total))
     for offset, payload in chunks:
       out[offset:offset + payload.nbytes] = payload
