@@ -87,6 +87,10 @@ _ALLOW_PUBLIC = flags.DEFINE_bool(
     "allow_public_coordinator", False, "Run with a coordinator address that is a public "
     "(internet-routable) address; refused without this, since anyone who reaches its port "
     "can join the job.")
+_COORDINATOR_GRACE = flags.DEFINE_float(
+    "coordinator_grace", None, "Seconds a host of a live job waits, keeping its state, for a "
+    "membership coordinator that stopped answering (restarted by launch/local.py, systemd or "
+    "a person), before it stops (default 600).")
 _INSECURE = flags.DEFINE_bool(
     "insecure", False, "Run a job of several hosts without a join token although its "
     "coordinator or wire listens beyond loopback (refused without this; also "
@@ -270,7 +274,7 @@ def main(argv):
       host_id=_HOST_ID.value, initialization_timeout=_INIT_TIMEOUT.value,
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value, link_timeout=_LINK_TIMEOUT.value,
       join_token_file=_JOIN_TOKEN_FILE.value, allow_public_coordinator=_ALLOW_PUBLIC.value,
-      insecure=_INSECURE.value)
+      insecure=_INSECURE.value, coordinator_grace=_COORDINATOR_GRACE.value)
   options = start_lib.Options(
       membership=_MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP") or None,
       wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value, workdir=_WORKDIR.value)

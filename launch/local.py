@@ -10,7 +10,8 @@ port of 127.0.0.1), --coordinator_address (another free port: ddp's jax.distribu
 
 The hosts have live membership: a host that dies (host 0 included) is dropped and the
 others train on. The launcher waits for every host, reports each one that died, and exits
-0 when every host that was not killed finished; it stops the coordinator at the end. Each
+0 when every host that was not killed finished; it stops the coordinator at the end, and
+starts it again on its port if it dies before (the hosts wait for it and go on). Each
 host keeps its checkpoints and records: with a shared --workdir, in WORKDIR/host<i>/ (as
 --workdir_per_host gives each its own directory, as hosts on machines with disks of their
 own would have; a host whose directory was wiped heals from the others). What to do when a
@@ -87,13 +88,9 @@ class Hosts:
     # `join_later` seconds after the others and join the running job.
     self.max_hosts = max_hosts or num_hosts
     self.registered = False  # a host registered with the coordinator (else: ddp's hosts)
-    self.coordinator = subprocess.Popen(
-        [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
-         f"--max_hosts={self.max_hosts}", f"--lease_s={lease_s}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
-        start_new_session=True, preexec_fn=_die_with_parent)
-    threading.Thread(target=self._copy, args=("coordinator", self.coordinator),
-                     daemon=True).start()
+    self.lease_s = lease_s
+    self._ended = False  # the launcher ended the coordinator (else its loss is restarted)
+    self.coordinator = self._start_coordinator()
     self.procs: list[subprocess.Popen] = []
     self.exited_at: dict[int, float] = {}  # pid -> when it exited (monotonic)
     self._lock = threading.Lock()
@@ -104,6 +101,27 @@ class Hosts:
     self.later_at = time.monotonic() + join_later if join_later >= 0 else float("inf")
     self.start_next = 0  # hosts to start now, ahead of `later_at` (SIGUSR1s)
     self._told = False  # the hosts got the launcher's SIGTERM
+
+  def _start_coordinator(self) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={self.port}",
+         f"--max_hosts={self.max_hosts}", f"--lease_s={self.lease_s}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
+        start_new_session=True, preexec_fn=_die_with_parent)
+    threading.Thread(target=self._copy, args=("coordinator", proc), daemon=True).start()
+    return proc
+
+  def keep_coordinator(self, stopping=lambda: False) -> None:
+    """A coordinator that died under a running job (a crash, a SIGKILL) is started again on
+    its port: the hosts keep their state, wait for it and register again. One that exited
+    0 ended as asked (the job stopped, or every host left) and is not."""
+    code = self.coordinator.poll()
+    if (code in (None, 0) or self._ended or stopping() or not self.registered
+        or not any(p.poll() is None for p in self.procs)):
+      return
+    print(f"[launcher] the coordinator {_reason(code)}; starting it again on port "
+          f"{self.port}: the hosts wait for it and register again", flush=True)
+    self.coordinator = self._start_coordinator()
 
   def _start(self, host: int) -> subprocess.Popen:
     args = self.train_args
@@ -155,6 +173,7 @@ class Hosts:
       self.coordinator.send_signal(signal.SIGTERM)
 
   def stop_coordinator(self) -> None:
+    self._ended = True
     if self.coordinator.poll() is None:
       self.coordinator.terminate()
       try:
@@ -174,6 +193,7 @@ class Hosts:
     reported: set[int] = set()
     restarts, due = 0, {}  # host -> when it starts again
     while True:
+      self.keep_coordinator(stopping)
       if stopping() and self.coordinator.poll() is not None and not self._told:
         # The job stopped and its coordinator ended once its hosts had left: a host still
         # starting (to join it) would find no coordinator, and a ddp job's hosts never
@@ -259,6 +279,7 @@ class Hosts:
     """The hosts share fate (--max_restarts alone): 0 when every host exits 0; else the
     code of the host that failed first (by exit time), the rest killed."""
     while True:
+      self.keep_coordinator(stopping)
       if stopping() and self.coordinator.poll() is not None and not self._told:
         self._told = True  # a ddp job's hosts never registered: they get the SIGTERM
         self.signal_all(signal.SIGTERM)

@@ -20,6 +20,7 @@ from diloco_jax.membership import lease as lease_lib
 from diloco_jax.membership import ledger as ledger_lib
 from diloco_jax.runtime import security
 from diloco_jax.membership.client import Client, CoordinatorLost
+from diloco_jax.membership import client as client_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
@@ -659,3 +660,113 @@ def test_a_host_that_finds_the_job_running_probes_then_is_admitted_once_ready():
     assert verdict.admitted == (1,) and lease.epoch.hosts == (0, 1)
     assert (lease.epoch.number, lease.epoch.first_step) == (e + 1, 3)
     lease.close()
+
+
+def test_a_restarted_coordinator_waits_for_the_hosts_and_continues_at_their_highest_op():
+  """The coordinator lost and started again (a new Ledger): hosts come back (`resume`) with
+  the ops they committed and the hosts they were with; no op is decided until all of those
+  are back; the epoch continues at the highest op (a host one behind holds that op's
+  result); a vote on an op of the lost coordinator's epochs is redone in the new one."""
+  log = []
+  ledger = co.Ledger(max_hosts=4, lease_s=10.0, log=log.append, now=100.0)
+
+  def resume(host, step, now):
+    challenge = ledger.handle({"op": "hello", "nonce": "n"}, now)["challenge"]
+    return ledger.handle({"op": "register", "challenge": challenge, "host": host,
+                          "address": f"h{host}:1", "last_epoch": 41, "resume": True,
+                          "step": step, "was": [0, 1, 2]}, now)
+
+  a = resume(0, 7, 101.0)
+  assert a["rebuilding"] and a["epoch"]["number"] == 42 and a["epoch"]["first_step"] == 7
+  b = resume(1, 8, 102.0)
+  assert b["epoch"]["first_step"] == 8 and b["rebuilding"]
+  wait = ledger.handle({"op": "commit", "host": 0, "incarnation": a["incarnation"], "seq": 1,
+                        "epoch": 40, "step": 7, "ok": True, "suspect": None}, 103.0)
+  assert wait["op"] == "wait"  # host 2 is not back yet
+  c = resume(2, 8, 104.0)
+  assert not c["rebuilding"] and c["epoch"]["first_step"] == 8
+  assert [m["host"] for m in c["epoch"]["members"]] == [0, 1, 2]
+  redo = ledger.handle({"op": "commit", "host": 0, "incarnation": a["incarnation"], "seq": 2,
+                        "epoch": 40, "step": 7, "ok": True, "suspect": None}, 105.0)
+  assert redo["op"] == "verdict" and not redo["commit"] and redo["next"] == c["epoch"]
+  # a newcomer that probes now finds the job running: pending, as with any coordinator
+  challenge = ledger.handle({"op": "hello", "nonce": "n"}, 106.0)["challenge"]
+  probe = ledger.handle({"op": "register", "challenge": challenge, "host": 3,
+                         "address": "h3:1", "last_epoch": 0, "ready": False}, 106.0)
+  assert probe["pending"]
+  # a host back after the window is refused: the others went on without it
+  late = co.Ledger(max_hosts=4, lease_s=1.0, log=log.append, now=0.0)
+  challenge = late.handle({"op": "hello", "nonce": "n"}, 10.0)["challenge"]
+  refused = late.handle({"op": "register", "challenge": challenge, "host": 1, "address": "h:1",
+                         "last_epoch": 3, "resume": True, "step": 2, "was": [0, 1]}, 10.0)
+  assert refused["op"] == "refused" and "went on without it" in refused["why"]
+
+
+def start_leases(port: int, n: int, grace_s: float) -> list[lease_lib.Lease]:
+  """n hosts' leases, started together (each waits for the others)."""
+  leases = [None] * n
+
+  def start(h):
+    leases[h] = lease_lib.Lease.start(f"127.0.0.1:{port}", host=h, num_hosts=n, token=TOKEN,
+                                      timeout_s=5, address=f"127.0.0.1:{h + 1}",
+                                      grace_s=grace_s)
+
+  threads = [threading.Thread(target=start, args=(h,)) for h in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(10)
+  return leases
+
+
+def both_commit(leases, epoch: int, step: int, ok: bool = True) -> list:
+  out = [None] * len(leases)
+
+  def vote(h):
+    try:
+      out[h] = leases[h].commit(epoch, step, ok, None)
+    except Exception as e:  # noqa: BLE001 -- the test inspects it
+      out[h] = e
+
+  threads = [threading.Thread(target=vote, args=(h,)) for h in range(len(leases))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(20)
+  return out
+
+
+def test_hosts_outlive_their_coordinator_and_take_their_verdict_from_its_successor():
+  """The coordinator ends while both hosts wait on op 1's verdict; another starts on the same
+  port: each host registers again (the same id, the ops it committed) and gets the same
+  verdict, a redo in the new coordinator's epoch, numbered above the last. A host whose
+  coordinator never comes back stops after the grace, in one line.
+  (7bb7343: the loss of the coordinator stopped every host.)"""
+  port = free_port()
+  with coordinator(port, max_hosts=2):
+    leases = start_leases(port, 2, grace_s=30.0)
+    e = leases[0].epoch.number
+    assert [v.commit for v in both_commit(leases, e, 0)] == [True, True]
+  votes = [None]
+  thread = threading.Thread(target=lambda: votes.__setitem__(0, both_commit(leases, e, 1)))
+  thread.start()  # they vote while no coordinator answers
+  time.sleep(3 * LEASE_S)
+  assert all(lease.away_since is not None and lease.lost is None for lease in leases)
+  with coordinator(port, max_hosts=2) as log:
+    thread.join(30)
+    verdicts = votes[0]
+    assert all(isinstance(v, client_lib.Verdict) for v in verdicts), verdicts
+    assert [v.commit for v in verdicts] == [False, False]  # nobody committed op 1: redo it
+    assert verdicts[0].epoch == verdicts[1].epoch and verdicts[0].epoch.number > e
+    assert verdicts[0].epoch.first_step == 1 and verdicts[0].epoch.hosts == (0, 1)
+    assert any("host 1 came back at op 1" in line for line in log), log
+    again = both_commit(leases, verdicts[0].epoch.number, 1)
+    assert [v.commit for v in again] == [True, True]
+  deadline = time.monotonic() + 20  # and now no coordinator comes back: the grace
+  for lease in leases:
+    lease.grace_s = 1.0
+  while any(lease.lost is None for lease in leases) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert all("did not answer for 1 s (--coordinator_grace)" in lease.lost for lease in leases)
+  for lease in leases:
+    lease.close(leave=False)

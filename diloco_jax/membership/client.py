@@ -67,6 +67,15 @@ class TokenMismatch(CoordinatorError):
   host's join token differs from the coordinator's (or one of them has none)."""
 
 
+class Unknown(CoordinatorError):
+  """The coordinator does not know this host's incarnation: its lease ran out (`boot` the
+  coordinator's it registered with), or the coordinator restarted (another `boot`)."""
+
+  def __init__(self, message: str, boot: str):
+    super().__init__(message)
+    self.boot = boot
+
+
 class CoordinatorLost(CoordinatorError):
   """No answer from the coordinator within the timeout."""
   prefix = "Coordinator lost"
@@ -116,6 +125,8 @@ class Client:
     self.registration: Registration | None = None
     self.pending: tuple[int, ...] = ()  # the pending hosts, as the last answer that said
     self.stopping = False  # the job stops (every host after the same round), as last said
+    self.rebuilding = False  # a restarted coordinator waits for hosts to come back
+    self.boot = ""  # the coordinator's, as its last `unknown` said
 
   def _ask(self, body: dict, what: str) -> dict:
     with self._lock:
@@ -173,12 +184,15 @@ class Client:
       _write_number(self._epoch_file, number)
 
   def register(self, address: str, host: int | None = None,
-               ready: bool = True) -> Registration:
+               ready: bool = True, resume: tuple[int, tuple[int, ...]] | None = None
+               ) -> Registration:
     """Joins as `host` (None: the id it had before, else the lowest free one), reachable by
     peers at `address`. A host that registers again is a new incarnation: under an id that
     is taken, it replaces the holder (a restarted host). A coordinator that has just started
-    gives out free ids only after one lease: this waits for it. `ready` False: if the job
-    runs, only learn it (`pending`, and no lease): register again, ready, to be admitted."""
+    gives out free ids only after a few leases: this waits for it. `ready` False: if the
+    job runs, only learn it (`pending`, and no lease): register again, ready, to be
+    admitted. `resume` (ops committed, hosts of the last epoch): this host was a member of
+    the job under a coordinator that was lost, and comes back to its successor."""
     host = self.host if host is None else host
     while True:
       nonce = secrets.token_hex(16)
@@ -186,9 +200,11 @@ class Client:
       hello = self._expect(self._ask({"op": "hello", "nonce": nonce, "host": host}, "hello"),
                            "challenge", nonce=nonce)
       challenge = hello["challenge"]
+      resuming = {} if resume is None else {"resume": True, "step": resume[0],
+                                            "was": list(resume[1])}
       answer = self._ask({"op": "register", "challenge": challenge, "host": host,
                           "address": address, "last_epoch": self.last_epoch,
-                          "ready": ready}, "register")
+                          "ready": ready, **resuming}, "register")
       if answer["op"] != "retry":
         break
       self._expect(answer, "retry", challenge=challenge)
@@ -204,6 +220,7 @@ class Client:
           self._seen(Epoch.from_json(answer["epoch"]), fresh=True),
           protocol.flag(answer, "pending", False))
       self.host, self._seq, self.registration = registration.host, 0, registration
+      self.rebuilding = protocol.flag(answer, "rebuilding", False)
       return registration
 
   def _renew(self, op: str, expect: tuple[str, ...], **fields) -> dict:
@@ -218,6 +235,7 @@ class Client:
       if answer["op"] == "unknown":
         self._expect(answer, "unknown", **echo)
         self.registration = None
+        self.boot = str(answer.get("boot", ""))[:64]  # (the coordinator that answered)
         return answer
       return self._expect(answer, answer["op"] if answer["op"] in expect else expect[0], **echo)
 
@@ -231,6 +249,7 @@ class Client:
     with self._lock, _reading(self.address, "heartbeat"):
       epoch = Epoch.from_json(answer["epoch"])
       self._news(answer)
+      self.rebuilding = protocol.flag(answer, "rebuilding", False)
       return self._seen(epoch)
 
   def _news(self, answer: dict) -> None:
@@ -255,9 +274,9 @@ class Client:
       answer = self._renew("commit", ("verdict", "wait"), epoch=epoch, step=step, ok=ok,
                            suspect=suspect, boundary=boundary)
       if answer["op"] == "unknown":
-        raise CoordinatorError(
+        raise Unknown(
             f"host {self.host}: the coordinator no longer knows this host (its lease ran out "
-            "or the coordinator restarted): it was dropped from the job")
+            "or the coordinator restarted): it was dropped from the job", self.boot)
       if answer["op"] == "verdict":
         with self._lock, _reading(self.address, "verdict"):
           if answer.get("epoch") != epoch or answer.get("step") != step:

@@ -7,14 +7,20 @@ collectives (`membership/collective.py`) ask it two things: whether the op they 
 complete (`interrupt`: a member of its epoch has been dropped, or the coordinator is lost)
 and, after each op, the coordinator's verdict on it (`commit`).
 
-Losing the coordinator ends the run on this host, with one line: its verdicts are what keeps
-the hosts in step, and a host that trained on without them could commit an op its peers redo.
-Checkpoints already written are untouched (each is written whole, then renamed).
+A coordinator that stops answering does not end the run: this host keeps its state and waits
+for it, up to `grace_s` (--coordinator_grace), its ops waiting for their verdicts (a host
+that trained on without them could commit an op its peers redo). When a coordinator answers
+again at the same address (restarted by the launcher, systemd or a person) it does not know
+this host: the host registers again under its id, saying how many ops it committed and with
+whom (`resume`), and takes the verdict on the op it waited on from the epoch the new
+coordinator opens (`_resumed`). Only a coordinator away for longer than the grace ends the
+run here, with one line; checkpoints already written are untouched.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,12 +58,22 @@ def wire_address(coordinator: str, given: str | None = None) -> str:
     return f"{ip}:{s.getsockname()[1]}"
 
 
+GRACE_S = 600.0  # how long a host waits for a coordinator that stopped answering
+
+
 class Lease:
   """The registration of host `host` and the thread that renews it."""
 
   def __init__(self, client: coordinator_client.Client, registration, num_hosts: int,
-               address: str):
+               address: str, grace_s: float = GRACE_S):
     self.client, self.num_hosts, self.address = client, num_hosts, address
+    self.grace_s = grace_s
+    self.away_since: float | None = None  # when the coordinator stopped answering
+    self.position = 0  # the ops this host committed (said when it registers again)
+    self._boot = registration.epoch.boot  # the coordinator this host is registered with
+    self._back = threading.Lock()  # one registration again at a time, from either thread
+    # a heartbeat that takes longer than a lease is a coordinator away
+    client.timeout_s = min(client.timeout_s, max(1.0, registration.lease_s))
     self.host = registration.host
     self.lease_s = registration.lease_s
     self.epoch = registration.epoch  # the newest the coordinator announced
@@ -73,7 +89,7 @@ class Lease:
             token: security.JoinToken | None, timeout_s: float,
             address: str | None = None, min_hosts: int | None = None,
             waiting: Callable[[], None] = lambda: None,
-            epoch_file: str | None = None) -> Lease:
+            epoch_file: str | None = None, grace_s: float = GRACE_S) -> Lease:
     """Registers, then waits up to `timeout_s` for an epoch of `min_hosts` hosts (None:
     `num_hosts`), calling `waiting()` meanwhile (it may raise to give up); a host that
     finds the job running returns at once, `joining`. `epoch_file` keeps the highest epoch
@@ -94,7 +110,7 @@ class Lease:
     except coordinator_client.CoordinatorError as e:
       client.close()
       raise MembershipError(f"host {host}: {e}") from None
-    lease = cls(client, registration, num_hosts, address)
+    lease = cls(client, registration, num_hosts, address, grace_s)
     if lease.joining:
       client.registration = None  # a probe's: it holds no lease
       return lease
@@ -117,6 +133,11 @@ class Lease:
             "coordinator address and join token?)")
       time.sleep(min(0.05, lease.lease_s / 8))
       lease._heartbeat()
+      if host in client.pending and host not in lease.epoch.hosts:
+        # This coordinator had just started, and the hosts of a running job came back to
+        # it (host 0 restarted, serving it): this host, started afresh, joins their job.
+        lease.joining, client.registration = True, None
+        return lease
     lease._thread = threading.Thread(target=lease._renew, name="lease", daemon=True)
     lease._thread.start()
     return lease
@@ -178,15 +199,84 @@ class Lease:
   def _heartbeat(self) -> None:
     try:
       epoch = self.client.heartbeat()
+    except coordinator_client.CoordinatorLost as e:
+      self._away(e)
+      return
     except (coordinator_client.CoordinatorError, zmq.ZMQError) as e:
       if not self._stop.is_set():  # else `close` took the client away under it
         self.lost = str(e)
       return
     if epoch is None:
-      self.lost = (f"host {self.host}: the coordinator at {self.client.address} no longer "
-                   "knows this host (its lease ran out, or the coordinator restarted)")
-    elif epoch.number > self.epoch.number:
+      self._unknown(self.client.boot)
+      return
+    self._present()
+    if epoch.number > self.epoch.number:
       self.epoch = epoch
+
+  def _say(self, line: str) -> None:
+    print(f"host {self.host}: {line}", file=sys.stderr, flush=True)
+
+  def _away(self, e: BaseException) -> None:
+    """The coordinator did not answer: wait for it, up to the grace."""
+    now = time.monotonic()
+    if self.away_since is None:
+      self.away_since = now
+      self._say(f"{e}; this host keeps its state and waits up to {self.grace_s:g} s for it "
+                "(--coordinator_grace)")
+    elif now - self.away_since > self.grace_s and self.lost is None:
+      self.lost = (f"host {self.host}: the coordinator at {self.client.address} did not answer "
+                   f"for {self.grace_s:g} s (--coordinator_grace)")
+
+  def _present(self) -> None:
+    if self.away_since is not None:
+      self._say(f"the coordinator answers again after {time.monotonic() - self.away_since:.1f} s")
+      self.away_since = None
+
+  def _unknown(self, boot: str) -> None:
+    """The coordinator does not know this host: if it is the one this host registered with,
+    this host's lease ran out and the others went on without it; if it is another (it
+    restarted), this host registers again and comes back (module docstring)."""
+    with self._back:
+      if self.client.registration is not None and boot == self._boot:
+        return  # the other thread has registered again already
+      if boot == self._boot or self.host not in self.epoch.hosts:
+        self.lost = self.lost or (
+            f"host {self.host}: the coordinator at {self.client.address} no longer knows "
+            "this host (its lease ran out: the others went on without it)")
+        return
+      try:
+        registration = self.client.register(
+            self.address, self.host, resume=(self.position, tuple(self.epoch.hosts)))
+      except coordinator_client.CoordinatorLost as e:
+        self._away(e)
+        return
+      except coordinator_client.CoordinatorError as e:
+        self.lost = self.lost or f"host {self.host}: {e}"
+        return
+      self._boot, self.epoch = registration.epoch.boot, registration.epoch
+      self._present()
+      self._say(f"registered again with the coordinator at {self.client.address} (it "
+                f"restarted), at op {self.position} (epoch {self.epoch.number})")
+
+  def _resumed(self, step: int, ok: bool):
+    """The verdict on op `step` (this host's vote `ok`) after the coordinator restarted:
+    once every host is back, the new epoch continues at the highest op any committed."""
+    while True:
+      if self.lost is not None:
+        raise MembershipError(self.lost)
+      self._heartbeat()
+      if self.client.registration is not None and not self.client.rebuilding:
+        break
+      time.sleep(min(0.5, self.lease_s / 8))
+    first = self.epoch.first_step
+    if first == step + 1 and ok:  # the lost coordinator committed it: every member holds it
+      return coordinator_client.Verdict(True, self.epoch)
+    if first == step:
+      return coordinator_client.Verdict(False, self.epoch)
+    self.lost = (f"host {self.host}: after the coordinator's restart the other hosts continue "
+                 f"at op {first}, and this host {'held' if ok else 'failed'} op {step}: it "
+                 "cannot go on with them (start it again to join them)")
+    raise MembershipError(self.lost)
 
   def _renew(self) -> None:
     try:
@@ -209,14 +299,30 @@ class Lease:
              boundary: bool = False):
     """The coordinator's verdict on op `step` of `epoch` (`coordinator_client.Verdict`);
     `boundary`: the op ends a round, and its commit admits the hosts waiting to join."""
-    if self.lost is not None:
-      raise MembershipError(self.lost)
-    try:
-      verdict = self.client.commit(epoch, step, ok, suspect, boundary=boundary)
-    except coordinator_client.CoordinatorError as e:
-      # (the heartbeat thread may have found this host unknown first: its line says why)
-      self.lost = self.lost or f"host {self.host}: {e}"
-      raise MembershipError(self.lost) from None
+    with self._back:
+      self.position = step
+    while True:
+      if self.lost is not None:
+        raise MembershipError(self.lost)
+      try:
+        verdict = self.client.commit(epoch, step, ok, suspect, boundary=boundary)
+        break
+      except coordinator_client.CoordinatorLost as e:
+        self._away(e)  # the verdict waits for the coordinator, up to the grace
+        time.sleep(min(1.0, self.lease_s / 4))
+      except coordinator_client.Unknown as e:
+        self._unknown(e.boot)
+        return self._resumed(step, ok)
+      except coordinator_client.CoordinatorError as e:
+        if self.client.registration is None and self.lost is None:  # the heartbeat thread
+          self._unknown(self.client.boot)  # found it unknown first: it registers again
+          return self._resumed(step, ok)
+        self.lost = self.lost or f"host {self.host}: {e}"
+        raise MembershipError(self.lost) from None
+    self._present()
+    if verdict.commit:
+      with self._back:
+        self.position = step + 1
     if verdict.epoch.number > self.epoch.number:
       self.epoch = verdict.epoch
     if self.host not in verdict.epoch.hosts:

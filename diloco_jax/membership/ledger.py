@@ -16,13 +16,15 @@ from collections.abc import Iterable
 from diloco_jax import errors
 from diloco_jax.membership import protocol
 from diloco_jax.membership.protocol import BadRequest
+from diloco_jax.membership.votes import VERDICTS_KEPT  # noqa: F401 -- callers read it here
+from diloco_jax.membership.votes import Votes
 from diloco_jax.runtime import security
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import Member
 
 CHALLENGE_S = 30.0  # how long a register's challenge may be answered
+REBUILD_LEASES = 3  # leases a started coordinator waits for the hosts of a job it lost
 CHALLENGES_PER_HOST = 4  # outstanding challenges kept per host id (the oldest go first)
-VERDICTS_KEPT = 256  # a member further behind than this many ops is told nothing
 
 class CoordinatorError(errors.DilocoError, RuntimeError):
   """The coordinator refused a host, answered badly, or could not be reached."""
@@ -73,24 +75,20 @@ class Ledger:
     # a flood of hellos costs the coordinator no more than that
     self._challenges: collections.OrderedDict[str, float] = collections.OrderedDict()
     self._floor = 0  # the highest epoch number a registering host reported
-    # For one lease after a start, every host that was a member before has heard `unknown`
-    # and registered again under its own id; until then no free id is given out, so that a
+    # For REBUILD_LEASES leases after a start, the hosts of a job whose coordinator this one
+    # replaces may come back (`resume`: each heard `unknown`, and registers again under its
+    # own id with the ops it committed), and while a host they name is still away
+    # (`_awaited`) no op is decided. For the first lease no free id is given out, so that a
     # newcomer cannot take the id of a host that is still coming back.
     self._rebuilt_at = now + lease_s
+    self._resume_until = now + REBUILD_LEASES * lease_s
+    self._awaited: set[int] = set()
+    self._resumed: dict[str, int] = {}  # incarnation -> the last epoch it saw before
+
     self._joined: dict[str, int] = {}  # incarnation -> the first epoch it is a member of
     self._pending: dict[int, Member] = {}  # registered while the job runs; not yet members
     self._running = False  # a commit vote was cast: a registration waits for a boundary
-    self._next_step = 0  # the op after the last one committed
-    # The current epoch's undecided ops: step -> host -> (ok, suspect, boundary), in the
-    # order voted; and step -> when its first not-ok vote came. A vote for an ended epoch is
-    # never pending.
-    self._votes: dict[int, dict[int, tuple[bool, int | None, bool]]] = {}
-    self._accused: dict[int, float] = {}
-    # (epoch, step) -> (commit, the epoch current when decided, the hosts that decision
-    # admitted), in the order decided
-    self._verdicts: collections.OrderedDict[
-        tuple[int, int], tuple[bool, dict, tuple[int, ...]]] = collections.OrderedDict()
-    self._forgotten = (-1, -1)  # the highest (epoch, step) whose verdict was let go
+    self._votes = Votes()
     self.stopping: str | None = None  # why the job stops (`stop`), once it does
 
   def stop(self, why: str) -> None:
@@ -113,7 +111,7 @@ class Ledger:
     ended = self.epoch.number
     number = max(self.epoch.number, at_least, self._floor) + 1
     if first_step is None:
-      first_step = min(self._votes, default=self._next_step)
+      first_step = self._votes.first_open()
     if not members and self._running and self.stopping is None:
       members = self._stopped()
       first_step = 0
@@ -124,21 +122,14 @@ class Ledger:
     for m in self.epoch.members:
       self._joined.setdefault(m.incarnation, number)
     self._log(f"coordinator: epoch {number}: hosts {_ids(members) or 'none'} ({why})")
-    for step in self._votes:  # rule 2: an op of an ended epoch is redone in this one
-      self._decide((ended, step), False)
-    self._votes, self._accused = {}, {}
+    self._votes.redo_open(ended, self.epoch.to_json())  # rule 2
 
   def _stopped(self) -> dict[int, Member]:
     """No member is left to hold the job's state: it stopped, and the next epoch starts it
     again as at start-up, with the hosts that were pending (returned)."""
-    self._running, self._next_step = False, 0
+    self._running, self._votes.next_step = False, 0
     pending, self._pending = self._pending, {}
     return pending
-
-  def _decide(self, key: tuple[int, int], commit: bool, admitted: tuple[int, ...] = ()) -> None:
-    self._verdicts[key] = (commit, self.epoch.to_json(), admitted)
-    while len(self._verdicts) > VERDICTS_KEPT:
-      self._forgotten = max(self._forgotten, self._verdicts.popitem(last=False)[0])
 
   def _members(self) -> dict[int, Member]:
     return {m.host: m for m in self.epoch.members}
@@ -165,13 +156,13 @@ class Ledger:
       for h in late:
         self._forget(members, h)
       self._open(members, 0, f"lease of host {','.join(map(str, late))} ran out")
-    due = [(t, step) for step, t in self._accused.items() if t + self.accuse_s <= now]
-    if due:  # rule 3; opening an epoch ends every accusation, so one at most
-      self._accuse(min(due)[1])
+    due = self._votes.due(now, self.accuse_s)
+    if due is not None:  # rule 3; opening an epoch ends every accusation, so one at most
+      self._accuse(due)
 
   def _accuse(self, step: int) -> None:
     members = self._members()
-    votes = [(h, s) for h, (ok, s, _) in self._votes[step].items() if not ok]
+    votes = [(h, s) for h, (ok, s, _) in self._votes.open[step].items() if not ok]
     # the first accuser that names a member: of a pair that accuse each other (a link down
     # between them), dropping one is enough to go on
     accuser, suspect = next(((h, s) for h, s in votes if s in members), votes[0])
@@ -207,6 +198,8 @@ class Ledger:
     challenge = protocol.text(req, "challenge")
     host, last_epoch = req.get("host"), protocol.integer(req, "last_epoch")
     address, ready = protocol.text(req, "address"), protocol.flag(req, "ready", True)
+    resume, step = protocol.flag(req, "resume", False), protocol.integer(req, "step", default=0)
+    was = protocol.hosts(req, "was")
     if self._challenges.pop(challenge, 0.0) <= now:
       raise BadRequest("register with an unknown, used or expired challenge (a replay?)")
     members = self._members()
@@ -216,7 +209,8 @@ class Ledger:
       return {"op": "refused", "challenge": challenge, "stopping": True,
               "why": f"the job is stopping ({self.stopping}): nothing to join"}
     if host is None and now < self._rebuilt_at:
-      return {"op": "retry", "challenge": challenge, "after_ms": max(1, round((self._rebuilt_at - now) * 1000))}
+      after_ms = max(1, round((self._rebuilt_at - now) * 1000))
+      return {"op": "retry", "challenge": challenge, "after_ms": after_ms}
     if host is None:  # the lowest free id
       host = next((h for h in range(self.max_hosts)
                    if h not in members and h not in self._pending), None)
@@ -228,6 +222,8 @@ class Ledger:
     if why:
       self._log(f"coordinator: refused {address[:80]!r}: {why}")
       return {"op": "refused", "challenge": challenge, "why": why}
+    if resume:
+      return self._resume(host, address, challenge, last_epoch, step, was, now)
     why = f"host {host} joined"
     replaced = host in members
     if replaced:  # a new incarnation: the old one is gone
@@ -244,9 +240,7 @@ class Ledger:
       # list, so no boundary admits a host that is not ready.
       if replaced:
         self._open(members, last_epoch, why)
-      return {"op": "registered", "challenge": challenge, "host": host,
-              "incarnation": incarnation, "lease_ms": round(self.lease_s * 1000),
-              "epoch": self.epoch.to_json(), "pending": True}
+      return self._registered(challenge, host, incarnation, True, now)
     self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
     if pending:  # the members run on; it waits for a round boundary, when they admit it
       if replaced:
@@ -259,8 +253,50 @@ class Ledger:
         members.update(self._stopped())
       members[host] = member
       self._open(members, last_epoch, why)
-    return {"op": "registered", "challenge": challenge, "host": host, "incarnation": incarnation,
-            "lease_ms": round(self.lease_s * 1000), "epoch": self.epoch.to_json(), "pending": pending}
+    return self._registered(challenge, host, incarnation, pending, now)
+
+  def _registered(self, challenge: str, host: int, incarnation: str, pending: bool,
+                  now: float) -> dict:
+    return {"op": "registered", "challenge": challenge, "host": host,
+            "incarnation": incarnation, "lease_ms": round(self.lease_s * 1000),
+            "epoch": self.epoch.to_json(), "pending": pending,
+            "rebuilding": self.rebuilding(now)}
+
+  def rebuilding(self, now: float) -> bool:
+    """Hosts of the job this coordinator took over are still coming back: no op is decided
+    until they are, or until REBUILD_LEASES leases after its start."""
+    # (a host that registered afresh is pending: it lost its state and cannot be waited for)
+    return bool(self._awaited - set(self._pending)) and now < self._resume_until
+
+  def _resume(self, host: int, address: str, challenge: str, last_epoch: int, step: int,
+              was: list[int], now: float) -> dict:
+    """A host of a job whose coordinator was lost (this one started since) comes back with
+    its state, having committed `step` ops among hosts `was`: a member again at once. The
+    epochs it opens continue at the highest op any host committed: a host one op behind
+    holds that op's result (a commit needs every member's ok) and applies it; one further
+    behind, or without it, cannot go on and leaves."""
+    if now >= self._resume_until:
+      why = (f"host {host} came back {REBUILD_LEASES} leases or more after this coordinator "
+             "started, and the job went on without it: start it again to join")
+      self._log(f"coordinator: refused host {host}: {why}")
+      return {"op": "refused", "challenge": challenge, "why": why}
+    members = self._members()
+    if host in members:
+      self._forget(members, host)
+    if host in self._pending:
+      self._forget(self._pending, host)
+    incarnation = secrets.token_hex(8)
+    self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
+    self._resumed[incarnation] = last_epoch
+    fresh = [h for h, m in members.items() if m.incarnation not in self._resumed]
+    for h in fresh:  # registered afresh while its job ran elsewhere: it joins the job
+      self._pending[h] = members.pop(h)
+    members[host] = Member(host, incarnation, address)
+    self._running, self._votes.next_step = True, max(self._votes.next_step, step)
+    self._awaited = (self._awaited | set(was)) - set(members)
+    self._open(members, last_epoch, f"host {host} came back at op {step}",
+               first_step=self._votes.next_step)
+    return self._registered(challenge, host, incarnation, False, now)
 
   def _renew(self, op: str, req: dict, now: float) -> dict:
     incarnation, seq = protocol.text(req, "incarnation"), protocol.integer(req, "seq", 1)
@@ -270,7 +306,7 @@ class Ledger:
               protocol.flag(req, "ok"), protocol.optional_integer(req, "suspect"),
               protocol.flag(req, "boundary", False))
     if incarnation not in self._seq:  # lease ran out, registered again, or we restarted
-      return {"op": "unknown", **echo}
+      return {"op": "unknown", **echo, "boot": self.epoch.boot}
     if seq <= self._seq[incarnation]:
       raise BadRequest(f"{op} #{seq} of host {req.get('host')} after #{self._seq[incarnation]} "
                     "(a replay?)")
@@ -287,10 +323,13 @@ class Ledger:
       self._open(members, 0, f"host {host} left")
       return {"op": "left", **echo}
     self._deadline[host] = now + self.lease_s
+    if op == "commit" and self.rebuilding(now):
+      return {"op": "wait", **echo}
     if op == "commit":
       return {**echo, **self._commit(host, incarnation, *vote, now)}
     return {"op": "epoch", **echo, "epoch": self.epoch.to_json(),
-            "pending": sorted(self._pending), "stopping": self.stopping is not None}
+            "pending": sorted(self._pending), "stopping": self.stopping is not None,
+            "rebuilding": self.rebuilding(now)}
 
   def _commit(self, host: int, incarnation: str, e: int, step: int, ok: bool,
               suspect: int | None, boundary: bool, now: float) -> dict:
@@ -299,34 +338,21 @@ class Ledger:
     hosts. A vote is counted once: a poll repeats it."""
     key = (e, step)
     self._running = True
-    if key not in self._verdicts:
-      if e > self.epoch.number:
-        raise BadRequest(f"commit vote of host {host} for epoch {e}, above the current "
-                      f"{self.epoch.number}")
-      if not self._joined.get(incarnation, e + 1) <= e:
-        raise BadRequest(f"commit vote of host {host} for op {step} of epoch {e}, which it is not "
-                      "a member of, and which has no verdict")
-      if key <= self._forgotten:  # decided once maybe; deciding again could contradict it
-        raise BadRequest(f"commit vote of host {host} for op {step} of epoch {e}: more than "
-                      f"{VERDICTS_KEPT} ops ago, its verdict is no longer kept")
+    if not self._votes.decided(key):
+      self._votes.check(host, key, self.epoch.number, self._joined.get(incarnation),
+                        self._resumed.get(incarnation, -1))
       if e < self.epoch.number:  # rule 2, for an op nobody voted on while e was current
-        self._decide(key, False)
+        self._votes.decide(key, False, self.epoch.to_json())
       else:
-        votes = self._votes.setdefault(step, {})
-        ok, _, _ = votes.setdefault(host, (ok, suspect, boundary))
-        if not ok:
-          self._accused.setdefault(step, now)
-        elif all(votes.get(h, (False,))[0] for h in self.epoch.hosts):  # rule 1
-          del self._votes[step]
-          self._accused.pop(step, None)
-          self._next_step = step + 1
-          self._decide(key, True, self._admit(e, step, votes))
-    if key not in self._verdicts:
-      return {"op": "wait"}
-    commit, after, admitted = self._verdicts[key]
-    return {"op": "verdict", "epoch": e, "step": step, "commit": commit, "next": after,
-            "admitted": list(admitted), "pending": sorted(self._pending),
-            "stopping": self.stopping is not None}
+        votes = self._votes.cast(host, step, (ok, suspect, boundary), now)
+        if all(votes.get(h, (False,))[0] for h in self.epoch.hosts):  # rule 1
+          self._votes.committed(step)
+          admitted = self._admit(e, step, votes)
+          self._votes.decide(key, True, self.epoch.to_json(), admitted)
+    answer = self._votes.answer(key)
+    if answer["op"] == "verdict":
+      answer.update(pending=sorted(self._pending), stopping=self.stopping is not None)
+    return answer
 
   def _admit(self, e: int, step: int, votes: dict) -> tuple[int, ...]:
     """The pending hosts admitted by the commit of op `step` of epoch `e` (`votes`: every

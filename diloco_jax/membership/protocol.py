@@ -120,6 +120,14 @@ def text(body: dict, name: str, default: Any = _MISSING) -> str:
   return value
 
 
+def hosts(body: dict, name: str) -> list[int]:
+  """A list of host ids (missing: empty)."""
+  value = body.get(name, [])
+  if not isinstance(value, list) or len(value) > MAX_HOSTS:
+    raise Malformed(f"{name}={_short(value)}: expected a list of at most {MAX_HOSTS} host ids")
+  return [integer({"host": h}, "host", 0, MAX_HOSTS) for h in value]
+
+
 def flag(body: dict, name: str, default: Any = _MISSING) -> bool:
   value = body.get(name, default)
   if not isinstance(value, bool):

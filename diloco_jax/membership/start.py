@@ -116,7 +116,8 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
         timeout_s=c.initialization_timeout, address=wire,
         min_hosts=min_hosts, waiting=lambda: _refused(serving, c.host_id),
         epoch_file=(os.path.join(options.workdir, f".last_epoch.host{c.host_id}")
-                    if options.workdir else None))
+                    if options.workdir else None),
+        grace_s=lease_lib.GRACE_S if c.coordinator_grace is None else c.coordinator_grace)
   except client_lib.TokenMismatch as e:
     raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join token "
                                f"differs from this host's ({e})") from None

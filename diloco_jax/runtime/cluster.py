@@ -53,7 +53,9 @@ class Cluster:
   heartbeat_timeout; 0: never, JAX's heartbeat timeout aborts the job instead);
   join_token_file: the file holding the job's join token (None: DILOCO_JOIN_TOKEN_FILE
   or DILOCO_JOIN_TOKEN, else no token); allow_public_coordinator: run with a coordinator
-  on a public address; insecure: listen beyond loopback without a join token."""
+  on a public address; insecure: listen beyond loopback without a join token;
+  coordinator_grace: seconds a host waits for a membership coordinator that stopped
+  answering before it stops."""
   coordinator_address: str | None = None
   num_hosts: int | None = None
   host_id: int | None = None
@@ -63,6 +65,7 @@ class Cluster:
   join_token_file: str | None = None
   allow_public_coordinator: bool = False
   insecure: bool = False
+  coordinator_grace: float | None = None  # None: the lease's default (600 s)
 
   def resolved(self) -> Cluster:
     """Fills unset fields from DILOCO_* environment variables."""
