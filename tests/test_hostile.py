@@ -301,8 +301,11 @@ def test_any_error_inside_an_op_is_a_vote_and_repeated_it_ends_in_one_line():
   with pytest.raises(WireError, match=r"failed 16 times in a row on this host; the last "
                                       r"time: ValueError: a count the peer sent"):
     collective.atomic("the sum", op)
-  # the last failure is not voted on: this host leaves, and the others redo without it
-  assert lease.votes == [(False, None)] * (collective_lib.MAX_TRIES - 1)
+  # it names itself from its third failure on (nobody else to blame); the last failure is
+  # not voted on: this host leaves, and the others redo without it
+  blame = collective_lib.SELF_BLAME
+  assert lease.votes == ([(False, None)] * (blame - 1)
+                         + [(False, 0)] * (collective_lib.MAX_TRIES - blame))
 
 
 def test_a_malformed_answer_is_one_error_and_the_lease_thread_says_why_it_stopped():

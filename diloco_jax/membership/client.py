@@ -271,8 +271,11 @@ class Client:
     when the coordinator no longer knows this host: it was dropped and must register again."""
     delay = poll_s
     while True:
-      answer = self._renew("commit", ("verdict", "wait"), epoch=epoch, step=step, ok=ok,
-                           suspect=suspect, boundary=boundary)
+      answer = self._renew("commit", ("verdict", "wait", "abort"), epoch=epoch, step=step,
+                           ok=ok, suspect=suspect, boundary=boundary)
+      if answer["op"] == "abort":
+        raise CoordinatorError(f"the coordinator at {self.address} gave the job up: "
+                               f"{str(answer.get('why'))[:300]}")
       if answer["op"] == "unknown":
         raise Unknown(
             f"host {self.host}: the coordinator no longer knows this host (its lease ran out "

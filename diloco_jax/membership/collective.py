@@ -90,9 +90,12 @@ class EpochCollective:
   def _unit(self, what: str, op: Callable[[Peers], Any], boundary: bool = False) -> Any:
     """`op` among the current epoch's members until the coordinator commits it (`boundary`:
     the op ends a round, and its commit admits the hosts waiting to join). Whatever fails
-    inside the op is a not-ok vote, naming the peer where the failure names one; this host
-    failing the same op `MAX_TRIES` times in a row ends its run with one line."""
+    inside the op is a not-ok vote, naming the peer where the failure names one; failing
+    `SELF_BLAME` times in a row with no peer to name, this host names itself (the
+    coordinator then drops it: the evidence is against it); failing the same op
+    `MAX_TRIES` times in a row ends its run with one line."""
     failures: list[str] = []
+    unnamed = 0  # failures in a row that named no peer
     while True:
       ok, suspect, result = True, None, None
       peers = None
@@ -102,13 +105,15 @@ class EpochCollective:
         sent = peers.bytes_sent
         result = op(peers)
       except PeerError as e:
-        ok, suspect = False, e.host
+        ok, suspect, unnamed = False, e.host, 0
         failures.append(str(e))
       except lease_lib.MembershipError:
         raise  # out of the job (or the job ended): nothing to vote on
       except Exception as e:  # noqa: BLE001 -- a peer's bytes, a full memory: a redo
-        ok = False  # the epoch is broken (closed under it, a protocol error): redo
+        ok, unnamed = False, unnamed + 1  # the epoch is broken (closed, a protocol error)
         failures.append(f"{type(e).__name__}: {e}"[:300])
+        if unnamed >= SELF_BLAME:
+          suspect = self.host_index
       finally:
         if peers is not None:
           self.bytes_sent += peers.bytes_sent - sent
@@ -206,6 +211,7 @@ class EpochCollective:
     self.lease.close(leave)
 
 
+SELF_BLAME = 3  # failures in a row naming no peer before a host names itself
 MAX_TRIES = 16  # a host's failed tries of one op before it gives up (the others go on)
 MAX_PARTS = 64  # a message's parts at most (meta.json and a file per item)
 

@@ -197,6 +197,9 @@ class Lease:
     return bool(self.client.pending)
 
   def _heartbeat(self) -> None:
+    if self.client.registration is None:  # unknown to the coordinator: its registering
+      self._unknown(self.client.boot)  # again failed, or it was dropped; one or the other
+      return
     try:
       epoch = self.client.heartbeat()
     except coordinator_client.CoordinatorLost as e:
@@ -340,8 +343,8 @@ class Lease:
         self.client.leave()
       except coordinator_client.CoordinatorError:
         pass  # it drops this host when the lease runs out
-    if self._thread is not None:
-      self._thread.join(timeout=1.0)
+    if self._thread is not None:  # (a request in flight ends within the client's timeout)
+      self._thread.join(timeout=self.client.timeout_s + 1.0)
       if self._thread.is_alive():  # blocked on a coordinator that does not answer: the
         return  # socket stays its own until the process ends
     self.client.close()

@@ -17,7 +17,9 @@ from diloco_jax import errors
 from diloco_jax.membership import protocol
 from diloco_jax.membership.protocol import BadRequest
 from diloco_jax.membership.votes import VERDICTS_KEPT  # noqa: F401 -- callers read it here
+from diloco_jax.membership.votes import MAX_REDOS
 from diloco_jax.membership.votes import Votes
+from diloco_jax.membership.votes import judge
 from diloco_jax.runtime import security
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import Member
@@ -90,6 +92,7 @@ class Ledger:
     self._running = False  # a commit vote was cast: a registration waits for a boundary
     self._votes = Votes()
     self.stopping: str | None = None  # why the job stops (`stop`), once it does
+    self.aborted: str | None = None  # why the job cannot go on (an op failed too often)
 
   def stop(self, why: str) -> None:
     """The whole job stops: every host after the same round (see the class docstring)."""
@@ -157,23 +160,27 @@ class Ledger:
         self._forget(members, h)
       self._open(members, 0, f"lease of host {','.join(map(str, late))} ran out")
     due = self._votes.due(now, self.accuse_s)
-    if due is not None:  # rule 3; opening an epoch ends every accusation, so one at most
-      self._accuse(due)
+    if due is not None:  # rule 3, with the votes in; opening an epoch ends every accusation
+      self._judge(due)
 
-  def _accuse(self, step: int) -> None:
+  def _judge(self, step: int) -> None:
+    """Op `step` failed on a member: who leaves, by evidence (`votes.judge`), and the op is
+    redone in the next epoch; an op redone more than MAX_REDOS times ends the job."""
     members = self._members()
-    votes = [(h, s) for h, (ok, s, _) in self._votes.open[step].items() if not ok]
-    # the first accuser that names a member: of a pair that accuse each other (a link down
-    # between them), dropping one is enough to go on
-    accuser, suspect = next(((h, s) for h, s in votes if s in members), votes[0])
+    named = {h: s for h, (ok, s, _) in self._votes.open[step].items() if not ok}
+    leave, why = judge(sorted(members), named)
+    for h in leave:
+      self._forget(members, h)
     e = self.epoch.number
-    if suspect in members:
-      self._forget(members, suspect)
-      why = f"host {suspect} dropped: host {accuser} accused it of failing op {step} of epoch {e}"
-    else:
-      why = (f"host {accuser} failed op {step} of epoch {e} and named no member "
-             f"(suspect {suspect}): the same hosts again")
-    self._open(members, 0, why)
+    failed = f"op {step} of epoch {e} failed on host(s) {_ids(named)}"
+    self._open(members, 0, f"{failed}: {why}" if leave else
+               f"host{'s' if len(named) > 1 else ''} {_ids(named)} failed op {step} of "
+               f"epoch {e} and named no member "
+               f"(suspect {', '.join(str(s) for s in named.values())}): the same hosts again")
+    if self._votes.tries.get(step, 0) > MAX_REDOS and self.aborted is None:
+      self.aborted = (f"op {step} was tried in {MAX_REDOS + 1} epochs and failed in every one "
+                      f"(the last time on host(s) {_ids(named)}): the job cannot go on")
+      self._log(f"coordinator: {self.aborted}")
 
   def handle(self, req: dict, now: float) -> dict:
     """The answer to `req`; raises BadRequest for a replay or a malformed request."""
@@ -323,6 +330,8 @@ class Ledger:
       self._open(members, 0, f"host {host} left")
       return {"op": "left", **echo}
     self._deadline[host] = now + self.lease_s
+    if op == "commit" and self.aborted is not None:
+      return {"op": "abort", **echo, "why": self.aborted}
     if op == "commit" and self.rebuilding(now):
       return {"op": "wait", **echo}
     if op == "commit":
@@ -349,6 +358,8 @@ class Ledger:
           self._votes.committed(step)
           admitted = self._admit(e, step, votes)
           self._votes.decide(key, True, self.epoch.to_json(), admitted)
+        elif all(h in votes for h in self.epoch.hosts):  # every vote in, one not ok: rule 3
+          self._judge(step)
     answer = self._votes.answer(key)
     if answer["op"] == "verdict":
       answer.update(pending=sorted(self._pending), stopping=self.stopping is not None)

@@ -12,6 +12,7 @@ import collections
 from diloco_jax.membership.protocol import BadRequest
 
 VERDICTS_KEPT = 256  # a member further behind than this many ops is told nothing
+MAX_REDOS = 32  # tries of one op, in as many epochs, before the job is given up
 Vote = tuple[bool, "int | None", bool]  # ok, suspect, boundary
 
 
@@ -29,6 +30,7 @@ class Votes:
     self._verdicts: collections.OrderedDict[
         tuple[int, int], tuple[bool, dict, tuple[int, ...]]] = collections.OrderedDict()
     self._forgotten = (-1, -1)
+    self.tries: dict[int, int] = {}  # step -> epochs it was redone in (since its last commit)
 
   def first_open(self) -> int:
     """The op an epoch opened now continues at: the undecided one, redone, else the next."""
@@ -44,6 +46,7 @@ class Votes:
     """Epoch `ended` ended: each of its undecided ops is redone in `epoch` (rule 2)."""
     for step in self.open:
       self.decide((ended, step), False, epoch)
+      self.tries[step] = self.tries.get(step, 0) + 1
     self.open, self.accused = {}, {}
 
   def check(self, host: int, key: tuple[int, int], current: int, member_since: int | None,
@@ -73,6 +76,7 @@ class Votes:
   def committed(self, step: int) -> None:
     del self.open[step]
     self.accused.pop(step, None)
+    self.tries.pop(step, None)
     self.next_step = step + 1
 
   def due(self, now: float, accuse_s: float) -> int | None:
@@ -90,3 +94,42 @@ class Votes:
 
   def decided(self, key: tuple[int, int]) -> bool:
     return key in self._verdicts
+
+
+def judge(members: list[int], named: dict[int, int | None]) -> tuple[set[int], str]:
+  """Who leaves when an op failed: `named` maps each member whose vote was not ok to the
+  member it named (None: none). By evidence, not by the first timer:
+  - a member that names itself leaves (its op failed again and again with no peer to blame);
+  - a member named by a strict majority of the other members leaves;
+  - when that would leave no one (two hosts naming each other, an even split), the side of
+    the lowest host id stays: it and the members it does not name and that do not name it;
+  - an accusation no majority backs, between two members that stay, makes the accuser leave:
+    it cannot work with a member the others can (a bad link of its own, or a liar); of two
+    that name each other, the higher id.
+  Returns the members that leave and why, in words."""
+  n, everyone = len(members), set(members)
+  edges = sorted(((a, s) for a, s in named.items() if s in everyone and s != a), reverse=True)
+  counts = collections.Counter(s for _, s in edges)
+  itself = {a for a, s in named.items() if s == a}
+  backed = {x for x, c in counts.items() if 2 * c > n - 1}
+  leave, why = itself | backed, []
+  if itself:
+    why.append(f"host(s) {_ids(itself)} named itself")
+  if backed:
+    why.append("; ".join(f"host {x} named by {counts[x]} of the {n - 1} others"
+                          for x in sorted(backed)))
+  if leave >= everyone:  # nobody would stay: keep the lowest host's side
+    low = min(members)
+    leave = {h for h in members if h != low and ((low, h) in edges or (h, low) in edges
+                                                  or h in itself)}
+    why = [f"hosts {_ids(everyone)} named each other and no majority tells them apart: "
+           f"host {low}'s side stays"]
+  for a, s in edges:
+    if a not in leave and s not in leave:
+      leave.add(a)
+      why.append(f"host {a} named host {s}, which no majority of the others did")
+  return leave, "; ".join(why)
+
+
+def _ids(hosts) -> str:
+  return ",".join(map(str, sorted(hosts)))
