@@ -107,7 +107,7 @@ def rounds(host: int, lease, coll, first: int, last: int, size: int) -> int:
     if waiting.max() >= ADMIT_AT:
       admitted = coll.boundary()
       if admitted:
-        source, _ = coll.transfer(admitted, lambda r=r: message(host, r, size))
+        source, _, _ = coll.transfer(admitted, lambda r=r: message(host, r, size))
         say(f"host {host}: admitted {list(admitted)} at round {r}, sent by host {source}")
     time.sleep(ROUND_S)
     done = r
@@ -129,7 +129,7 @@ def join(host: int, lease, coll) -> int:
   time.sleep(READY_DELAY_S)
   lease.join(60)
   coll.admitted()
-  source, got = coll.transfer((host,), None)
+  source, got, _ = coll.transfer((host,), None)
   raw_header, body = bytes(got[0]), bytes(got[1])
   header = json.loads(raw_header)
   r = int(header["round"])

@@ -325,3 +325,48 @@ def test_a_malformed_answer_is_one_error_and_the_lease_thread_says_why_it_stoppe
   lease._renew()  # pylint: disable=protected-access
   assert lease.lost == ("host 3: its lease's heartbeat failed: TypeError: 'int' object is not "
                         "subscriptable")
+
+
+def test_a_silent_peer_that_is_behind_is_waited_for_and_one_in_the_op_is_not():
+  """A peer silent for the wire's timeout: waited for again, in one line each time, while
+  its lease says it has not reached the op (a slower host, one compiling); named once it
+  says it is in the op. (7bb7343: a host 60 s behind its peers was evicted, as was the
+  source of a transfer longer than 60 s.)"""
+  hosts = (0, 1)
+  epoch = Epoch.of(1, hosts, tuple(f"127.0.0.1:{free_port()}" for _ in hosts))
+  lines, behind = [], [True]
+  p0 = Peers(epoch, 0, token=TOKEN, timeout_s=0.5, log=lines.append,
+             patience=lambda peer: "it is training" if behind[0] else None)
+  p1 = Peers(epoch, 1, token=TOKEN, timeout_s=5)
+  try:
+    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(10)
+    late = threading.Timer(1.6, lambda: p1.send(0, b"late but alive"))
+    late.start()
+    assert bytes(p0.recv(1)) == b"late but alive"  # over 3 timeouts of silence
+    late.join()
+    waits = [line for line in lines if "waiting for host 1" in line]
+    assert len(waits) >= 2 and "it is training" in waits[0], lines
+    behind[0] = False  # now it says it is in the op: its silence is a failure
+    with pytest.raises(PeerError, match="sent nothing for 0.5 s"):
+      p0.recv(1)
+  finally:
+    p0.close()
+    p1.close()
+
+
+def test_a_lease_is_patient_with_a_peer_behind_and_not_with_one_in_the_op():
+  lease = lease_lib.Lease.__new__(lease_lib.Lease)
+  lease.lost, lease.away_since = None, None
+  lease.epoch = Epoch(3, (Member(0, "i", "a:1"), Member(1, "j", "b:1")))
+  lease.client = type("C", (), {"positions": {1: (7, False)}})()
+  assert "has not reached this op" in lease.patience(1, 7)  # between ops: training
+  assert "has not reached this op" in lease.patience(1, 8)  # an op behind
+  lease.client.positions = {1: (7, True)}
+  assert lease.patience(1, 7) is None  # in the op, and silent: a failure
+  assert lease.patience(2, 7) is None  # not a member
+  lease.away_since = 1.0
+  assert "coordinator is away" in lease.patience(1, 7)

@@ -96,6 +96,24 @@ def test_a_joiner_takes_the_senders_step_count_data_pacer_and_own_rows(sent, tmp
     t.parts.dispatcher.close()
 
 
+def test_a_joiner_takes_only_the_state_a_majority_of_the_members_holds(sent, tmp_path):
+  """Every member's fingerprint of the shared state comes with the transfer: the sender's
+  must be a strict majority's, or the state is refused. (7bb7343: a joiner checked the
+  state only against hashes sent by the same sender, which could hand it any state.)"""
+  config, _, message = sent
+  t = joiner(config, tmp_path)
+  try:
+    digest = files.load_meta(message[0], "meta")["shared_sha256"]
+    other = "0" * 64
+    join.restore_message(t.parts, t.state, message, "the state sent", [digest, digest, other])
+    for held in ([digest, other], [digest, other, other], [other]):
+      with pytest.raises(store.CheckpointError, match=r"held by \d of the \d members, not a "
+                                                      r"majority: not used"):
+        join.restore_message(t.parts, t.state, message, "the state sent", held)
+  finally:
+    t.parts.dispatcher.close()
+
+
 @pytest.mark.parametrize("part", [0, 1, 2, 3])
 def test_a_byte_changed_in_a_joins_message_is_refused_naming_sha256(sent, tmp_path, part):
   """Parts: meta.json, then arrived, own and shared .safetensors (by name)."""

@@ -65,8 +65,13 @@ def admit(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
   def message() -> list[bytes]:
     sent["parts"] = message_of(parts, state, r)
     return sent["parts"]
-  source, _ = parts.dispatcher.run(collective.transfer, admitted, message, round_=r,
-                                   what=f"sending the run's state to host(s) {list(admitted)}")
+
+  def fingerprint() -> str:  # every member's, for the joiner to check the source's against
+    shared, _ = parts.driver.split(state.outer._replace(inflight=()))
+    return algo_state.fingerprint(shared)
+  source, _, _ = parts.dispatcher.run(
+      collective.transfer, admitted, message, fingerprint, round_=r,
+      what=f"sending the run's state to host(s) {list(admitted)}")
   if parts.prints:
     size = (f"state {units.format_bytes(sum(len(p) for p in sent['parts']))} " if sent
             else "state ")
@@ -108,11 +113,11 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
   t = time.perf_counter()
   world.lease.join(timeout_s=max(600.0, parts.config.wire_timeout))
   collective.admitted()
-  source, got = parts.dispatcher.run(collective.transfer, (world.host,), None,
-                                     what="receiving the run's state")
+  source, got, held = parts.dispatcher.run(collective.transfer, (world.host,), None,
+                                           what="receiving the run's state")
   seconds = time.perf_counter() - t
   where = f"the state host {world.host} received from host {source}"
-  state, r = restore_message(parts, state, [bytes(p) for p in got], where)
+  state, r = restore_message(parts, state, [bytes(p) for p in got], where, held)
   size = sum(len(p) for p in got)
   joined = {"round": r, "source": source, "bytes": size, "seconds": round(seconds, 3)}
   state = rounds.reschedule(parts, state.replace(
@@ -125,10 +130,13 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
   return state
 
 
-def restore_message(parts, state: state_lib.RunState, got: list[bytes],
-                    where: str) -> tuple[state_lib.RunState, int]:
+def restore_message(parts, state: state_lib.RunState, got: list[bytes], where: str,
+                    held: list[str] | None = None) -> tuple[state_lib.RunState, int]:
   """The state a joiner continues from, out of a member's `message_of`, each part checked
-  first; a part changed on the way is refused with one line naming it (sha256)."""
+  first; a part changed on the way is refused with one line naming it (sha256). `held`:
+  every member's fingerprint of the shared state it holds; the one received must be a
+  strict majority's, so that one member (the sender) cannot hand a joiner a state of its
+  own."""
   if not got:
     raise store.CheckpointError(f"{where}: nothing came")
   meta = files.load_meta(got[0], f"{where} ({files.META})")
@@ -148,9 +156,14 @@ def restore_message(parts, state: state_lib.RunState, got: list[bytes],
     name = files.filename(item)
     return files.to_tree(blobs[name], like[item], meta["files"][name], f"{where} ({name})")
   shared = tree("shared")
-  if algo_state.fingerprint(shared) != meta["shared_sha256"]:
+  digest = algo_state.fingerprint(shared)
+  if digest != meta["shared_sha256"]:
     raise store.CheckpointError(f"{where}: its shared state is not the one the sender "
                                 "hashed: not used")
+  if held is not None and 2 * held.count(digest) <= len(held):
+    raise store.CheckpointError(
+        f"{where}: its shared state (sha256 {digest[:16]}...) is held by {held.count(digest)} "
+        f"of the {len(held)} members, not a majority: not used")
   own = None
   if "own" in like:  # eager: every replica takes the sender's first replica's own state
     own = {"outer": own_for_joiner(tree("own")["outer"], parts.replicas_per_host)}

@@ -42,6 +42,12 @@ def _reading(address: str, what: str):
                            f"{e}") from None
 
 
+def _triple(value) -> tuple:
+  if not isinstance(value, list) or len(value) != 3:
+    raise protocol.Malformed(f"{str(value)[:40]}: expected [host, ops, busy]")
+  return tuple(value)
+
+
 def _read_number(path: str | None) -> int:
   try:
     with open(path) as f:  # type: ignore[arg-type]
@@ -127,6 +133,7 @@ class Client:
     self.stopping = False  # the job stops (every host after the same round), as last said
     self.rebuilding = False  # a restarted coordinator waits for hosts to come back
     self.boot = ""  # the coordinator's, as its last `unknown` said
+    self.positions: dict[int, tuple[int, bool]] = {}  # host -> (ops committed, in one now)
 
   def _ask(self, body: dict, what: str) -> dict:
     with self._lock:
@@ -239,17 +246,25 @@ class Client:
         return answer
       return self._expect(answer, answer["op"] if answer["op"] in expect else expect[0], **echo)
 
-  def heartbeat(self) -> Epoch | None:
-    """Renews the lease; the current epoch, or None when the coordinator no longer knows this
+  def heartbeat(self, at: int | None = None, busy: bool = False) -> Epoch | None:
+    """Renews the lease, saying where this host is (`at`: the ops it committed; `busy`: in
+    one now); the current epoch, or None when the coordinator no longer knows this
     incarnation (its lease ran out, or the coordinator restarted): register again. Records
-    the pending hosts in `pending`."""
-    answer = self._renew("heartbeat", ("epoch",))
+    the pending hosts in `pending` and where the members are in `positions`."""
+    where = {} if at is None else {"at": at, "busy": busy}
+    answer = self._renew("heartbeat", ("epoch",), **where)
     if answer["op"] == "unknown":
       return None
     with self._lock, _reading(self.address, "heartbeat"):
       epoch = Epoch.from_json(answer["epoch"])
       self._news(answer)
       self.rebuilding = protocol.flag(answer, "rebuilding", False)
+      at = answer.get("at", [])
+      if not isinstance(at, list) or len(at) > protocol.MAX_HOSTS:
+        raise protocol.Malformed(f"at={str(at)[:40]}: expected [host, ops, busy] triples")
+      self.positions = {protocol.integer({"h": h}, "h"): (protocol.integer({"a": a}, "a"),
+                                                          protocol.flag({"b": b}, "b"))
+                        for h, a, b in (_triple(t) for t in at)}
       return self._seen(epoch)
 
   def _news(self, answer: dict) -> None:

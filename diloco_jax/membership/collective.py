@@ -64,9 +64,11 @@ class EpochCollective:
   def _open(self) -> Peers:
     if self._peers is None:
       # A wait for a peer the coordinator has dropped ends at once, not after timeout_s.
+      # A silent peer that is alive and behind (its lease says so) is waited for.
       self._peers = Peers(self._epoch, self.host_index, token=self.token,
                           timeout_s=self.timeout_s,
-                          interrupt=functools.partial(self.lease.interrupt, self._epoch.hosts))
+                          interrupt=functools.partial(self.lease.interrupt, self._epoch.hosts),
+                          patience=lambda peer: self.lease.patience(peer, self.step))
     return self._peers
 
   def _move_to(self, announced, what: str) -> None:
@@ -103,6 +105,7 @@ class EpochCollective:
       try:
         peers = self._open()
         sent = peers.bytes_sent
+        self.lease.busy = True
         result = op(peers)
       except PeerError as e:
         ok, suspect, unnamed = False, e.host, 0
@@ -115,6 +118,7 @@ class EpochCollective:
         if unnamed >= SELF_BLAME:
           suspect = self.host_index
       finally:
+        self.lease.busy = False
         if peers is not None:
           self.bytes_sent += peers.bytes_sent - sent
       if len(failures) >= MAX_TRIES:
@@ -167,19 +171,29 @@ class EpochCollective:
     from the next op on)."""
     return self._unit("the round's boundary", lambda peers: peers.connect(), boundary=True)
 
-  def transfer(self, to: tuple[int, ...], message: Callable[[], list[bytes]] | None
-               ) -> tuple[int, list[bytearray] | None]:
+  def transfer(self, to: tuple[int, ...], message: Callable[[], list[bytes]] | None,
+               fingerprint: Callable[[], str] | None = None
+               ) -> tuple[int, list[bytearray] | None, list[str]]:
     """Point to point: a host of `to` (those admitted, as this host knows them; a joiner
     names itself) receives; every other member holds the state. The members say which
-    they are in a one-byte all-gather, and the lowest holder (the source) sends
-    `message()` (its parts) to each receiver: a joiner need not know who else was admitted
-    with it. Returns the source and, on a receiver, the parts it got (else None). An op
-    like any: if the source or a receiver is lost mid-way, the members left redo it, with
-    the lowest holder left as the source."""
+    they are in an all-gather, each holder with `fingerprint()`, the sha256 (hex) of the
+    shared state it holds; and the lowest holder (the source) sends `message()` (its parts)
+    to each receiver: a joiner need not know who else was admitted with it. Returns the
+    source, on a receiver the parts it got (else None), and every holder's fingerprint, so
+    that a receiver trusts the members rather than its one sender. An op like any: if the
+    source or a receiver is lost mid-way, the members left redo it, with the lowest holder
+    left as the source."""
+    mine = {}
+
     def op(peers: Peers):
-      holds = peers.allgather(np.array([self.host_index not in to], np.uint8))[:, 0]
-      holders = [h for h, f in zip(peers.epoch.hosts, holds) if f]
-      receivers = [h for h, f in zip(peers.epoch.hosts, holds) if not f]
+      holds = self.host_index not in to
+      if holds and "digest" not in mine:  # once, however many times the op is redone
+        mine["digest"] = bytes.fromhex(fingerprint()) if fingerprint else bytes(32)
+      row = np.frombuffer(bytes([holds]) + mine.get("digest", bytes(32)), np.uint8)
+      rows = peers.allgather(row)
+      holders = [h for h, f in zip(peers.epoch.hosts, rows[:, 0]) if f]
+      receivers = [h for h, f in zip(peers.epoch.hosts, rows[:, 0]) if not f]
+      digests = [bytes(r[1:]).hex() for r in rows if r[0]]
       if not holders:
         raise lease_lib.JobEnded(f"host {self.host_index}: every member that held the run's "
                                  "state left before sending it; nothing to join. To go on "
@@ -188,10 +202,10 @@ class EpochCollective:
       source = holders[0]
       if self.host_index == source:
         _send_parts(peers, receivers, message())
-        return source, None
+        return source, None, digests
       if self.host_index in receivers:
-        return source, _recv_parts(peers, source)
-      return source, None
+        return source, _recv_parts(peers, source), digests
+      return source, None, digests
     return self._unit("the state transfer", op)
 
   def broadcast(self, parts: list[bytes] | None, source: int) -> list[bytes]:

@@ -70,6 +70,7 @@ class Lease:
     self.grace_s = grace_s
     self.away_since: float | None = None  # when the coordinator stopped answering
     self.position = 0  # the ops this host committed (said when it registers again)
+    self.busy = False  # in a cross-host op now (said in each heartbeat, with `position`)
     self._boot = registration.epoch.boot  # the coordinator this host is registered with
     self._back = threading.Lock()  # one registration again at a time, from either thread
     # a heartbeat that takes longer than a lease is a coordinator away
@@ -201,7 +202,7 @@ class Lease:
       self._unknown(self.client.boot)  # again failed, or it was dropped; one or the other
       return
     try:
-      epoch = self.client.heartbeat()
+      epoch = self.client.heartbeat(self.position, self.busy)
     except coordinator_client.CoordinatorLost as e:
       self._away(e)
       return
@@ -287,6 +288,20 @@ class Lease:
         self._heartbeat()
     except Exception as e:  # noqa: BLE001 -- never a thread that dies unsaid
       self.lost = f"host {self.host}: its lease's heartbeat failed: {type(e).__name__}: {e}"
+
+  def patience(self, peer: int, step: int) -> str | None:
+    """Why to go on waiting for `peer`, silent in op `step` (None: stop waiting): its lease
+    is alive and, as it last said, it has not reached that op (a slower host, one still
+    compiling) or the coordinator is away and cannot say."""
+    if self.lost is not None or peer not in self.epoch.hosts:
+      return None
+    if self.away_since is not None:
+      return "the coordinator is away, and with it the word on that host"
+    committed, busy = self.client.positions.get(peer, (step, True))
+    if committed < step or (committed == step and not busy):
+      return (f"it is alive (its lease) and has not reached this op: it has committed "
+              f"{committed} ops{'' if busy else ' and is training'}")
+    return None
 
   def interrupt(self, members: tuple[int, ...]) -> str | None:
     """Why an op among `members` cannot complete (None: it may): the coordinator is lost,

@@ -77,6 +77,7 @@ class Ledger:
     # a flood of hellos costs the coordinator no more than that
     self._challenges: collections.OrderedDict[str, float] = collections.OrderedDict()
     self._floor = 0  # the highest epoch number a registering host reported
+    self._at: dict[int, tuple[int, bool]] = {}  # host -> (ops committed, in an op now)
     # For REBUILD_LEASES leases after a start, the hosts of a job whose coordinator this one
     # replaces may come back (`resume`: each heard `unknown`, and registers again under its
     # own id with the ops it committed), and while a host they name is still away
@@ -140,6 +141,7 @@ class Ledger:
   def _forget(self, members: dict[int, Member], host: int) -> None:
     """Takes `host` out of `members` (the next epoch's) and forgets its incarnation."""
     incarnation = members.pop(host).incarnation
+    self._at.pop(host, None)
     self._seq.pop(incarnation, None)
     self._joined.pop(incarnation, None)
     self._deadline.pop(host, None)
@@ -330,6 +332,8 @@ class Ledger:
       self._open(members, 0, f"host {host} left")
       return {"op": "left", **echo}
     self._deadline[host] = now + self.lease_s
+    if op == "heartbeat" and "at" in req:  # where it is: the ops it committed, in one now
+      self._at[host] = (protocol.integer(req, "at"), protocol.flag(req, "busy", False))
     if op == "commit" and self.aborted is not None:
       return {"op": "abort", **echo, "why": self.aborted}
     if op == "commit" and self.rebuilding(now):
@@ -338,7 +342,8 @@ class Ledger:
       return {**echo, **self._commit(host, incarnation, *vote, now)}
     return {"op": "epoch", **echo, "epoch": self.epoch.to_json(),
             "pending": sorted(self._pending), "stopping": self.stopping is not None,
-            "rebuilding": self.rebuilding(now)}
+            "rebuilding": self.rebuilding(now),
+            "at": [[m.host, *self._at[m.host]] for m in self.epoch.members if m.host in self._at]}
 
   def _commit(self, host: int, incarnation: str, e: int, step: int, ok: bool,
               suspect: int | None, boundary: bool, now: float) -> dict:

@@ -66,12 +66,20 @@ class Links:
   `interrupt`, if given, is asked at least every `INTERRUPT_EVERY_S` while waiting for a
   peer; a reason (a string) ends the wait with `PeerError` naming the awaited peer (a
   membership layer that already knows a member is gone need not wait out `timeout_s`).
+
+  Deadlines follow progress: a receive fails after `timeout_s` without a frame from the
+  peer, not after `timeout_s` in all (a transfer of many GB takes as long as its bytes
+  keep coming), and a send after `timeout_s` in which zmq took none of its chunks.
+  `patience(peer)`, if given, is asked when a peer has been silent for `timeout_s`: a
+  reason (a string: the peer is alive and has not reached this op yet, a slower host or
+  one still compiling) waits another `timeout_s`, said in one line each time; None fails.
   """
 
   def __init__(self, epoch: Epoch, host: int, *, token=None,
                timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK,
                context: zmq.Context | None = None, log: Callable[[str], None] = _warn,
-               interrupt: Callable[[], str | None] | None = None):
+               interrupt: Callable[[], str | None] | None = None,
+               patience: Callable[[int], str | None] | None = None):
     if not 0 < chunk_bytes <= frames.MAX_CHUNK:
       raise WireError(f"chunk_bytes={chunk_bytes}: must be in 1..{frames.MAX_CHUNK}")
     if not timeout_s > 0:
@@ -80,7 +88,7 @@ class Links:
     self.host_index = epoch.rank(host)
     self.num_hosts = epoch.size
     self.timeout_s, self.chunk_bytes, self._log = float(timeout_s), chunk_bytes, log
-    self._interrupt, self._asked = interrupt, 0.0
+    self._interrupt, self._asked, self._patience = interrupt, 0.0, patience
     self._key = epoch_key(token, epoch)
     self._members = set(epoch.hosts)
     self._seq_out: dict[int, int] = collections.defaultdict(int)
@@ -257,11 +265,14 @@ class Links:
 
   def handshake(self) -> None:
     """HELLOs until every peer has heard this host (module docstring)."""
-    deadline, resend = time.monotonic() + self.timeout_s, 0.0
+    started = time.monotonic()
+    deadline, resend = started + self.timeout_s, 0.0
     with self._arrived:
       while self._answered != set(self._push):
         late = [h for h in self.epoch.hosts if h in self._push and h not in self._answered]
         now = time.monotonic()
+        if now >= deadline and self._wait_longer(late[0], "the epoch's start", started):
+          deadline = now + self.timeout_s
         if now >= deadline:
           raise PeerError(
               f"epoch {self.epoch.number}: host {late[0]} ({self.epoch.address(late[0])}) did "
@@ -280,9 +291,12 @@ class Links:
   def _next(self, src: int, kind: int, what: str) -> tuple[frames.Header, memoryview]:
     """src's next accepted frame, waiting at most `timeout_s` of silence."""
     inbox, deadline = self._inbox[src], time.monotonic() + self.timeout_s
+    started = time.monotonic()
     with self._arrived:
       while not inbox:
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline and self._wait_longer(src, what, started):
+          deadline = time.monotonic() + self.timeout_s
+        elif time.monotonic() >= deadline:
           raise PeerError(
               f"epoch {self.epoch.number}: host {src} ({self.epoch.address(src)}) sent "
               f"nothing for {self.timeout_s:g} s during {what}: it died, went silent or left "
@@ -294,6 +308,14 @@ class Links:
                       f"{frames.KINDS[header.kind]} where host {self.host} expects "
                       f"{frames.KINDS[kind]} ({what}): the members are out of step")
     return header, payload
+
+  def _wait_longer(self, src: int, what: str, since: float) -> bool:
+    """Whether a peer silent for `timeout_s` is waited for again (`patience`)."""
+    reason = self._patience(src) if self._patience is not None else None
+    if reason:
+      self._log(f"wire: epoch {self.epoch.number}, host {self.host}: waiting for host {src} "
+                f"during {what} ({time.monotonic() - since:.0f} s so far): {reason}")
+    return bool(reason)
 
   def chunks(self, src: int, kind: int, nbytes: int | None, what: str):
     """(offset, payload) of each chunk of one message from `src`, as each arrives; its
@@ -331,10 +353,12 @@ class Links:
 
   def settle(self, what: str) -> None:
     """Waits until zmq has released every buffer handed to it (the caller's may change)."""
-    deadline = time.monotonic() + self.timeout_s
+    deadline = started = time.monotonic() + self.timeout_s
     for dst, tracker in self._trackers:
       while not tracker.done:
         left = deadline - time.monotonic()
+        if left <= 0 and self._wait_longer(dst, what, started - self.timeout_s):
+          deadline, left = time.monotonic() + self.timeout_s, self.timeout_s
         if left <= 0:
           raise PeerError(f"epoch {self.epoch.number}: host {dst} "
                           f"({self.epoch.address(dst)}) took nothing for {self.timeout_s:g} s "
@@ -345,4 +369,5 @@ class Links:
           tracker.wait(min(left, INTERRUPT_EVERY_S))
         except zmq.NotDone:
           pass
+      deadline = time.monotonic() + self.timeout_s  # progress: zmq took this chunk
     self._trackers.clear()
