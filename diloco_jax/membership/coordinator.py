@@ -34,8 +34,10 @@ k of epoch e (ok: it holds the result; not ok: a peer went silent, which it may 
 until the ledger decides (e, k) once: commit when every member of e voted ok while e was
 current, else redo, in the epoch the verdict names. The verdict is kept, so every member,
 however late, gets the same one. It costs one round trip per op plus waiting for the slowest
-member; a member that accuses a live peer waits `accuse_s` (a lease, unless set) before the
-ledger drops that peer.
+member. An op that failed is judged once every member has voted, or `accuse_s` (a lease,
+unless set) after the first not-ok vote, by evidence (membership/votes.py's `judge`): a host
+named by a majority of the others leaves, an accusation no majority backs makes the accuser
+leave; an op tried in 33 epochs gives the job up.
 
 Stopping the job: the first SIGTERM (or Ctrl-C) to the coordinator stops the whole job, every
 host after the same round with a checkpoint (`Ledger.stop`); the coordinator ends once every
@@ -230,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--lease_s", type=float, default=10.0,
                       help="a host that has not heartbeaten for this long is dropped")
   parser.add_argument("--accuse_s", type=float, default=None,
-                      help="a host another accuses of failing an op is dropped after this "
-                           "long, if the op is still undecided (default: --lease_s)")
+                      help="how long a failed op waits for every member's vote before it "
+                           "is judged with the votes in (default: --lease_s)")
   parser.add_argument("--insecure", action="store_true",
                       help="serve without a join token on an address other machines reach "
                            "(refused without this; also DILOCO_INSECURE=1)")

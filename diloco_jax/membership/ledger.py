@@ -43,13 +43,11 @@ class Ledger:
   `expire` the leases and accusations that ran out. Everything in it is rebuilt from the
   hosts' registrations.
 
-  `accuse_s` (default: `lease_s`): how long a not-ok commit vote waits, the epoch unchanged,
-  before the ledger drops the peer it names. A vote naming no member (None, or an id not in
-  the epoch) drops nobody but still opens a new epoch of the same members: the op must be
-  decided, and a redo needs an epoch of its own (keys derived from it keep the failed try's
-  frames out of the redo); with no evidence against a host, dropping one could evict the
-  healthy. If the failure persists, each redo costs `accuse_s` again: a host should name the
-  peer it lost whenever it knows it.
+  `accuse_s` (default: `lease_s`): how long the ledger waits, after an op's first not-ok
+  vote, for the other members' votes before it judges with those in (`votes.judge`); with
+  every vote in it judges at once. A judgment that drops nobody still opens a new epoch of
+  the same members: the op must be decided, and a redo needs an epoch of its own (keys
+  derived from it keep the failed try's frames out of the redo).
 
   Once a commit vote has been cast the job runs, and a host that registers is pending (it
   holds a lease, no place in an epoch: it has no state yet, and the members' next op would
