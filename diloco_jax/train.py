@@ -90,7 +90,7 @@ _ALLOW_PUBLIC = flags.DEFINE_bool(
 _COORDINATOR_GRACE = flags.DEFINE_float(
     "coordinator_grace", None, "Seconds a host of a live job waits, keeping its state, for a "
     "membership coordinator that stopped answering (restarted by launch/local.py, systemd or "
-    "a person), before it stops (default 600).")
+    "a person), before it stops (default 600; env DILOCO_COORDINATOR_GRACE).")
 _INSECURE = flags.DEFINE_bool(
     "insecure", False, "Run a job of several hosts without a join token although its "
     "coordinator or wire listens beyond loopback (refused without this; also "

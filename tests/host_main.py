@@ -61,7 +61,9 @@ def main(out_dir, host_id, num_hosts, port, overrides):
   # jax.distributed's coordination service) at the port.
   world = start_lib.start(config, cluster.Cluster(
       coordinator_address=f"127.0.0.1:{port}", num_hosts=int(num_hosts), host_id=int(host_id),
-      initialization_timeout=60, heartbeat_timeout=30))
+      initialization_timeout=60, heartbeat_timeout=30,
+      # host 0's coordinator goes with host 0: the tests that kill it resume every host
+      coordinator_grace=5))
   # One workdir for all hosts, as on a shared filesystem (under live membership each
   # host keeps its own in it, work/host<i>).
   result = trainer.train_and_evaluate(config, os.path.join(out_dir, "work"), world=world,

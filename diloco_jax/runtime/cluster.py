@@ -34,7 +34,8 @@ from diloco_jax.runtime import security
 from diloco_jax.runtime import watchdog
 
 _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOCO_NUM_HOSTS",
-        "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT"}
+        "host_id": "DILOCO_HOST_ID", "link_timeout": "DILOCO_LINK_TIMEOUT",
+        "coordinator_grace": "DILOCO_COORDINATOR_GRACE"}
 _LEFT = "diloco_jax/end/left/"  # a host's key once it is leaving (leave_together)
 JAX_HEARTBEAT_S = 100  # jax.distributed's heartbeat timeout, unless --heartbeat_timeout
 _watchdog: watchdog.LinkWatchdog | None = None  # this host's, when one runs
