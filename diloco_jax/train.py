@@ -257,6 +257,7 @@ def main(argv):
   import jax
 
   from diloco_jax.checkpoints import shared_dir
+  from diloco_jax.checkpoints import store
   from diloco_jax.loop import trainer
   from diloco_jax.membership import start as start_lib
   from diloco_jax.runtime import cluster
@@ -277,7 +278,8 @@ def main(argv):
       insecure=_INSECURE.value, coordinator_grace=_COORDINATOR_GRACE.value)
   options = start_lib.Options(
       membership=_MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP") or None,
-      wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value, workdir=_WORKDIR.value)
+      wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value,
+      last_epoch=store.last_epoch(_WORKDIR.value, host_id) if host_id is not None else 0)
   world = None
   try:
     # A save waiting for a host at a barrier gives up with the save's own timeout (orbax,

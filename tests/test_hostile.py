@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
+from diloco_jax.checkpoints import store
 from diloco_jax.membership import client as client_lib
 from diloco_jax.membership import collective as collective_lib
 from diloco_jax.membership import coordinator as co
@@ -191,22 +192,22 @@ def test_every_epoch_has_its_own_nonce_and_a_frame_of_another_run_fails_its_mac(
                  me=0, members={0, 1}, expected_seq={})
 
 
-def test_a_hosts_highest_epoch_is_kept_on_disk_for_a_new_coordinator(tmp_path):
+def test_a_hosts_highest_epoch_is_kept_in_its_checkpoints_for_a_new_coordinator(tmp_path):
   """A host restarted with a coordinator started anew numbers its epochs above the last run's
-  (the number only grows, across every restart)."""
-  path = str(tmp_path / ".last_epoch.host0")
-  with coordinator() as (port, _, log, thread):
-    client = client_lib.Client(f"127.0.0.1:{port}", None, timeout_s=2.0, epoch_file=path)
-    try:
-      first = client.register("127.0.0.1:2", host=1).epoch.number
-    finally:
-      client.close()
-  with open(path) as f:
-    assert int(f.read()) == first
+  (the number only grows, across every restart): its newest checkpoint says the highest it
+  saw, whether its workdir is its own or WORKDIR/host<i> of a shared one."""
+  for workdir in (tmp_path / "own", tmp_path / "shared" / "host1"):
+    for n, epoch in ((2, 5), (3, 9)):
+      (workdir / "checkpoints" / str(n)).mkdir(parents=True)
+      (workdir / "checkpoints" / str(n) / "meta.json").write_text(json.dumps({"epoch": epoch}))
+  assert store.last_epoch(str(tmp_path / "own"), 1) == 9
+  assert store.last_epoch(str(tmp_path / "shared"), 1) == 9
+  assert store.last_epoch(str(tmp_path / "none"), 1) == 0
+  assert store.last_epoch(None, 1) == 0
   with coordinator() as (port, _, log, thread):  # its own epochs start at 1
-    client = client_lib.Client(f"127.0.0.1:{port}", None, timeout_s=2.0, epoch_file=path)
+    client = client_lib.Client(f"127.0.0.1:{port}", None, timeout_s=2.0, last_epoch=9)
     try:
-      assert client.register("127.0.0.1:2", host=1).epoch.number > first
+      assert client.register("127.0.0.1:2", host=1).epoch.number > 9
     finally:
       client.close()
 

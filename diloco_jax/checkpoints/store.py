@@ -202,3 +202,18 @@ def to_host(tree: Any, private: bool) -> Any:
   if private:
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
   return jax.tree.map(np.asarray, tree)
+
+
+def last_epoch(workdir: str | None, host: int) -> int:
+  """The highest epoch number host `host` saw in its run, as its newest checkpoint in
+  `workdir` (its own, or WORKDIR/host<i> of a shared one) says; 0 where none says."""
+  for directory in ([os.path.join(workdir, f"host{host}"), workdir] if workdir else []):
+    checkpoints = os.path.join(directory, CHECKPOINTS)
+    try:
+      newest = max(int(n) for n in os.listdir(checkpoints) if n.isdigit())
+      with open(os.path.join(checkpoints, str(newest), "meta.json")) as f:
+        number = json.load(f).get("epoch")
+      return number if isinstance(number, int) and 0 <= number < 1 << 62 else 0
+    except (OSError, ValueError, AttributeError):
+      continue
+  return 0

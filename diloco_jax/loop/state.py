@@ -83,6 +83,9 @@ def _snapshot(parts, state, r, shared, own, finished, inflight) -> store.Snapsho
           "num_hosts": parts.num_hosts, "replicas_per_host": parts.replicas_per_host,
           "data_state": state.data,  # the writer's (a host without rows of its own takes it)
           "run_id": state.run_id, "balance": state.pace,
+          # the highest membership epoch this host saw (a coordinator started anew numbers
+          # its epochs above it: membership/start.py's last_epoch)
+          "epoch": parts.world.lease.client.last_epoch if parts.world.live else None,
           "config": parts.config.to_dict(), "diloco_jax": __version__,
           "jax": jax.__version__, "saved_at": time.time()}
   return store.Snapshot(r, shared, own, meta)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import secrets
 import threading
 import time
@@ -46,26 +45,6 @@ def _triple(value) -> tuple:
   if not isinstance(value, list) or len(value) != 3:
     raise protocol.Malformed(f"{str(value)[:40]}: expected [host, ops, busy]")
   return tuple(value)
-
-
-def _read_number(path: str | None) -> int:
-  try:
-    with open(path) as f:  # type: ignore[arg-type]
-      return max(0, min(int(f.read().strip() or 0), protocol.MAX_INT))
-  except (TypeError, OSError, ValueError):
-    return 0  # none yet, or unreadable: the coordinator's own numbers are used
-
-
-def _write_number(path: str | None, number: int) -> None:
-  if path is None:
-    return
-  try:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(f"{path}.tmp", "w") as f:
-      f.write(f"{number}\n")
-    os.replace(f"{path}.tmp", path)
-  except OSError:
-    pass  # a number is a courtesy to the next coordinator, not something to stop for
 
 
 class TokenMismatch(CoordinatorError):
@@ -112,7 +91,7 @@ class Client:
   numbers its epochs above it."""
 
   def __init__(self, address: str, token: security.JoinToken | None, timeout_s: float = 5.0,
-               epoch_file: str | None = None):
+               last_epoch: int = 0):
     host, port = security.split_address(address)
     self.address, self.timeout_s = address, timeout_s
     self._endpoint = f"tcp://{host}:{port}"
@@ -123,10 +102,9 @@ class Client:
     # counter taken by one and sent after the other's larger one would read as a replay
     self._lock = threading.RLock()
     self._seq = 0
-    # kept on disk (`epoch_file`), so that a coordinator started anew, with every host
-    # restarted too, still numbers its epochs above this run's
-    self._epoch_file = epoch_file
-    self.last_epoch = _read_number(epoch_file)
+    # from this host's newest checkpoint, so that a coordinator started anew, with every
+    # host restarted too, still numbers its epochs above this run's
+    self.last_epoch = last_epoch
     self.host: int | None = None  # the id this host had: it registers again under it
     self.registration: Registration | None = None
     self.pending: tuple[int, ...] = ()  # the pending hosts, as the last answer that said
@@ -185,10 +163,7 @@ class Client:
     return epoch
 
   def _note(self, number: int) -> None:
-    """`number` seen: the highest, in memory and in `epoch_file`."""
-    if number > self.last_epoch:
-      self.last_epoch = number
-      _write_number(self._epoch_file, number)
+    self.last_epoch = max(self.last_epoch, number)
 
   def register(self, address: str, host: int | None = None,
                ready: bool = True, resume: tuple[int, tuple[int, ...]] | None = None

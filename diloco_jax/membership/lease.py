@@ -90,13 +90,13 @@ class Lease:
             token: security.JoinToken | None, timeout_s: float,
             address: str | None = None, min_hosts: int | None = None,
             waiting: Callable[[], None] = lambda: None,
-            epoch_file: str | None = None, grace_s: float = GRACE_S) -> Lease:
+            last_epoch: int = 0, grace_s: float = GRACE_S) -> Lease:
     """Registers, then waits up to `timeout_s` for an epoch of `min_hosts` hosts (None:
     `num_hosts`), calling `waiting()` meanwhile (it may raise to give up); a host that
-    finds the job running returns at once, `joining`. `epoch_file` keeps the highest epoch
-    number this host has seen, across its restarts."""
+    finds the job running returns at once, `joining`. `last_epoch`: the highest epoch number
+    this host saw before (its newest checkpoint's), reported when it registers."""
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s),
-                                       epoch_file=epoch_file)
+                                       last_epoch=last_epoch)
     address = wire_address(coordinator, address)
     try:
       # Not ready: if the job runs, the members would admit it at their next round
@@ -243,11 +243,14 @@ class Lease:
     with self._back:
       if self.client.registration is not None and boot == self._boot:
         return  # the other thread has registered again already
-      if boot == self._boot or self.host not in self.epoch.hosts:
+      if self.host not in self.epoch.hosts:
         self.lost = self.lost or (
             f"host {self.host}: the coordinator at {self.client.address} no longer knows "
-            "this host (its lease ran out: the others went on without it)")
+            "this host, which was not a member of the job")
         return
+      # Registered again whatever the coordinator: one that dropped this host (its lease ran
+      # out) refuses a comeback after its first leases, and says so; one that started since
+      # takes it back.
       try:
         registration = self.client.register(
             self.address, self.host, resume=(self.position, tuple(self.epoch.hosts)))

@@ -283,8 +283,9 @@ class Ledger:
     holds that op's result (a commit needs every member's ok) and applies it; one further
     behind, or without it, cannot go on and leaves."""
     if now >= self._resume_until:
-      why = (f"host {host} came back {REBUILD_LEASES} leases or more after this coordinator "
-             "started, and the job went on without it: start it again to join")
+      why = (f"host {host} is not in the job any more (its lease ran out, or it came back "
+             f"over {REBUILD_LEASES} leases after this coordinator started): the job went on "
+             "without it; start it again to join")
       self._log(f"coordinator: refused host {host}: {why}")
       return {"op": "refused", "challenge": challenge, "why": why}
     members = self._members()

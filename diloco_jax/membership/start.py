@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import ml_collections
 
@@ -42,12 +41,13 @@ class Options:
   """Attributes: membership, a standalone coordinator's "host:port" (None: host 0 serves
   one at the cluster's coordinator address); wire_address, where the other hosts reach
   this host's sums (None: a free port on the address that routes to the coordinator);
-  min_hosts, the hosts that start the job (None: every one of num_hosts); workdir, the
-  --workdir given (a file in it keeps the highest epoch number this host has seen)."""
+  min_hosts, the hosts that start the job (None: every one of num_hosts); last_epoch, the
+  highest epoch number this host saw before (its newest checkpoint's: a coordinator started
+  anew numbers its epochs above it)."""
   membership: str | None = None
   wire_address: str | None = None
   min_hosts: int | None = None
-  workdir: str | None = None
+  last_epoch: int = 0
 
 
 def start(config: ml_collections.ConfigDict, spec: cluster.Cluster,
@@ -115,8 +115,7 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
         address, host=c.host_id, num_hosts=c.num_hosts, token=token,
         timeout_s=c.initialization_timeout, address=wire,
         min_hosts=min_hosts, waiting=lambda: _refused(serving, c.host_id),
-        epoch_file=(os.path.join(options.workdir, f".last_epoch.host{c.host_id}")
-                    if options.workdir else None),
+        last_epoch=options.last_epoch,
         grace_s=lease_lib.GRACE_S if c.coordinator_grace is None else c.coordinator_grace)
   except client_lib.TokenMismatch as e:
     raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join token "
