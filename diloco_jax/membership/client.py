@@ -61,6 +61,11 @@ class Unknown(CoordinatorError):
     self.boot = boot
 
 
+class Unregistered(CoordinatorError):
+  """A request that needs a registration, made while this host has none (another thread
+  found it unknown a moment ago, and registers again)."""
+
+
 class CoordinatorLost(CoordinatorError):
   """No answer from the coordinator within the timeout."""
   prefix = "Coordinator lost"
@@ -210,7 +215,7 @@ class Client:
     with self._lock:
       registration = self.registration
       if registration is None:
-        raise CoordinatorError(f"{op} before register (or after the lease was lost)")
+        raise Unregistered(f"{op} before register (or after the lease was lost)")
       self._seq += 1
       echo = {"incarnation": registration.incarnation, "seq": self._seq}
       answer = self._ask({"op": op, "host": registration.host, **echo, **fields}, op)

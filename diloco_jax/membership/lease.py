@@ -206,6 +206,9 @@ class Lease:
     except coordinator_client.CoordinatorLost as e:
       self._away(e)
       return
+    except coordinator_client.Unregistered:  # the other thread found it unknown just now
+      self._unknown(self.client.boot)
+      return
     except (coordinator_client.CoordinatorError, zmq.ZMQError) as e:
       if not self._stop.is_set():  # else `close` took the client away under it
         self.lost = str(e)
@@ -334,10 +337,10 @@ class Lease:
       except coordinator_client.Unknown as e:
         self._unknown(e.boot)
         return self._resumed(step, ok)
+      except coordinator_client.Unregistered:  # the heartbeat thread found it unknown
+        self._unknown(self.client.boot)  # first: it registers again (or has)
+        return self._resumed(step, ok)
       except coordinator_client.CoordinatorError as e:
-        if self.client.registration is None and self.lost is None:  # the heartbeat thread
-          self._unknown(self.client.boot)  # found it unknown first: it registers again
-          return self._resumed(step, ok)
         self.lost = self.lost or f"host {self.host}: {e}"
         raise MembershipError(self.lost) from None
     self._present()
