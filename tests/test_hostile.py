@@ -371,3 +371,22 @@ def test_a_lease_is_patient_with_a_peer_behind_and_not_with_one_in_the_op():
   assert lease.patience(2, 7) is None  # not a member
   lease.away_since = 1.0
   assert "coordinator is away" in lease.patience(1, 7)
+
+
+def test_anything_raised_while_a_request_is_handled_drops_that_request_alone(monkeypatch):
+  """Whatever handling a request raises (here a bug's RuntimeError), that request is
+  answered `dropped` and the coordinator serves on: one try around each request."""
+  handle = ledger_lib.Ledger.handle
+
+  def buggy(self, req, now):
+    if req.get("op") == "heartbeat" and req.get("seq") == 7:
+      raise RuntimeError("a bug")
+    return handle(self, req, now)
+
+  monkeypatch.setattr(ledger_lib.Ledger, "handle", buggy)
+  with coordinator() as (port, client, log, thread):
+    key = co.key_for(None)
+    body = json.dumps({"op": "heartbeat", "incarnation": "x", "seq": 7}).encode()
+    answer = raw_request(port, [body, hmac.new(key, co.C2S + body, "sha256").digest()])
+    assert answer == {"op": "dropped", "why": "RuntimeError while handling it"}, answer
+    still_serving(client, thread)
