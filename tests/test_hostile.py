@@ -8,6 +8,10 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import os
+import signal
+import subprocess
+import sys
 import socket
 import threading
 import time
@@ -390,3 +394,73 @@ def test_anything_raised_while_a_request_is_handled_drops_that_request_alone(mon
     answer = raw_request(port, [body, hmac.new(key, co.C2S + body, "sha256").digest()])
     assert answer == {"op": "dropped", "why": "RuntimeError while handling it"}, answer
     still_serving(client, thread)
+
+
+def test_empty_or_inconsistent_chunks_are_a_peer_error_not_a_wait():
+  """A member that sends empty chunks (or changes a message's total) mid-message: named at
+  once. (7bb7343: each empty chunk reset the wait, holding an honest peer in a sum for as
+  long as they came.)"""
+  hosts = (0, 1)
+  epoch = Epoch.of(1, hosts, tuple(f"127.0.0.1:{free_port()}" for _ in hosts))
+  p0, p1 = Peers(epoch, 0, token=TOKEN, timeout_s=5), Peers(epoch, 1, token=TOKEN, timeout_s=5)
+  key = epoch_key(TOKEN, epoch)
+  try:
+    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(10)
+    for second in ((10, 4, b""), (99, 4, b"efgh")):  # an empty chunk; another total
+      seq = p1.links._seq_out  # pylint: disable=protected-access
+      for total, offset, payload in ((10, 0, b"abcd"), second):
+        header = frames.Header(frames.POINT, 1, 1, 0, seq[0], total, offset)
+        seq[0] += 1
+        p1.links._push[0].send_multipart(frames.seal(header, payload, key))  # pylint: disable=protected-access
+      with pytest.raises(PeerError, match=r"chunk of \d+ bytes at offset 4 of \d+, expected "
+                                          r"bytes at offset 4 of 10") as e:
+        p0.links.recv_into(1, frames.POINT, None, "a transfer")
+      assert e.value.host == 1
+  finally:
+    p0.close()
+    p1.close()
+
+
+def test_a_coordinator_paused_longer_than_a_lease_drops_nobody(tmp_path):
+  """The coordinator SIGSTOPped for 3 leases while its hosts heartbeat: when it goes on, it
+  reads every heartbeat that waited and counts the pause against nobody. (7bb7343: it
+  handled one frame, then ran out every other lease: every host but one was dropped.)"""
+  port = free_port()
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  proc = subprocess.Popen([sys.executable, "-m", "diloco_jax.membership.coordinator",
+                           f"--port={port}", "--max_hosts=3", "--lease_s=1"], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  clients = [client_lib.Client(f"127.0.0.1:{port}", None, timeout_s=10.0) for _ in range(3)]
+  try:
+    for h, c in enumerate(clients):
+      c.register(f"127.0.0.1:{h + 1}", host=h)
+    epoch = clients[0].heartbeat()
+    assert epoch.hosts == (0, 1, 2)
+    stop, seen = threading.Event(), []
+
+    def beat(c):
+      while not stop.is_set():
+        seen.append(c.heartbeat())
+        time.sleep(0.2)
+
+    threads = [threading.Thread(target=beat, args=(c,)) for c in clients]
+    for t in threads:
+      t.start()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGCONT)
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+      t.join(15)
+    assert seen[-1] is not None and seen[-1].hosts == (0, 1, 2) and seen[-1].number == epoch.number
+  finally:
+    for c in clients:
+      c.close()
+    proc.terminate()
+    proc.wait(10)

@@ -174,10 +174,18 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
   tick_ms = max(10, int(min(lease_s, ledger.accuse_s) * 250))
   drops = DropLog(log, "coordinator")
   try:
+    last = time.monotonic()
     while not stop.is_set():
       if sock.poll(tick_ms):
-        _answer(sock, key, ledger, drops, refused)
-      ledger.expire(time.monotonic())
+        for _ in range(QUEUE):  # all that waits (after a pause, every host's heartbeat)
+          _answer(sock, key, ledger, drops, refused)
+          if not sock.poll(0):
+            break
+      now = time.monotonic()
+      if now - last > 4 * tick_ms / 1000:  # this process was paused (SIGSTOP, a swap
+        ledger.pardon(now - last)  # storm): the hosts' leases did not run while it slept
+      last = now
+      ledger.expire(now)
       if finish.is_set() and ledger.idle:
         break
       if drain.is_set():

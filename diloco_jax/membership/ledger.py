@@ -144,6 +144,12 @@ class Ledger:
     self._joined.pop(incarnation, None)
     self._deadline.pop(host, None)
 
+  def pardon(self, seconds: float) -> None:
+    """The coordinator itself was paused for `seconds`: every lease and accusation is
+    pushed back by as much (the hosts kept heartbeating into a queue no one read)."""
+    self._deadline = {h: t + seconds for h, t in self._deadline.items()}
+    self._votes.accused = {step: t + seconds for step, t in self._votes.accused.items()}
+
   def expire(self, now: float) -> None:
     late = sorted(h for h, t in self._deadline.items() if t <= now)
     while self._challenges and next(iter(self._challenges.values())) <= now:

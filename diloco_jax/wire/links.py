@@ -324,15 +324,19 @@ class Links:
     if nbytes is not None and header.total != nbytes:
       raise WireError(f"epoch {self.epoch.number}: host {src} sent {header.total} bytes for "
                       f"{what}, host {self.host} expects {nbytes} (shapes differ)")
-    yield header.total
-    got = 0
+    total, got = header.total, 0
+    yield total
     while True:
-      if header.offset != got:
-        raise WireError(f"epoch {self.epoch.number}: host {src}'s {what} chunk at offset "
-                        f"{header.offset}, expected {got}")
+      if header.offset != got or header.total != total or (total and not payload.nbytes):
+        # (an honest peer's chunks follow each other, each with bytes, under one total:
+        # anything else would hold this host, or overrun what it allocated)
+        raise PeerError(f"epoch {self.epoch.number}: host {src}'s {what} chunk of "
+                        f"{payload.nbytes} bytes at offset {header.offset} of "
+                        f"{header.total}, expected bytes at offset {got} of {total} (seen "
+                        f"from host {self.host})", epoch=self.epoch.number, host=src)
       yield got, payload
       got += payload.nbytes
-      if got >= header.total:
+      if got >= total:
         return
       header, payload = self._next(src, kind, what)
 
