@@ -464,3 +464,21 @@ def test_a_coordinator_paused_longer_than_a_lease_drops_nobody(tmp_path):
       c.close()
     proc.terminate()
     proc.wait(10)
+
+
+def test_a_pause_of_the_coordinator_is_counted_against_no_lease_or_accusation():
+  """`Ledger.pardon`: the leases and the accusations pending move back by the pause."""
+  ledger = ledger_lib.Ledger(max_hosts=2, lease_s=1.0, log=lambda line: None, accuse_s=1.0)
+  incarnations = []
+  for h in range(2):
+    challenge = ledger.handle({"op": "hello", "nonce": "n"}, 0.0)["challenge"]
+    incarnations.append(ledger.handle({"op": "register", "challenge": challenge, "host": h,
+                                       "address": f"h{h}:1", "last_epoch": 0}, 0.0))
+  e = ledger.epoch.number
+  ledger.handle({"op": "commit", "host": 0, "incarnation": incarnations[0]["incarnation"],
+                 "seq": 1, "epoch": e, "step": 0, "ok": False, "suspect": 1}, 0.5)
+  ledger.pardon(10.0)
+  ledger.expire(10.9)  # without the pardon: both leases and the accusation ran out
+  assert ledger.epoch.number == e and ledger.epoch.hosts == (0, 1)
+  ledger.expire(11.6)
+  assert ledger.epoch.number > e
