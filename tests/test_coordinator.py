@@ -807,3 +807,33 @@ def test_hosts_outlive_their_coordinator_and_take_their_verdict_from_its_success
   assert all("did not answer for 1 s (--coordinator_grace)" in lease.lost for lease in leases)
   for lease in leases:
     lease.close(leave=False)
+
+
+def test_a_restarted_members_probe_removes_its_old_incarnation_at_once():
+  """A member restarted (a new process, its state gone) starts as the real client does: a
+  probe registration (not ready: it is in no list until it can take the members' state).
+  The probe alone ends its old incarnation: the members' next epoch is without it, and the
+  old incarnation is unknown, so the members stop waiting for it in their sums."""
+  port = free_port()
+  with coordinator(port) as log, clients(port, 2) as (a, old):
+    a.register("a:1")
+    old.register("b:1")
+    e = a.heartbeat().number
+    voted = []
+    threads = [threading.Thread(target=lambda c=c: voted.append(c.commit(e, 0, ok=True)))
+               for c in (a, old)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(5)
+    assert [v.commit for v in voted] == [True, True]  # the job runs
+    lease = lease_lib.Lease.start(f"127.0.0.1:{port}", host=1, num_hosts=2, token=TOKEN,
+                                  timeout_s=5, address="127.0.0.1:2")
+    try:
+      assert lease.joining
+      after = a.heartbeat()
+      assert after.hosts == (0,) and after.number > e
+      assert old.heartbeat() is None  # the old incarnation is gone
+      assert any("host 1 registered again" in line for line in log), log
+    finally:
+      lease.close(leave=False)
