@@ -84,6 +84,25 @@ def still_serving(client: client_lib.Client, thread: threading.Thread) -> None:
   assert client.heartbeat() is not None  # answered, and knows the host
 
 
+@contextlib.contextmanager
+def connected_pair(**host0_options):
+  """Hosts 0 and 1 of one epoch on loopback, their connections open (host 0's Peers takes
+  `host0_options`); yields (epoch, host 0's Peers, host 1's)."""
+  epoch = Epoch.of(1, (0, 1), tuple(f"127.0.0.1:{free_port()}" for _ in range(2)))
+  p0 = Peers(epoch, 0, token=TOKEN, **{"timeout_s": 5, **host0_options})
+  p1 = Peers(epoch, 1, token=TOKEN, timeout_s=5)
+  try:
+    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(10)
+    yield epoch, p0, p1
+  finally:
+    p0.close()
+    p1.close()
+
+
 def test_random_bytes_on_the_coordinator_port_end_nothing():
   """64 KiB of random bytes on a raw TCP connection (no protocol known): zmq may read them
   as an old ZMTP peer's messages, which carry no address; the coordinator goes on.
@@ -257,23 +276,12 @@ def test_drop_lines_are_bounded_by_address_whatever_the_frames_claim():
 def test_a_size_no_host_can_hold_is_a_peer_error_not_a_memory_error():
   """A member announcing 2**62 bytes for a message: refused before any allocation, naming
   it. (7bb7343: MemoryError, outside the redo path.)"""
-  hosts = (0, 1)
-  epoch = Epoch.of(1, hosts, tuple(f"127.0.0.1:{free_port()}" for _ in hosts))
-  p0, p1 = Peers(epoch, 0, token=TOKEN, timeout_s=5), Peers(epoch, 1, token=TOKEN, timeout_s=5)
-  try:
-    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join(10)
+  with connected_pair() as (epoch, p0, p1):
     header = frames.Header(frames.POINT, 1, 1, 0, p1.links._seq_out[0], 1 << 62, 0)  # pylint: disable=protected-access
     p1.links._push[0].send_multipart(frames.seal(header, b"x", epoch_key(TOKEN, epoch)))  # pylint: disable=protected-access
     with pytest.raises(PeerError, match="announced 4611686018427387904 bytes") as e:
       p0.recv(1)
     assert e.value.host == 1
-  finally:
-    p0.close()
-    p1.close()
 
 
 class FailingLease:
@@ -337,18 +345,10 @@ def test_a_silent_peer_that_is_behind_is_waited_for_and_one_in_the_op_is_not():
   its lease says it has not reached the op (a slower host, one compiling); named once it
   says it is in the op. (7bb7343: a host 60 s behind its peers was evicted, as was the
   source of a transfer longer than 60 s.)"""
-  hosts = (0, 1)
-  epoch = Epoch.of(1, hosts, tuple(f"127.0.0.1:{free_port()}" for _ in hosts))
   lines, behind = [], [True]
-  p0 = Peers(epoch, 0, token=TOKEN, timeout_s=0.5, log=lines.append,
-             patience=lambda peer: "it is training" if behind[0] else None)
-  p1 = Peers(epoch, 1, token=TOKEN, timeout_s=5)
-  try:
-    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join(10)
+  with connected_pair(timeout_s=0.5, log=lines.append,
+                      patience=lambda peer: "it is training" if behind[0] else None) as (
+                          _, p0, p1):
     late = threading.Timer(1.6, lambda: p1.send(0, b"late but alive"))
     late.start()
     assert bytes(p0.recv(1)) == b"late but alive"  # over 3 timeouts of silence
@@ -358,9 +358,6 @@ def test_a_silent_peer_that_is_behind_is_waited_for_and_one_in_the_op_is_not():
     behind[0] = False  # now it says it is in the op: its silence is a failure
     with pytest.raises(PeerError, match="sent nothing for 0.5 s"):
       p0.recv(1)
-  finally:
-    p0.close()
-    p1.close()
 
 
 def test_a_lease_is_patient_with_a_peer_behind_and_not_with_one_in_the_op():
@@ -400,16 +397,8 @@ def test_empty_or_inconsistent_chunks_are_a_peer_error_not_a_wait():
   """A member that sends empty chunks (or changes a message's total) mid-message: named at
   once. (7bb7343: each empty chunk reset the wait, holding an honest peer in a sum for as
   long as they came.)"""
-  hosts = (0, 1)
-  epoch = Epoch.of(1, hosts, tuple(f"127.0.0.1:{free_port()}" for _ in hosts))
-  p0, p1 = Peers(epoch, 0, token=TOKEN, timeout_s=5), Peers(epoch, 1, token=TOKEN, timeout_s=5)
-  key = epoch_key(TOKEN, epoch)
-  try:
-    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join(10)
+  with connected_pair() as (epoch, p0, p1):
+    key = epoch_key(TOKEN, epoch)
     for second in ((10, 4, b""), (99, 4, b"efgh")):  # an empty chunk; another total
       seq = p1.links._seq_out  # pylint: disable=protected-access
       for total, offset, payload in ((10, 0, b"abcd"), second):
@@ -420,9 +409,6 @@ def test_empty_or_inconsistent_chunks_are_a_peer_error_not_a_wait():
                                           r"bytes at offset 4 of 10") as e:
         p0.links.recv_into(1, frames.POINT, None, "a transfer")
       assert e.value.host == 1
-  finally:
-    p0.close()
-    p1.close()
 
 
 def test_a_coordinator_paused_longer_than_a_lease_drops_nobody(tmp_path):

@@ -249,10 +249,7 @@ class Client:
 
   def _news(self, answer: dict) -> None:
     """The pending hosts and whether the job stops, as an answer says."""
-    pending = answer.get("pending", [])
-    if not isinstance(pending, list) or len(pending) > protocol.MAX_HOSTS:
-      raise protocol.Malformed(f"pending={str(pending)[:40]}: expected a list of host ids")
-    self.pending = tuple(protocol.integer({"host": h}, "host") for h in pending)
+    self.pending = tuple(protocol.hosts(answer, "pending"))
     self.stopping = self.stopping or protocol.flag(answer, "stopping", False)
 
   def commit(self, epoch: int, step: int, ok: bool, suspect: int | None = None,
@@ -283,11 +280,8 @@ class Client:
                                    f"{str(answer.get('epoch'))[:20]} to our vote on op {step} "
                                    f"of epoch {epoch}")
           after = Epoch.from_json(answer["next"])
-          admitted = answer.get("admitted", [])
-          if not isinstance(admitted, list) or len(admitted) > protocol.MAX_HOSTS:
-            raise protocol.Malformed(f"admitted={str(admitted)[:40]}: expected host ids")
           verdict = Verdict(protocol.flag(answer, "commit"), after,
-                            tuple(protocol.integer({"host": h}, "host") for h in admitted))
+                            tuple(protocol.hosts(answer, "admitted")))
           self._news(answer)
           # a verdict keeps the epoch of its decision: a later heartbeat may have seen newer
           self._note(after.number)
