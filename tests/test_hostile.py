@@ -147,6 +147,64 @@ def test_a_part_over_the_size_cuts_its_connection_and_answers_nothing():
     still_serving(client, thread)
 
 
+def unfinished_message(port: int, limit: int = 64 << 20) -> int:
+  """Speaks ZMTP 3 without a key (the NULL mechanism, as any zmq socket does) to a listener
+  on `port`, then sends 4 MiB parts of one message and never its last; returns the bytes
+  sent before the listener ended the connection (`limit`: it never did)."""
+  greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+  ready = b"\x05READY\x0bSocket-Type" + (4).to_bytes(4, "big") + b"PUSH"
+  part = b"\x03" + (4 << 20).to_bytes(8, "big") + bytes(4 << 20)  # MORE | LONG
+  sent = 0
+  with socket.create_connection(("127.0.0.1", port)) as s:
+    try:
+      s.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+      time.sleep(0.2)  # the listener answers the greeting (or ends the connection)
+      while sent < limit:
+        s.sendall(part)
+        sent += len(part)
+    except OSError:  # reset, or a broken pipe: the listener ended it
+      pass
+  return sent
+
+
+def test_with_a_token_a_stranger_gets_no_further_than_the_handshake():
+  """With a join token, the coordinator's and the wire's listeners speak CURVE with keys from
+  it (wire/sealed.py): a connection without the key ends at the greeting, before zmq reads
+  a part. (7bb7343: zmq held the parts of a message whose last part never came: a keyed host
+  grew from 34 to 290 MiB, nothing logged.)"""
+  with coordinator(TOKEN) as (port, client, log, thread):
+    assert unfinished_message(port) < 16 << 20
+    still_serving(client, thread)
+    time.sleep(0.3)  # the next tick reads the monitor
+    assert any("its handshake failed" in line for line in log), log
+  with connected_pair() as (epoch, p0, p1):
+    assert unfinished_message(security.split_address(epoch.address(0))[1]) < 16 << 20
+    x = np.arange(1000, dtype=np.float32)
+    sums = [None, None]
+    threads = [threading.Thread(target=lambda i=i, p=p: sums.__setitem__(i, p.allreduce_sum(x)))
+               for i, p in enumerate((p0, p1))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(10)
+    assert np.array_equal(sums[0], 2 * x) and np.array_equal(sums[1], 2 * x)
+
+
+def test_a_host_with_another_token_is_told_so_by_the_handshake():
+  """The coordinator's CURVE key comes from the token: a host with another token (or none)
+  fails the handshake, and its client says so in a few tenths of a second, not as a lost
+  coordinator after its timeout."""
+  with coordinator(TOKEN) as (port, client, log, thread):
+    for token in (security.JoinToken("another-join-token-for-the-tests", "t"), None):
+      other = client_lib.Client(f"127.0.0.1:{port}", token, timeout_s=10.0)
+      t0 = time.monotonic()
+      with pytest.raises(client_lib.TokenMismatch, match="ended our handshake"):
+        other.register("127.0.0.1:2")
+      assert time.monotonic() - t0 < 5
+      other.close()
+    still_serving(client, thread)
+
+
 def test_a_wire_address_no_peer_could_use_is_refused_at_registration():
   """(7bb7343: admitted, it raised at the next boundary on every member, outside the redo
   path.)"""

@@ -24,11 +24,16 @@ from diloco_jax.runtime import security
 from diloco_jax.membership.ledger import CoordinatorError
 from diloco_jax.membership import protocol
 from diloco_jax.membership.protocol import C2S, NOT_THIS_KEY, S2C, BadRequest
+from diloco_jax.membership.protocol import HANDSHAKE_FAILED
 from diloco_jax.membership.protocol import key_for
 from diloco_jax.membership.protocol import sign, verify
+from diloco_jax.wire import sealed
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import WireError
 from diloco_jax.membership.ledger import JobStopping
+
+
+HANDSHAKE_POLL_MS = 100  # how often a request waiting for its answer reads the handshakes
 
 
 @contextlib.contextmanager
@@ -101,8 +106,10 @@ class Client:
     self.address, self.timeout_s = address, timeout_s
     self._endpoint = f"tcp://{host}:{port}"
     self._key = key_for(token)
+    self._sealed = token is not None  # CURVE with a key from the token: wire/sealed.py
     self._ctx = zmq.Context()
     self._sock: zmq.Socket | None = None
+    self._handshakes: sealed.Handshakes | None = None
     # a REQ socket takes send, receive, send...: two threads interleaving break it, and a
     # counter taken by one and sent after the other's larger one would read as a replay
     self._lock = threading.RLock()
@@ -126,13 +133,24 @@ class Client:
     if self._sock is None:
       self._sock = self._ctx.socket(zmq.REQ)
       self._sock.setsockopt(zmq.LINGER, 0)
+      sealed.connect(self._sock, self._key if self._sealed else None)
+      self._handshakes = sealed.Handshakes(self._sock)
       self._sock.connect(self._endpoint)
     self._sock.send_multipart(sign(self._key, C2S, body))
-    if not self._sock.poll(int(self.timeout_s * 1000)):
-      self._sock.close(linger=0)
-      self._sock = None  # a REQ socket waits for its answer forever: start over next time
-      raise CoordinatorLost(f"no answer from the coordinator at {self.address} within "
-                            f"{self.timeout_s:g} s ({what}): it is down or unreachable")
+    deadline = time.monotonic() + self.timeout_s
+    while not self._sock.poll(HANDSHAKE_POLL_MS):
+      # handshakes that failed again and again (zmq reconnects at once), none that
+      # succeeded: the coordinator is up but keyed otherwise; waiting longer cannot help
+      # (one failure alone may be a coordinator that died in the middle of one)
+      self._handshakes.read()
+      refused = self._handshakes.failed >= 3 and not self._handshakes.succeeded
+      if refused or time.monotonic() > deadline:
+        self._drop_socket()  # a REQ socket waits for its answer forever: start over
+        if refused:
+          raise TokenMismatch(f"the coordinator at {self.address} ended our handshake: "
+                              f"{HANDSHAKE_FAILED}")
+        raise CoordinatorLost(f"no answer from the coordinator at {self.address} within "
+                              f"{self.timeout_s:g} s ({what}): it is down or unreachable")
     frames = self._sock.recv_multipart()
     try:
       return verify(self._key, S2C, frames)
@@ -294,5 +312,12 @@ class Client:
       self._renew("leave", ("left",))
       self.registration = None
 
+  def _drop_socket(self) -> None:
+    self._handshakes.close()
+    self._sock.close(linger=0)
+    self._sock = self._handshakes = None
+
   def close(self) -> None:
+    if self._sock is not None:
+      self._drop_socket()
     self._ctx.destroy(linger=0)

@@ -68,19 +68,23 @@ from diloco_jax import errors
 from diloco_jax.membership.ledger import CoordinatorError
 from diloco_jax.membership.ledger import Ledger
 from diloco_jax.membership.protocol import C2S  # noqa: F401 -- re-exported for callers
+from diloco_jax.membership.protocol import HANDSHAKE_FAILED
 from diloco_jax.membership.protocol import MAX_REQUEST
 from diloco_jax.membership.protocol import NOT_THIS_KEY
 from diloco_jax.membership.protocol import S2C
 from diloco_jax.membership.protocol import BadRequest
 from diloco_jax.membership.protocol import key_for
+from diloco_jax.membership.protocol import keyed
 from diloco_jax.membership.protocol import sign
 from diloco_jax.membership.protocol import verify
 from diloco_jax.runtime import security
+from diloco_jax.wire import sealed
 from diloco_jax.wire.droplog import DropLog
 from diloco_jax.wire.epoch import Epoch  # noqa: F401 -- the client's, and a host's epoch
 from diloco_jax.wire.epoch import Member  # noqa: F401 -- an epoch's member
 
 CLAIM_BYTES = 4096  # the most of an unauthenticated request read for the host it claims
+REFUSALS_KEPT = 16  # of the requests and handshakes that failed the key, for the lines
 QUEUE = 1024  # requests queued in zmq, at most, each at most MAX_REQUEST bytes a part
 
 
@@ -103,20 +107,21 @@ def _claimed_host(frames: list[bytes]) -> int | None:
 class Serving:
   """A coordinator in a thread of this process: host 0's, for a job started with
   --coordinator_address (it ends with host 0's process, as a jax.distributed job's
-  coordination service does). `refused` lists (peer, claimed host, why) of the requests
-  whose key was not this job's: a host with another join token."""
+  coordination service does). `refused` lists (peer, claimed host, why) of the first
+  requests or handshakes that failed this job's key: a host with another join token (or a
+  stranger: the first REFUSALS_KEPT are kept)."""
 
   def __init__(self, port: int, max_hosts: int, lease_s: float, key: bytes, bind: str,
                log: Callable[[str], None] = _log):
     self._stop, self._finish, ready = threading.Event(), threading.Event(), threading.Event()
     self._drain = threading.Event()
-    self.refused: list[tuple[str, int | None, str]] = []
+    self.refused: list[tuple[str | None, int | None, str]] = []
     self._failed: list[BaseException] = []
 
     def run():
       try:
         serve(port, max_hosts, lease_s, key, bind, self._stop, log, drain=self._drain,
-              finish=self._finish, ready=ready, refused=lambda *r: self.refused.append(r))
+              finish=self._finish, ready=ready, refused=self._refuse)
       except BaseException as e:  # noqa: BLE001 -- raised in the starting thread
         self._failed.append(e)
         ready.set()
@@ -126,6 +131,10 @@ class Serving:
     ready.wait()
     if self._failed:
       raise self._failed[0]
+
+  def _refuse(self, *refusal) -> None:
+    if len(self.refused) < REFUSALS_KEPT:
+      self.refused.append(refusal)
 
   def stop_job(self) -> None:
     """Every host stops after the same round with a checkpoint (as a SIGTERM to a
@@ -149,7 +158,8 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
   """Answers hosts on tcp://bind:port until `stop` is set; or, once `drain` is set, until
   the job it stops (every host after the same round) has no host left; or, once `finish`
   is set, until no host is left (the job ran to its end). Sets `ready` once it listens.
-  `refused(peer, claimed host, why)` hears of each request whose key is not this job's."""
+  `refused(peer, claimed host, why)` hears of each request whose key is not this job's, and
+  of each connection whose handshake failed (with a token, nothing unkeyed gets further)."""
   stop, drain = stop or threading.Event(), drain or threading.Event()
   finish = finish or threading.Event()
   ledger = Ledger(max_hosts, lease_s, log, time.monotonic(), accuse_s)
@@ -161,9 +171,14 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
   sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST + 64)
   sock.setsockopt(zmq.RCVHWM, QUEUE)
   sock.setsockopt(zmq.SNDHWM, QUEUE)
+  # with a join token, only its holders finish a handshake: zmq would hold an unfinished
+  # multipart message of anyone else's without bound (wire/sealed.py)
+  sealed.listen(sock, key if keyed(key) else None)
+  handshakes = sealed.Handshakes(sock)
   try:
     sock.bind(f"tcp://{bind}:{port}")
   except zmq.ZMQError as e:
+    handshakes.close()
     ctx.destroy(linger=0)
     raise CoordinatorError(f"cannot listen on tcp://{bind}:{port}: {e}") from None
   log(f"coordinator: listening on tcp://{bind}:{port} for up to {max_hosts} hosts, "
@@ -181,6 +196,11 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
           _answer(sock, key, ledger, drops, refused)
           if not sock.poll(0):
             break
+      if handshakes.read():  # nothing of it reached the sockets: no address, no claim
+        why = f"its handshake failed ({HANDSHAKE_FAILED})"
+        drops(None, why)
+        if refused is not None:
+          refused(None, None, why)
       now = time.monotonic()
       if now - last > 4 * tick_ms / 1000:  # this process was paused (SIGSTOP, a swap
         ledger.pardon(now - last)  # storm): the hosts' leases did not run while it slept
@@ -193,6 +213,7 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
         if ledger.idle:
           break
   finally:
+    handshakes.close()
     ctx.destroy(linger=0)
 
 

@@ -25,6 +25,8 @@ from diloco_jax.runtime import security
 
 C2S, S2C = b"diloco_jax coordinator request|", b"diloco_jax coordinator answer|"
 NOT_THIS_KEY = "not authenticated with this job's key"
+HANDSHAKE_FAILED = ("another join token, or none where the job has one, or not a diloco_jax "
+                    "process")
 MAX_REQUEST = 16 << 10  # bytes: a register with a 255-character address is under 1 KiB
 MAX_ANSWER = 4 << 20  # bytes: an epoch of thousands of members
 MAX_DEPTH = 4  # an answer's epoch: {members: [{...}]}
@@ -46,6 +48,11 @@ class Malformed(BadRequest):
 
 def key_for(token: security.JoinToken | None) -> bytes:
   return _NO_TOKEN_KEY if token is None else token.derive_key("coordinator")
+
+
+def keyed(key: bytes) -> bool:
+  """Whether `key` comes from a join token (else every process knows it)."""
+  return key != _NO_TOKEN_KEY
 
 
 def sign(key: bytes, direction: bytes, body: dict) -> list[bytes]:

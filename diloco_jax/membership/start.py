@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import ml_collections
 
@@ -114,7 +115,7 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
     lease = lease_lib.Lease.start(
         address, host=c.host_id, num_hosts=c.num_hosts, token=token,
         timeout_s=c.initialization_timeout, address=wire,
-        min_hosts=min_hosts, waiting=lambda: _refused(serving, c.host_id),
+        min_hosts=min_hosts, waiting=_refused(serving, c.host_id),
         last_epoch=options.last_epoch,
         grace_s=lease_lib.GRACE_S if c.coordinator_grace is None else c.coordinator_grace)
   except client_lib.TokenMismatch as e:
@@ -157,14 +158,23 @@ def _listen(address: str) -> str:
   return security.split_address(bind)[0] if bind else "0.0.0.0"
 
 
-def _refused(serving: coordinator_lib.Serving | None, me: int) -> None:
-  """Host 0, waiting for the others: a host whose requests its coordinator dropped for
-  another key holds another join token (its claimed id names it in the line)."""
-  if serving is not None and serving.refused:
-    peer, claimed, _ = serving.refused[0]
-    who = f"host {claimed}" if claimed is not None else f"a host at {peer}"
-    raise cluster.StartupError(f"host {me}: join token mismatch: {who}'s join token differs "
-                               "from this host's (its requests fail this job's key)")
+def _refused(serving: coordinator_lib.Serving | None, me: int) -> Callable[[], None]:
+  """Host 0, waiting for the others: says once that a request or a handshake failed this
+  job's key (a host with another join token, or none where this one has one). Said, not
+  fatal: a stranger's connection fails the same way, and must not stop the job; the host
+  with the other token stops itself, and this one at its --initialization_timeout."""
+  said = []
+
+  def check() -> None:
+    if serving is not None and serving.refused and not said:
+      peer, claimed, why = serving.refused[0]
+      who = (f"host {claimed}" if claimed is not None else
+             f"a host at {peer}" if peer else "a connection")
+      print(f"host {me}: {who} failed this job's key: {why}; a host with another join "
+            "token (or none) cannot join this job", flush=True)
+      said.append(True)
+
+  return check
 
 
 def finish(world: World) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from diloco_jax.wire import frames
+from diloco_jax.wire import sealed
 from diloco_jax.wire.droplog import DropLog
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import PeerError
@@ -112,6 +113,9 @@ class Links:
     self._pull.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
     self._pull.setsockopt(zmq.MAXMSGSIZE, frames.MAX_CHUNK + 1024)  # a bigger frame: cut
     self._pull.setsockopt(zmq.LINGER, 0)
+    # with a token, only this epoch's members finish a handshake (an unfinished message of
+    # anyone else's would otherwise be held without bound: wire/sealed.py)
+    sealed.listen(self._pull, self._key)
     self._bind(endpoint(epoch.address(host)))
     self._push: dict[int, zmq.Socket] = {}
     for peer, address in zip(epoch.hosts, epoch.addresses):
@@ -120,6 +124,7 @@ class Links:
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.LINGER, linger)
         s.setsockopt(zmq.RECONNECT_IVL, 20)
+        sealed.connect(s, self._key)
         s.connect(endpoint(address))
     self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
     self._reader = threading.Thread(target=self._read, daemon=True,
