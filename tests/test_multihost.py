@@ -129,22 +129,28 @@ def test_different_configs_stop_every_host(tmp_path):
 
 
 def test_join_tokens_that_differ_stop_every_host(tmp_path):
-  """Host 0 reads its token from a file, host 1 from the environment, and they differ:
-  both stop non-zero at start-up, each naming the other host, neither printing a token."""
+  """Host 0 reads its token from a file, host 1 from the environment, and they differ: host
+  1 fails the coordinator's handshake (its key comes from the token) and stops at once,
+  naming host 0; host 0 says a connection failed its key, and stops at its initialization
+  timeout (a stranger's connection fails the same way: it must not stop a job). Neither
+  prints a token."""
   tokens = ["the-token-in-host-zeros-file-4242", "the-token-in-host-ones-env-1717"]
   (tmp_path / "token").write_text(tokens[0] + "\n")
   port = multihost.free_port()
   t0 = time.monotonic()
-  procs = [multihost.start(train_cmd(tmp_path, 0, 2, port, "--initialization_timeout=60",
+  procs = [multihost.start(train_cmd(tmp_path, 0, 2, port, "--initialization_timeout=20",
                                      f"--join_token_file={tmp_path}/token")),
            multihost.start(train_cmd(tmp_path, 1, 2, port, "--initialization_timeout=60"),
                            env={**multihost.ENV, "DILOCO_JOIN_TOKEN": tokens[1]})]
-  for (code, text), other in zip(multihost.finish(procs, timeout=90), (1, 0)):
-    assert code != 0
-    assert f"join token mismatch: host {other}'s join token differs from this host's" in text, (
-        text[-3000:])
-    assert not any(t in text for t in tokens)
-  assert time.monotonic() - t0 < 60  # the initialization timeout
+  (code0, text0), (code1, text1) = multihost.finish(procs, timeout=90)
+  assert code1 != 0
+  assert "join token mismatch: host 0's join token differs from this host's" in text1, (
+      text1[-3000:])
+  assert code0 != 0
+  assert "a connection failed this job's key: its handshake failed" in text0, text0[-3000:]
+  assert "not every host joined" in text0, text0[-3000:]
+  assert not any(t in text0 + text1 for t in tokens)
+  assert time.monotonic() - t0 < 60  # host 0's initialization timeout, and start-up
 
 
 @pytest.mark.slow
