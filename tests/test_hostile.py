@@ -35,6 +35,7 @@ from diloco_jax.wire.epoch import PeerError
 from diloco_jax.wire.epoch import WireError
 from diloco_jax.wire.epoch import epoch_key
 from diloco_jax.wire.peers import Peers
+from tests.hostile import unfinished_message
 
 LEASE_S = 2.0
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
@@ -145,26 +146,6 @@ def test_a_part_over_the_size_cuts_its_connection_and_answers_nothing():
   with coordinator() as (port, client, log, thread):
     assert raw_request(port, [b"x" * (1 << 20), b"\0" * 32]) is None
     still_serving(client, thread)
-
-
-def unfinished_message(port: int, limit: int = 64 << 20) -> int:
-  """Speaks ZMTP 3 without a key (the NULL mechanism, as any zmq socket does) to a listener
-  on `port`, then sends 4 MiB parts of one message and never its last; returns the bytes
-  sent before the listener ended the connection (`limit`: it never did)."""
-  greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-  ready = b"\x05READY\x0bSocket-Type" + (4).to_bytes(4, "big") + b"PUSH"
-  part = b"\x03" + (4 << 20).to_bytes(8, "big") + bytes(4 << 20)  # MORE | LONG
-  sent = 0
-  with socket.create_connection(("127.0.0.1", port)) as s:
-    try:
-      s.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
-      time.sleep(0.2)  # the listener answers the greeting (or ends the connection)
-      while sent < limit:
-        s.sendall(part)
-        sent += len(part)
-    except OSError:  # reset, or a broken pipe: the listener ended it
-      pass
-  return sent
 
 
 def test_with_a_token_a_stranger_gets_no_further_than_the_handshake():

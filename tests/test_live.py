@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from tests import hostile
 from tests import multihost
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -157,33 +158,50 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
   assert len(stopped_at) == 1 and stopped_at == last_records, (stopped_at, last_records)
 
 
-def _live_job(workdir, *flags, rounds=ROUNDS):
+def _live_job(workdir, *flags, rounds=ROUNDS, env=None):
   return multihost.start([
       sys.executable, "launch/local.py", "--hosts=3", "--lease_s=3", "--",
       "--config=configs/tiny.py", f"--workdir={workdir}", "--config.replicas_per_host=1",
       f"--config.num_rounds={rounds}", "--config.inner_steps=5",
-      "--config.inner.warmup_steps=5", "--config.checkpoint.every=1", *flags])
+      "--config.inner.warmup_steps=5", "--config.checkpoint.every=1", *flags], env=env)
 
 
-def test_a_coordinator_killed_mid_run_is_started_again_and_every_host_goes_on(tmp_path):
-  """The coordinator SIGKILLed mid-run: the launcher starts it again on its port; the hosts,
-  the same processes, keep their state, register again and finish every round together
-  (the anchors compared after every round: debug_checks), with no line of failure.
-  (7bb7343: every host stopped with exit 1 and had to be started again.)"""
-  launcher = _live_job(tmp_path, "--config.debug_checks=True")
-  lines, hosts_at_kill, hosts_later = [], None, None
+def _is_coordinator(pid: int) -> bool:
+  try:
+    return "membership.coordinator" in open(f"/proc/{pid}/cmdline").read()
+  except OSError:
+    return False
+
+
+def test_a_live_job_goes_on_through_strangers_frames_and_a_coordinator_restart(tmp_path):
+  """A job with a join token, and a stranger who sends junk, 1 GiB frames and messages whose
+  last part never comes to the coordinator's port and every host's ports throughout; the
+  coordinator SIGKILLed mid-run. The launcher starts it again on its port; the hosts, the
+  same processes, keep their state, register again and finish every round together (the
+  anchors compared after every round: debug_checks), with no line of failure, and no
+  process's memory grows with what the stranger sends. (7bb7343: random bytes ended the
+  coordinator, an unfinished message grew a host without bound, and the coordinator's loss
+  stopped every host with exit 1.)"""
+  env = {**multihost.ENV, "DILOCO_JOIN_TOKEN": "a-join-token-for-the-strangers-test"}
+  launcher = _live_job(tmp_path, "--config.debug_checks=True", env=env)
+  stranger = hostile.Stranger(lambda: {p: hostile.listening_ports(p)
+                                       for p in multihost.children(launcher.pid)})
+  stranger.start()
+  lines, hosts_at_kill, hosts_later, coordinators = [], None, None, set()
   for line in launcher.stdout:
     lines.append(line)
     if hosts_at_kill is None and re.search(r"\] round +4/", line):
       kids = multihost.children(launcher.pid)
-      coordinator = next(p for p in kids if "membership.coordinator"
-                         in open(f"/proc/{p}/cmdline").read())
+      coordinator = next(p for p in kids if _is_coordinator(p))
       hosts_at_kill = sorted(p for p in kids if p != coordinator)
+      coordinators.add(coordinator)
       os.kill(coordinator, signal.SIGKILL)
     if hosts_later is None and re.search(rf"\] round +{ROUNDS - 1}/", line):
-      hosts_later = sorted(p for p in multihost.children(launcher.pid)
-                           if "membership.coordinator" not in open(f"/proc/{p}/cmdline").read())
+      kids = multihost.children(launcher.pid)
+      coordinators.update(p for p in kids if _is_coordinator(p))
+      hosts_later = sorted(p for p in kids if not _is_coordinator(p))
   launcher.wait(timeout=300)
+  stranger.stop()
   text = "".join(lines)
   assert launcher.returncode == 0, text[-6000:]
   assert "[launcher] the coordinator killed by signal 9; starting it again" in text, text[-6000:]
@@ -197,6 +215,19 @@ def test_a_coordinator_killed_mid_run_is_started_again_and_every_host_goes_on(tm
     assert [r["round"] for r in mine] == list(range(1, ROUNDS + 1)), h
     finals.add(mine[-1]["anchor_hash"])
   assert len(finals) == 1, finals
+  # the stranger reached every process, many times: the coordinator before and after its
+  # restart, and every host's wire port
+  assert min(stranger.sent.values()) >= 20, stranger.sent
+  assert set(hosts_at_kill) | coordinators <= set(stranger.peak), (stranger.peak, coordinators)
+  figures = {f"{'coordinator' if p in coordinators else 'host'} {p}":
+             (round(stranger.first[p]), round(stranger.peak[p])) for p in stranger.peak}
+  print(f"RSS MiB (first sample, peak) under {stranger.sent}: {figures}")
+  for p in coordinators:
+    assert stranger.peak[p] < 150, figures  # a python process with zmq: ~40 MiB
+  for p in hosts_at_kill:
+    assert stranger.peak[p] < 768, figures  # a tiny job's host: 450 MiB
+  handshakes = [line for line in lines if "handshake failed" in line]
+  assert len(handshakes) <= 16, handshakes  # a line per address and reason, then a minute
 
 
 def test_host_0_started_again_serves_the_job_anew_and_host_1_goes_on(tmp_path):
