@@ -13,30 +13,40 @@ import time
 import numpy as np
 
 GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-_READY = b"\x05READY\x0bSocket-Type" + (4).to_bytes(4, "big") + b"PUSH"
-READY = b"\x04" + bytes([len(_READY)]) + _READY  # ZMTP 3's NULL mechanism, as a PUSH socket
+
+
+def ready(socket_type: bytes) -> bytes:
+  """ZMTP 3's READY command of the NULL mechanism, from a socket of `socket_type`."""
+  body = b"\x05READY\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+  return b"\x04" + bytes([len(body)]) + body
 
 
 def _long_frame(size: int, more: bool) -> bytes:
   return bytes([0x03 if more else 0x02]) + size.to_bytes(8, "big")  # (MORE |) LONG
 
 
-def unfinished_message(port: int, limit: int = 64 << 20, part: int = 8 << 10) -> int:
+def unfinished_message(port: int, limit: int = 64 << 20, part: int = 8 << 10,
+                       socket_type: bytes = b"PUSH", keep: list | None = None) -> int:
   """Speaks ZMTP 3 without a key (the NULL mechanism, as any zmq socket does) to a listener
-  on `port`, then sends parts of `part` bytes (under every listener's part limit) of one
-  message and never its last; returns the bytes sent before the listener ended the
-  connection (`limit`: it never did)."""
+  on `port`, as a `socket_type` socket, then sends parts of `part` bytes (under every
+  listener's part limit) of one message and never its last; returns the bytes sent before
+  the listener ended the connection (`limit`: it never did). zmq drops an unfinished
+  message when its connection closes: the connection is left open in `keep`, if given."""
   block = (_long_frame(part, more=True) + bytes(part)) * max(1, (4 << 20) // part)
   sent = 0
-  with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-    try:
-      s.sendall(GREETING + READY)
-      time.sleep(0.2)  # the listener answers the greeting (or ends the connection)
-      while sent < limit:
-        s.sendall(block)
-        sent += len(block)
-    except OSError:  # reset, a broken pipe or a timeout: the listener ended or stalled it
-      pass
+  s = socket.create_connection(("127.0.0.1", port), timeout=5)
+  try:
+    s.sendall(GREETING + ready(socket_type))
+    time.sleep(0.2)  # the listener answers the greeting (or ends the connection)
+    while sent < limit:
+      s.sendall(block)
+      sent += len(block)
+  except OSError:  # reset, a broken pipe or a timeout: the listener ended or stalled it
+    pass
+  if keep is None or sent < limit:
+    s.close()
+  else:
+    keep.append(s)
   return sent
 
 
@@ -51,7 +61,7 @@ def oversized(port: int) -> None:
   """A greeting, then the header of a 1 GiB single-part message and its first MiB."""
   with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
     with contextlib.suppress(OSError):
-      s.sendall(GREETING + READY + _long_frame(1 << 30, more=False) + bytes(1 << 20))
+      s.sendall(GREETING + ready(b"PUSH") + _long_frame(1 << 30, more=False) + bytes(1 << 20))
 
 
 def listening_ports(pid: int) -> list[int]:
@@ -86,10 +96,11 @@ class Stranger(threading.Thread):
   an oversized frame and an unfinished message (at most `unfinished` bytes each); meanwhile
   the RSS of every pid it has seen, sampled each pass: `peak[pid]`, `first[pid]`."""
 
-  def __init__(self, targets, every_s: float = 0.5, unfinished: int = 64 << 20):
+  def __init__(self, targets, every_s: float = 0.5, unfinished: int = 128 << 20):
     super().__init__(daemon=True)
     self._targets, self._every_s, self._unfinished = targets, every_s, unfinished
     self._done = threading.Event()
+    self._open: list[socket.socket] = []  # connections whose messages never end
     self.sent = {"junk": 0, "oversized": 0, "unfinished": 0}
     self.peak: dict[int, float] = {}
     self.ports: dict[int, set[int]] = {}  # every port it sent to, by pid
@@ -105,8 +116,13 @@ class Stranger(threading.Thread):
           self.peak[pid] = max(self.peak.get(pid, 0.0), rss)
         self.ports.setdefault(pid, set()).update(ports)
         for port in ports:
-          for kind, send in (("junk", lambda p: junk(p, seed)), ("oversized", oversized),
-                             ("unfinished", lambda p: unfinished_message(p, self._unfinished))):
+          for kind, send in (
+              ("junk", lambda p: junk(p, seed)), ("oversized", oversized),
+              # as the peer of a wire's PULL and of a coordinator's ROUTER (the other type
+              # is refused at the greeting), each connection left open, its parts held
+              ("unfinished", lambda p: [unfinished_message(p, self._unfinished, socket_type=t,
+                                                           keep=self._open)
+                                        for t in (b"PUSH", b"DEALER")])):
             try:
               send(port)
               self.sent[kind] += 1
@@ -118,3 +134,5 @@ class Stranger(threading.Thread):
   def stop(self) -> None:
     self._done.set()
     self.join(30)
+    for s in self._open:
+      s.close()
