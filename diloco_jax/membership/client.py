@@ -139,11 +139,9 @@ class Client:
     self._sock.send_multipart(sign(self._key, C2S, body))
     deadline = time.monotonic() + self.timeout_s
     while not self._sock.poll(HANDSHAKE_POLL_MS):
-      # handshakes that failed again and again (zmq reconnects at once), none that
-      # succeeded: the coordinator is up but keyed otherwise; waiting longer cannot help
-      # (one failure alone may be a coordinator that died in the middle of one)
+      # the coordinator is up but keyed otherwise: waiting longer cannot help
       self._handshakes.read()
-      refused = self._handshakes.failed >= 3 and not self._handshakes.succeeded
+      refused = self._handshakes.refused
       if refused or time.monotonic() > deadline:
         self._drop_socket()  # a REQ socket waits for its answer forever: start over
         if refused:

@@ -59,12 +59,14 @@ def connect(sock: zmq.Socket, key: bytes | None) -> None:
 
 class Handshakes:
   """Counts the failed and the successful handshakes of `sock`'s connections (a monitor
-  socket; call `close` before closing `sock`)."""
+  socket; call `close` before closing `sock`). `refused`: failed with the peer's word
+  (another mechanism, a key it could not read) or, without one, failed again and again (a
+  peer that died in the middle of a handshake fails one), and none succeeded."""
 
   def __init__(self, sock: zmq.Socket):
     self._monitor = sock.get_monitor_socket(FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     self._sock = sock
-    self.failed = self.succeeded = 0
+    self.failed = self.said = self.succeeded = 0
 
   def read(self) -> int:
     """Takes the events waiting; returns how many handshakes failed among them."""
@@ -73,10 +75,15 @@ class Handshakes:
       event = monitor.recv_monitor_message(self._monitor)["event"]
       if event & FAILED:
         failed += 1
+        self.said += event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
       elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         self.succeeded += 1
     self.failed += failed
     return failed
+
+  @property
+  def refused(self) -> bool:
+    return not self.succeeded and (self.said > 0 or self.failed >= 3)
 
   def close(self) -> None:
     try:
