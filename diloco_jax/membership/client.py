@@ -24,7 +24,6 @@ from diloco_jax.runtime import security
 from diloco_jax.membership.ledger import CoordinatorError
 from diloco_jax.membership import protocol
 from diloco_jax.membership.protocol import C2S, NOT_THIS_KEY, S2C, BadRequest
-from diloco_jax.membership.protocol import HANDSHAKE_FAILED
 from diloco_jax.membership.protocol import key_for
 from diloco_jax.membership.protocol import sign, verify
 from diloco_jax.wire import sealed
@@ -146,7 +145,7 @@ class Client:
         self._drop_socket()  # a REQ socket waits for its answer forever: start over
         if refused:
           raise TokenMismatch(f"the coordinator at {self.address} ended our handshake: "
-                              f"{HANDSHAKE_FAILED}")
+                              f"{sealed.STRANGER}")
         raise CoordinatorLost(f"no answer from the coordinator at {self.address} within "
                               f"{self.timeout_s:g} s ({what}): it is down or unreachable")
     frames = self._sock.recv_multipart()

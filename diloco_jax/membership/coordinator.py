@@ -68,7 +68,6 @@ from diloco_jax import errors
 from diloco_jax.membership.ledger import CoordinatorError
 from diloco_jax.membership.ledger import Ledger
 from diloco_jax.membership.protocol import C2S  # noqa: F401 -- re-exported for callers
-from diloco_jax.membership.protocol import HANDSHAKE_FAILED
 from diloco_jax.membership.protocol import MAX_REQUEST
 from diloco_jax.membership.protocol import NOT_THIS_KEY
 from diloco_jax.membership.protocol import S2C
@@ -197,7 +196,7 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
           if not sock.poll(0):
             break
       if handshakes.read():  # nothing of it reached the sockets: no address, no claim
-        why = f"its handshake failed ({HANDSHAKE_FAILED})"
+        why = f"its handshake failed ({sealed.STRANGER})"
         drops(None, why)
         if refused is not None:
           refused(None, None, why)

@@ -25,8 +25,6 @@ from diloco_jax.runtime import security
 
 C2S, S2C = b"diloco_jax coordinator request|", b"diloco_jax coordinator answer|"
 NOT_THIS_KEY = "not authenticated with this job's key"
-HANDSHAKE_FAILED = ("another join token, or none where the job has one, or not a diloco_jax "
-                    "process")
 MAX_REQUEST = 16 << 10  # bytes: a register with a 255-character address is under 1 KiB
 MAX_ANSWER = 4 << 20  # bytes: an epoch of thousands of members
 MAX_DEPTH = 4  # an answer's epoch: {members: [{...}]}

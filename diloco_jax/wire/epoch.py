@@ -145,3 +145,13 @@ def epoch_key(token: security.JoinToken | None, epoch: Epoch) -> bytes | None:
   if token is None:
     return None
   return token.derive_key(f"wire v2|epoch {epoch.number}|{epoch.nonce}")
+
+
+def connection_key(token: security.JoinToken | None) -> bytes | None:
+  """The key of the wire's connections (wire/sealed.py; None without a token): the job's,
+  not an epoch's, so that a peer that opened the next epoch first still connects to this
+  epoch's listener, whose reader drops its HELLO quietly (links.py). Replaying a recorded
+  connection fails anyway: CURVE's session keys are fresh for each."""
+  if token is None:
+    return None
+  return token.derive_key("wire connections v1")

@@ -28,6 +28,7 @@ from diloco_jax.wire.droplog import DropLog
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import PeerError
 from diloco_jax.wire.epoch import WireError
+from diloco_jax.wire.epoch import connection_key
 from diloco_jax.wire.epoch import endpoint
 from diloco_jax.wire.epoch import epoch_key
 
@@ -113,9 +114,10 @@ class Links:
     self._pull.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
     self._pull.setsockopt(zmq.MAXMSGSIZE, frames.MAX_CHUNK + 1024)  # a bigger frame: cut
     self._pull.setsockopt(zmq.LINGER, 0)
-    # with a token, only this epoch's members finish a handshake (an unfinished message of
-    # anyone else's would otherwise be held without bound: wire/sealed.py)
-    sealed.listen(self._pull, self._key)
+    # with a token, only its holders finish a handshake (an unfinished message of anyone
+    # else's would otherwise be held without bound: wire/sealed.py)
+    sealed.listen(self._pull, connection_key(token))
+    self._handshakes = sealed.Handshakes(self._pull)
     self._bind(endpoint(epoch.address(host)))
     self._push: dict[int, zmq.Socket] = {}
     for peer, address in zip(epoch.hosts, epoch.addresses):
@@ -124,7 +126,7 @@ class Links:
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.LINGER, linger)
         s.setsockopt(zmq.RECONNECT_IVL, 20)
-        sealed.connect(s, self._key)
+        sealed.connect(s, connection_key(token))
         s.connect(endpoint(address))
     self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
     self._reader = threading.Thread(target=self._read, daemon=True,
@@ -139,6 +141,7 @@ class Links:
         return
       except zmq.ZMQError as e:
         if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+          self._handshakes.close()
           self._pull.close(0)
           raise WireError(f"epoch {self.epoch.number}: host {self.host} cannot listen at "
                           f"{where}: {e}") from None
@@ -157,6 +160,7 @@ class Links:
       os.close(self._wake_r)
       os.close(self._wake_w)
       self._wake_r = self._wake_w = -1
+    self._handshakes.close()
     for s in [self._pull, *self._push.values()]:
       s.close()
     self.broken = self.broken or WireError(f"epoch {self.epoch.number} is closed")
@@ -193,11 +197,14 @@ class Links:
     poller = zmq.Poller()
     poller.register(self._pull, zmq.POLLIN)
     poller.register(self._wake_r, zmq.POLLIN)
+    poller.register(self._handshakes.socket, zmq.POLLIN)
     try:
       while True:
         ready = dict(poller.poll())
         if self._wake_r in ready:
           return
+        for _ in range(self._handshakes.read()):  # nothing of it was read: no address
+          self._drops(None, f"its handshake failed ({sealed.STRANGER})")
         while True:  # all that is queued, then back to the poller
           try:
             msg = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)

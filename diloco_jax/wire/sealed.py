@@ -29,6 +29,7 @@ import zmq
 from zmq.utils import monitor
 from zmq.utils import z85
 
+STRANGER = "another join token, or none where the job has one, or not a diloco_jax process"
 FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -65,6 +66,7 @@ class Handshakes:
 
   def __init__(self, sock: zmq.Socket):
     self._monitor = sock.get_monitor_socket(FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    self.socket = self._monitor  # to poll: readable when an event waits
     self._sock = sock
     self.failed = self.said = self.succeeded = 0
 
