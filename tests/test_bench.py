@@ -19,13 +19,13 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "inner_step", "leave",
-           "linkdrop", "memory", "models",
+BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "hosts", "inner_step",
+           "leave", "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "peer_wan", "plan", "poison", "quality", "restart",
            "startup", "stragglers", "wan", "wire")
 HELPERS = {"cpushare", "netns", "report"}  # bench/ modules that are not benches (as _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
-MULTIHOST = {"chaos", "churn", "gpu_check", "leave",
+MULTIHOST = {"chaos", "churn", "gpu_check", "hosts", "leave",
              "linkdrop", "outer_step", "peer", "peer_wan", "quality", "stragglers",
              "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
@@ -48,6 +48,14 @@ DATA_LOADER_KEYS = {"batch_size", "batches", "seconds", "seq_len", "setup_second
                     "tokens_per_sec"}
 DATA_DEMAND_KEYS = {"flops_per_token", "mfu", "model", "params", "peak_flops",
                     "tokens_per_sec"}
+HOSTS_KEYS = {"cpu_count", "jax_imported", "lease_s", "mb", "rounds", "rows", "sums_exact"}
+HOSTS_ROW_KEYS = {
+    "commit_median_s", "commit_p90_s", "commit_requests_per_round", "connections_per_host",
+    "coordinator_cpu_s_per_round", "coordinator_requests_per_round", "epoch_first_sum_s",
+    "epochs", "frames_formula", "frames_per_sum_per_host", "heartbeats_per_round", "host_rss_mb",
+    "hosts", "jax_imported", "join_admitted_s", "join_epoch_change_s", "leave_epoch_change_s",
+    "leave_noticed_s", "payload_bytes_per_sum_per_host", "rounds_committed", "sum_median_s",
+    "sums_exact", "tcp_sockets_per_host", "wall_s"}
 LINKDROP_KEYS = {"drop_s", "env", "heartbeat_timeout", "reference_completed", "rounds", "side",
                  "train_args", "trial"}
 LINKDROP_TRIAL_KEYS = {"attempts", "comparison", "completed", "name"}
@@ -370,6 +378,25 @@ def check_leave(result: dict) -> None:
   assert row["loss_ratio"] == left["final_eval_loss"] / row["uninterrupted"]["final_eval_loss"]
 
 
+def check_hosts(result: dict) -> None:
+  """--smoke: 4 and 6 host processes without jax, one leaving and one joining: every sum
+  the same bits as numpy's over its epoch's members; a socket per member (N-1 PUSH, 1
+  PULL) and 2(N-1) frames per sum per host (each span fits a chunk at --smoke's size)."""
+  has(result, HOSTS_KEYS)
+  assert result["sums_exact"] and not result["jax_imported"]
+  assert [r["hosts"] for r in result["rows"]] == [4, 6]
+  for row in result["rows"]:
+    has(row, HOSTS_ROW_KEYS)
+    n = row["hosts"]
+    assert row["sums_exact"] and row["rounds_committed"] >= result["rounds"]
+    assert row["epochs"] == 3  # all n, n-1 after the leave, n with the joiner
+    assert row["connections_per_host"] == n and row["tcp_sockets_per_host"] >= 2 * (n - 1)
+    assert row["frames_per_sum_per_host"] == row["frames_formula"] == 2 * (n - 1)
+    assert 0 < row["commit_median_s"] <= row["commit_p90_s"] and row["sum_median_s"] > 0
+    assert row["leave_epoch_change_s"] > 0 and row["join_epoch_change_s"] > 0
+    assert row["coordinator_requests_per_round"] >= n  # a commit per member per round
+
+
 def check_wire(result: dict) -> None:
   """--smoke: 2 hosts, gloo and the epoch wire (with and without a MAC) side by side, on
   loopback and on the slow-link pass; the wire's payload per host is the planner's float32
@@ -415,7 +442,7 @@ def check_startup(result: dict) -> None:
                                    "fresh_round_line", "cached_round_line"}
 
 
-CHECKS = {"chaos": check_chaos, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
+CHECKS = {"chaos": check_chaos, "hosts": check_hosts, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
           "eta": check_eta, "gpu_check": check_gpu_check, "inner_step": check_inner_step,
           "leave": check_leave,
           "linkdrop": check_linkdrop,

@@ -1,6 +1,7 @@
-"""Figures of live membership: hosts that leave a running job (bench/leave.py), sync on the
-epoch wire beside sync on gloo through slow links (bench/wan.py's live runs), and goodput
-through churn, live beside restarts (bench/churn.py)."""
+"""Figures of live membership: hosts that leave a running job (bench/leave.py), many hosts
+on the coordinator and the epoch wire (bench/hosts.py), sync on the epoch wire beside sync
+on gloo through slow links (bench/wan.py's live runs), and goodput through churn, live
+beside restarts (bench/churn.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,23 @@ def leave(results: Results) -> dict:
   kills = d["rows"][0]["with_kills"]["kills"]
   return {**d, "table": rows,
           "kills": ", ".join(f"host {h} after round {r}" for r, h in kills.items())}
+
+
+def hosts(results: Results) -> dict:
+  """Per host count: the commit call's latency, the epoch changes, a sum's time and what
+  grows with N; `growth`: each figure at the most hosts over the same at the fewest."""
+  d = results("hosts")
+  rows = [[r["hosts"], f"{1e3 * r['commit_median_s']:.0f} / {1e3 * r['commit_p90_s']:.0f}",
+           f"{r['leave_epoch_change_s']:.2f} / {r['join_epoch_change_s']:.2f}",
+           f"{1e3 * r['sum_median_s']:.0f}", f"{1e3 * r['epoch_first_sum_s']:.0f}",
+           f"{r['connections_per_host']} ({r['tcp_sockets_per_host']})",
+           f"{r['coordinator_requests_per_round']:.0f}", r["frames_per_sum_per_host"]]
+          for r in d["rows"]]
+  few, most = d["rows"][0], d["rows"][-1]
+  growth = {k: most[k] / few[k] for k in (
+      "hosts", "commit_median_s", "sum_median_s", "epoch_first_sum_s",
+      "coordinator_requests_per_round", "coordinator_cpu_s_per_round")}
+  return {**d, "table": rows, "few": few, "most": most, "growth": growth}
 
 
 def wan_live(results: Results) -> dict:
