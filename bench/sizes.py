@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="host 2's CPU quota is the others' over this")
   parser.add_argument("--fast_quota", type=float, default=0.8,
                       help="hosts 0 and 1's CPU quota, of a core each")
-  parser.add_argument("--wire_timeout", type=float, default=5.0)
+  parser.add_argument("--wire_timeout", type=int, default=5)
   parser.add_argument("--rounds_after", type=int, default=4,
                       help="host 2's rounds before the job is stopped")
   parser.add_argument("--deadline_s", type=float, default=1200.0,

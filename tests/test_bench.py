@@ -22,10 +22,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "hosts", "inner_step",
            "leave", "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "peer_wan", "plan", "poison", "quality", "restart",
-           "startup", "stragglers", "wan", "wire")
+           "sizes", "startup", "stragglers", "wan", "wire")
 HELPERS = {"cpushare", "netns", "report"}  # bench/ modules that are not benches (as _*.py):
 # the benches' helpers, and report.py, which renders their results as docs/performance.md
-MULTIHOST = {"chaos", "churn", "gpu_check", "hosts", "leave",
+MULTIHOST = {"chaos", "sizes", "churn", "gpu_check", "hosts", "leave",
              "linkdrop", "outer_step", "peer", "peer_wan", "quality", "stragglers",
              "wan", "wire"}
 TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
@@ -48,6 +48,11 @@ DATA_LOADER_KEYS = {"batch_size", "batches", "seconds", "seq_len", "setup_second
                     "tokens_per_sec"}
 DATA_DEMAND_KEYS = {"flops_per_token", "mfu", "model", "params", "peak_flops",
                     "tokens_per_sec"}
+SIZES_KEYS = {
+    "anchors_equal", "config", "epochs", "exit_codes", "join_after_start_seconds",
+    "join_round", "longest_sum_wait_seconds", "nobody_evicted", "round_seconds_after_join",
+    "round_seconds_before_join", "rounds_shared", "slowdown", "state_bytes",
+    "transfer_over_timeout", "transfer_seconds"}
 HOSTS_KEYS = {"cpu_count", "jax_imported", "lease_s", "mb", "rounds", "rows", "sums_exact"}
 HOSTS_ROW_KEYS = {
     "commit_median_s", "commit_p90_s", "commit_requests_per_round", "connections_per_host",
@@ -397,6 +402,18 @@ def check_hosts(result: dict) -> None:
     assert row["coordinator_requests_per_round"] >= n  # a commit per member per round
 
 
+def check_sizes(result: dict) -> None:
+  """--smoke: host 2 starts late, is admitted with the members' state and trains on with
+  them: every host exits 0, no epoch drops a host before the stop, the last has all three,
+  and host 2's anchor hash is the others' in every round they share."""
+  has(result, SIZES_KEYS)
+  assert result["exit_codes"] == [0, 0, 0]
+  assert result["nobody_evicted"] and result["epochs"][-1]["hosts"] == [0, 1, 2]
+  assert result["anchors_equal"] and result["rounds_shared"] >= 1
+  assert result["state_bytes"] > 0 and result["transfer_seconds"] >= 0
+  assert result["join_round"] >= 1 and result["join_after_start_seconds"] > 0
+
+
 def check_wire(result: dict) -> None:
   """--smoke: 2 hosts, gloo and the epoch wire (with and without a MAC) side by side, on
   loopback and on the slow-link pass; the wire's payload per host is the planner's float32
@@ -442,7 +459,7 @@ def check_startup(result: dict) -> None:
                                    "fresh_round_line", "cached_round_line"}
 
 
-CHECKS = {"chaos": check_chaos, "hosts": check_hosts, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
+CHECKS = {"chaos": check_chaos, "hosts": check_hosts, "sizes": check_sizes, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
           "eta": check_eta, "gpu_check": check_gpu_check, "inner_step": check_inner_step,
           "leave": check_leave,
           "linkdrop": check_linkdrop,
