@@ -507,3 +507,45 @@ def test_a_pause_of_the_coordinator_is_counted_against_no_lease_or_accusation():
   assert ledger.epoch.number == e and ledger.epoch.hosts == (0, 1)
   ledger.expire(11.6)
   assert ledger.epoch.number > e
+
+
+def test_a_leaver_closes_the_wire_only_once_the_op_in_flight_has_ended():
+  """A host that leaves with a sum in flight on its dispatch thread (an async mode's SIGTERM):
+  it tells the coordinator first, its lease then interrupts the op at the op's next check,
+  and the wire's sockets are closed only once the dispatch thread stopped, else left to the
+  process's exit. (7bb7343: the sockets were closed first, under the thread still using
+  them; zmq sockets are not thread safe.)"""
+  order = []
+
+  class Client:
+    timeout_s = 1.0
+
+    def leave(self):
+      order.append("left")
+
+    def close(self):
+      order.append("client closed")
+
+  class FakePeers:
+    def close(self):
+      order.append("wire closed")
+
+  lease = lease_lib.Lease.__new__(lease_lib.Lease)
+  lease.client, lease.host, lease.lost, lease._thread = Client(), 1, None, None
+  lease._stop = threading.Event()
+  lease.epoch = Epoch.of(3, (0, 1), ("127.0.0.1:1", "127.0.0.1:2"))
+  assert lease.interrupt((0, 1)) is None
+  wire = collective_lib.EpochCollective.__new__(collective_lib.EpochCollective)
+  wire.lease, wire._peers = lease, FakePeers()
+
+  def busy(timeout_s):  # the dispatch thread did not stop within the time given
+    order.append(f"drained {timeout_s:g} s?")
+    assert lease.interrupt((0, 1)) == "host 1 left the job"  # its op ends at its next check
+    return False
+
+  wire.close(True, busy)
+  assert order == ["left", "client closed", f"drained {collective_lib.DRAIN_S:g} s?"], order
+  order.clear()
+  wire._peers = FakePeers()
+  wire.close(True, lambda timeout_s: True)
+  assert order == ["client closed", "wire closed"], order  # (left once: it is out already)

@@ -217,5 +217,6 @@ def train_and_evaluate(
       parts.profile.close()
       if parts.lock is not None:
         parts.lock.release()
-      if hasattr(parts.membership, "close"):  # live: leave, so no one waits for the lease
-        parts.membership.close()
+      if hasattr(parts.membership, "close"):  # live: leave, so no one waits for the lease,
+        # and the dispatch thread's op in flight ends before the sockets it uses close
+        parts.membership.close(drained=lambda timeout_s: dispatcher.close(timeout_s))

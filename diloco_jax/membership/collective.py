@@ -218,13 +218,21 @@ class EpochCollective:
       return [bytes(p) for p in _recv_parts(peers, source)]
     return self._unit("sending a checkpoint", op)
 
-  def close(self, leave: bool = True) -> None:
-    if self._peers is not None:
-      self._peers.close()
-      self._peers = None
+  def close(self, leave: bool = True,
+            drained: Callable[[float], bool] = lambda timeout_s: True) -> None:
+    """Leaves (`leave`: tells the coordinator), then closes the wire's sockets once
+    `drained(seconds)` says the thread that runs ops stopped within them. An op may still
+    be running there (an async mode's sum in flight at a leave): leaving first ends it at
+    its next check, and its sockets are never closed under it (zmq sockets are not thread
+    safe: closing one another thread uses can abort the process); if it does not stop in
+    time, they are left to the process's exit."""
     self.lease.close(leave)
+    if self._peers is not None and drained(DRAIN_S):
+      self._peers.close()
+    self._peers = None
 
 
+DRAIN_S = 10.0  # how long a leaver waits for an op in flight to end before it exits
 SELF_BLAME = 3  # failures in a row naming no peer before a host names itself
 MAX_TRIES = 16  # a host's failed tries of one op before it gives up (the others go on)
 MAX_PARTS = 64  # a message's parts at most (meta.json and a file per item)

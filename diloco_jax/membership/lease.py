@@ -364,6 +364,9 @@ class Lease:
         self.client.leave()
       except coordinator_client.CoordinatorError:
         pass  # it drops this host when the lease runs out
+    # an op still running (an async mode's sum in flight, on the dispatch thread) ends at
+    # its next check instead of waiting for peers that have moved on without this host
+    self.lost = self.lost or f"host {self.host} left the job"
     if self._thread is not None:  # (a request in flight ends within the client's timeout)
       self._thread.join(timeout=self.client.timeout_s + 1.0)
       if self._thread.is_alive():  # blocked on a coordinator that does not answer: the

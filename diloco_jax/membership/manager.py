@@ -150,8 +150,11 @@ class Live:
     del host
     return True
 
-  def close(self, leave: bool = True) -> None:
-    self.collective.close(leave)
+  def close(self, leave: bool = True,
+            drained: Callable[[float], bool] = lambda timeout_s: True) -> None:
+    """Leaves; `drained(seconds)`: whether the dispatch thread stopped within them (the
+    wire's sockets are closed only then: `EpochCollective.close`)."""
+    self.collective.close(leave, drained)
 
 
 class LiveReplicas:

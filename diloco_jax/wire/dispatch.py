@@ -46,6 +46,7 @@ class Dispatcher:
     self._jobs: queue.SimpleQueue = queue.SimpleQueue()
     self._failure: CollectiveError | None = None
     self._closed = False
+    self._abandoned = False  # a close gave up waiting for the thread
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
     self._thread.start()
 
@@ -92,8 +93,11 @@ class Dispatcher:
     if not self._closed:
       self._closed = True
       self._jobs.put(_STOP)
-    self._thread.join(timeout)
-    return not self._thread.is_alive()
+    self._thread.join(0.0 if self._abandoned else timeout)
+    # a thread that did not stop in time once is not waited for again (a leaver's op
+    # that does not end: the daemon thread dies with the process)
+    self._abandoned = self._thread.is_alive()
+    return not self._abandoned
 
   def __enter__(self) -> Dispatcher:
     return self
