@@ -54,7 +54,7 @@ SECTIONS = {
     "eta": runs.eta, "restart": runs.restart, "chaos": runs.chaos,
     "stragglers": runs.stragglers, "models": training.models, "memory": training.memory,
     "data": training.data, "linkdrop": runs.linkdrop, "poison": runs.poison,
-    "peer": runs.peer, "plan": planner.plan, "leave": live.leave, "hosts": live.hosts,
+    "peer": runs.peer, "plan": planner.plan, "leave": live.leave, "hosts": live.hosts, "sizes": live.sizes,
     "wan_live": live.wan_live,
     "churn": live.churn, "churn_uninterrupted": live.churn_uninterrupted,
     "startup": runs.startup, "peer_wan": link.peer_wan,

@@ -39,6 +39,29 @@ def hosts(results: Results) -> dict:
   return {**d, "table": rows, "few": few, "most": most, "growth": growth}
 
 
+def sizes(results: Results) -> dict:
+  """The late, slow host with a large state: its figures as table rows, each beside its
+  ratio to the wire timeout that stands for 0.1's fixed deadline."""
+  d = results("sizes")
+  w = d["config"]["wire_timeout"]
+  rows = [
+      ["the shared state host 2 received, and the seconds it took",
+       f"{d['state_bytes'] / 1e6:.0f} MB in {d['transfer_seconds']:.1f} s",
+       f"{d['transfer_over_timeout']:.2f}"],
+      ["seconds from host 2's start to its join", f"{d['join_after_start_seconds']:.0f}", ""],
+      ["host 0's round, median, before / after the join",
+       f"{d['round_seconds_before_join']:.1f} / {d['round_seconds_after_join']:.1f} s",
+       f"{(d['round_seconds_after_join'] - d['round_seconds_before_join']) / w:.2f}"],
+      ["the longest a sum took after the join (waiting for host 2 included)",
+       f"{d['longest_sum_wait_seconds']:.1f} s", f"{d['longest_sum_wait_seconds'] / w:.2f}"],
+      ["epochs until the stop", "; ".join(
+          f"{e['number']}: hosts {', '.join(map(str, e['hosts']))}" for e in d["epochs"]), ""],
+      ["host 2's anchor hash equal to host 0's",
+       f"{'yes' if d['anchors_equal'] else 'NO'}, in the {d['rounds_shared']} rounds they share",
+       ""]]
+  return {**d, "table": rows, "state_mb": d["state_bytes"] / 1e6}
+
+
 def wan_live(results: Results) -> dict:
   """Per rate, the one path's sync (`sync`: host 0 serves the coordinator;
   `sync-live-mac`: a coordinator of its own and a join token) against 0.1's sync on gloo
