@@ -1,8 +1,8 @@
 """Real sizes on a live job: a late host takes a large state through a slow link, then trains
 three times slower than the others; nobody may be evicted.
 
-  sudo python bench/sizes.py [--rate=100] [--d_model=384] [--layers=6] [--late_s=90]
-                             [--slow=3] [--wire_timeout=5] [--rounds_after=4]
+  sudo python bench/sizes.py [--rate=100] [--d_model=448] [--layers=6] [--late_s=90]
+                             [--slow=3] [--wire_timeout=5] [--rounds_after=3]
   python bench/sizes.py --smoke  # seconds, no root: a tiny model on 127.0.0.1, unshaped
 
 Three hosts, each in its own network namespace behind a veth of --rate Mbit/s each way
@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="\n\n".join(__doc__.split("\n\n")[1:]))
   parser.add_argument("--rate", type=float, default=100.0, help="Mbit/s each way per host")
-  parser.add_argument("--d_model", type=int, default=384)
+  parser.add_argument("--d_model", type=int, default=448)
   parser.add_argument("--layers", type=int, default=6)
-  parser.add_argument("--inner_steps", type=int, default=10)
+  parser.add_argument("--inner_steps", type=int, default=4)
   parser.add_argument("--late_s", type=float, default=90.0,
                       help="seconds between the first hosts' start and host 2's")
   parser.add_argument("--slow", type=float, default=3.0,
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--fast_quota", type=float, default=0.8,
                       help="hosts 0 and 1's CPU quota, of a core each")
   parser.add_argument("--wire_timeout", type=int, default=5)
-  parser.add_argument("--rounds_after", type=int, default=4,
+  parser.add_argument("--rounds_after", type=int, default=3,
                       help="host 2's rounds before the job is stopped")
   parser.add_argument("--deadline_s", type=float, default=1200.0,
                       help="the most seconds from host 2's start to the job's stop")
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
   result = {"config": {k: getattr(args, k) for k in (
       "rate", "d_model", "layers", "inner_steps", "late_s", "slow", "fast_quota",
       "wire_timeout", "rounds_after")},
-      "slowdown": slowdown.describe() if slowdown else "none (smoke)",
+      "slowdown": (f"cgroup v1 CPU quotas of {args.fast_quota:g}, {args.fast_quota:g} and "
+                   f"{args.fast_quota / args.slow:.2f} of a core" if slowdown else "none (smoke)"),
       **row, "smoke": args.smoke, **_smoke.provenance("sizes", argv)}
   _smoke.write(args.out, result, indent=2)
   print(f"state {row['state_bytes']} bytes to host 2 in {row['transfer_seconds']:.1f} s "
