@@ -127,7 +127,7 @@ def join(host: int, lease, coll) -> int:
         sys.exit(1)
       time.sleep(0.01)
   time.sleep(READY_DELAY_S)
-  lease.join(60)
+  lease.join()
   coll.admitted()
   source, got, _ = coll.transfer((host,), None)
   raw_header, body = bytes(got[0]), bytes(got[1])

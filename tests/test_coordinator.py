@@ -4,6 +4,7 @@ authenticated with a key from the join token, and a host that outlives the coord
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import zmq
@@ -674,10 +676,12 @@ def test_a_host_that_registers_while_two_members_commit_is_admitted_at_their_bou
     assert (epoch.number, epoch.hosts, epoch.first_step) == (e + 1, (0, 1, 2), 3)
 
 
-def test_a_host_that_finds_the_job_running_probes_then_is_admitted_once_ready():
+def test_a_host_that_finds_the_job_running_probes_then_is_admitted_once_ready(monkeypatch):
   """`Lease.start` on a running job only probes (not ready: no lease, in no list, so no
   boundary admits a host still building); `Lease.join` registers ready, and the members'
-  next boundary admits it, numbered from the op after it."""
+  next boundary admits it, numbered from the op after it, however long the joiner's clock
+  says it waited (an hour at each look: a round may be that long). (7bb7343: a joiner gave
+  up after max(600 s, the wire timeout).)"""
   port = free_port()
   with coordinator(port) as log, clients(port, 1) as (a,):
     e = a.register("a:1").epoch.number
@@ -688,7 +692,10 @@ def test_a_host_that_finds_the_job_running_probes_then_is_admitted_once_ready():
     assert a.heartbeat().number == e and a.pending == ()  # no one waits: nothing to admit
     assert not [line for line in log if "pending" in line], log
     assert not a.commit(e, 1, ok=True, boundary=True).admitted
-    joined = threading.Thread(target=lease.join, args=(5.0,))
+    hours = itertools.count()
+    monkeypatch.setattr(lease_lib, "time", types.SimpleNamespace(
+        monotonic=lambda: time.monotonic() + 3600.0 * next(hours), sleep=time.sleep))
+    joined = threading.Thread(target=lease.join)
     joined.start()
     deadline = time.monotonic() + 5
     while a.heartbeat() and a.pending != (1,) and time.monotonic() < deadline:
@@ -698,6 +705,7 @@ def test_a_host_that_finds_the_job_running_probes_then_is_admitted_once_ready():
     joined.join(timeout=5)
     assert verdict.admitted == (1,) and lease.epoch.hosts == (0, 1)
     assert (lease.epoch.number, lease.epoch.first_step) == (e + 1, 3)
+    monkeypatch.undo()
     lease.close()
 
 

@@ -111,7 +111,7 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
   world = parts.world
   collective = parts.collective
   t = time.perf_counter()
-  world.lease.join(timeout_s=max(600.0, parts.config.wire_timeout))
+  world.lease.join()
   collective.admitted()
   source, got, held = parts.dispatcher.run(collective.transfer, (world.host,), None,
                                            what="receiving the run's state")

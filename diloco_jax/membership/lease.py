@@ -143,9 +143,10 @@ class Lease:
     lease._thread.start()
     return lease
 
-  def join(self, timeout_s: float) -> None:
+  def join(self) -> None:
     """A host that found the job running (`joining`): registers again, now ready, and waits
-    up to `timeout_s` for the members to admit it at a round boundary (an epoch with it)."""
+    for the members to admit it at a round boundary (an epoch with it), as long as the job
+    has members: however long their round is."""
     try:
       registration = self.client.register(self.address, self.host)
     except coordinator_client.JobStopping as e:
@@ -157,18 +158,14 @@ class Lease:
       self._ended()
     print(f"host {self.host}: the job is running (epoch {self.epoch.number}, hosts "
           f"{list(self.epoch.hosts)}); waiting to be admitted at a round boundary", flush=True)
-    deadline = time.monotonic() + timeout_s
+    # No deadline: a round may be longer than any timeout, and the wait ends as soon as
+    # nobody is left to admit this host (the members' leases run out, or they stop)
     while self.host not in self.epoch.hosts:
       if self.lost is not None:
         raise MembershipError(self.lost)
       if self.stopping:
         self._ended("the job it was to join is stopping (every member after the same round, "
                     "with a checkpoint): nothing to join")
-      if time.monotonic() > deadline:
-        raise MembershipError(
-            f"host {self.host}: not admitted within {timeout_s:g} s by hosts "
-            f"{list(self.epoch.hosts)} (a round boundary comes once per round: is the job "
-            "stuck, or is its round longer than that?)")
       time.sleep(min(0.05, self.lease_s / 8))
       self._heartbeat()
     if self.epoch.hosts == (self.host,):  # the last member left while this host waited
