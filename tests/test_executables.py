@@ -62,7 +62,7 @@ def test_another_spec_devices_cpu_or_an_edited_source_file_miss(cache, tmp_path,
     with monkeypatch.context() as m:  # the same workdir, its host now another machine type
       m.setattr(executables, "_cpu", lambda: ["a CPU without this one's instructions"])
       assert executables.load("f", {"v": 1}) is None
-    module.write_text("SCALE = 3.0\n")  # another size: the module's code is not the entry's
+    module.write_text("SCALE = 3.0\n")  # a new modification time: not the entry's code
     assert executables.load("f", {"v": 1}) is None
     executables.compiled("f", {"v": 1}, lower)  # compiled again, and kept in its place
     assert executables.load("f", {"v": 1}) is not None and len(os.listdir(cache)) == 1
@@ -70,6 +70,39 @@ def test_another_spec_devices_cpu_or_an_edited_source_file_miss(cache, tmp_path,
     assert executables.load("f", {"v": 1}) is None
   finally:
     sys.modules.pop("kept_program_source", None)
+
+
+def test_a_new_size_under_the_old_mtime_an_xla_flag_or_a_jax_config_value_miss(
+    cache, tmp_path, monkeypatch):
+  """Each part of the key alone: a source file whose size changed while its modification
+  time was put back (a copy that keeps times, a file system of coarse times), another
+  XLA_FLAGS (XLA builds other code), another value of a jax config option."""
+  module = tmp_path / "kept_program_sized.py"
+  module.write_text("SCALE = 2.0\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  importlib.import_module("kept_program_sized")
+  try:
+    lower, _ = program([])
+    executables.compiled("f", {"v": 1}, lower)
+    assert executables.load("f", {"v": 1}) is not None
+    with monkeypatch.context() as m:
+      m.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+      assert executables.load("f", {"v": 1}) is None
+    assert executables.load("f", {"v": 1}) is not None
+    log_compiles = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", not log_compiles)
+    try:
+      assert executables.load("f", {"v": 1}) is None
+    finally:
+      jax.config.update("jax_log_compiles", log_compiles)
+    assert executables.load("f", {"v": 1}) is not None
+    mtime = os.stat(module).st_mtime_ns
+    module.write_text("SCALE = 20.0\n")
+    os.utime(module, ns=(mtime, mtime))
+    assert os.stat(module).st_mtime_ns == mtime
+    assert executables.load("f", {"v": 1}) is None
+  finally:
+    sys.modules.pop("kept_program_sized", None)
 
 
 def test_bytes_that_are_not_those_written_are_refused_before_xla_reads_them(cache):
