@@ -83,7 +83,7 @@ def worker(spec: dict) -> None:
                                 token=None, timeout_s=spec["timeout_s"])
   if lease.joining:  # the job runs: pending, admitted at the members' next boundary
     out["event_s"] = time.monotonic()
-    lease.join(spec["timeout_s"])
+    lease.join()
     out["admitted_s"] = time.monotonic()
   epoch, step, peers = lease.epoch, lease.epoch.first_step, None
   # The last op: every host agrees on it from the commit that admits the joiner (the same

@@ -181,7 +181,7 @@ def run_hosts(outer) -> dict[str, dict]:
       left.wait(60)
       host = Host(address, 3, outer)
       assert host.lease.joining
-      host.lease.join(60)
+      host.lease.join()
       host.collective.admitted()
       for t in range(JOINS_AFTER + 1, ROUNDS + 1):
         host.round(t)
