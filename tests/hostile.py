@@ -37,7 +37,7 @@ def unfinished_message(port: int, limit: int = 64 << 20, part: int = 8 << 10,
   s = socket.create_connection(("127.0.0.1", port), timeout=5)
   try:
     s.sendall(GREETING + ready(socket_type))
-    time.sleep(0.2)  # the listener answers the greeting (or ends the connection)
+    time.sleep(0.05)  # the listener answers the greeting (or ends the connection)
     while sent < limit:
       s.sendall(block)
       sent += len(block)

@@ -217,7 +217,7 @@ def test_a_live_job_goes_on_through_strangers_frames_and_a_coordinator_restart(t
   assert len(finals) == 1, finals
   # the stranger reached every process, many times: the coordinator before and after its
   # restart, and every host's wire port
-  assert min(stranger.sent.values()) >= 20, stranger.sent
+  assert min(stranger.sent.values()) >= 10, stranger.sent
   assert set(hosts_at_kill) | coordinators <= set(stranger.peak), (stranger.peak, coordinators)
   figures = {f"{'coordinator' if p in coordinators else 'host'} {p}":
              (round(stranger.first[p]), round(stranger.peak[p])) for p in stranger.peak}
@@ -226,8 +226,9 @@ def test_a_live_job_goes_on_through_strangers_frames_and_a_coordinator_restart(t
     assert stranger.peak[p] < 150, figures  # a python process with zmq: ~40 MiB
   for p in hosts_at_kill:
     assert stranger.peak[p] < 640, figures  # a tiny job's host: 450 MiB
+  # a line per address and reason (per process, per epoch on the wire), then one a minute
   handshakes = [line for line in lines if "handshake failed" in line]
-  assert len(handshakes) <= 16, handshakes  # a line per address and reason, then a minute
+  assert 4 * len(handshakes) <= sum(stranger.sent.values()), (handshakes, stranger.sent)
 
 
 def test_host_0_started_again_serves_the_job_anew_and_host_1_goes_on(tmp_path):

@@ -106,7 +106,9 @@ class Client:
     self._endpoint = f"tcp://{host}:{port}"
     self._key = key_for(token)
     self._sealed = token is not None  # CURVE with a key from the token: wire/sealed.py
-    self._ctx = zmq.Context()
+    # the process's shared context: a context of its own, left to the garbage collector
+    # (a Client never closed, in a reference cycle) would block in zmq's term there
+    self._ctx = zmq.Context.instance()
     self._sock: zmq.Socket | None = None
     self._handshakes: sealed.Handshakes | None = None
     # a REQ socket takes send, receive, send...: two threads interleaving break it, and a
@@ -315,6 +317,6 @@ class Client:
     self._sock = self._handshakes = None
 
   def close(self) -> None:
-    if self._sock is not None:
-      self._drop_socket()
-    self._ctx.destroy(linger=0)
+    with self._lock:
+      if self._sock is not None:
+        self._drop_socket()
