@@ -105,7 +105,6 @@ class Client:
     self.address, self.timeout_s = address, timeout_s
     self._endpoint = f"tcp://{host}:{port}"
     self._key = key_for(token)
-    self._sealed = token is not None  # CURVE with a key from the token: wire/sealed.py
     # the process's shared context: a context of its own, left to the garbage collector
     # (a Client never closed, in a reference cycle) would block in zmq's term there
     self._ctx = zmq.Context.instance()
@@ -134,7 +133,8 @@ class Client:
     if self._sock is None:
       self._sock = self._ctx.socket(zmq.REQ)
       self._sock.setsockopt(zmq.LINGER, 0)
-      sealed.connect(self._sock, self._key if self._sealed else None)
+      # CURVE with the key from the token, as the coordinator listens (wire/sealed.py)
+      sealed.connect(self._sock, self._key if protocol.keyed(self._key) else None)
       self._handshakes = sealed.Handshakes(self._sock)
       self._sock.connect(self._endpoint)
     self._sock.send_multipart(sign(self._key, C2S, body))

@@ -116,7 +116,8 @@ class Links:
     self._pull.setsockopt(zmq.LINGER, 0)
     # with a token, only its holders finish a handshake (an unfinished message of anyone
     # else's would otherwise be held without bound: wire/sealed.py)
-    sealed.listen(self._pull, connection_key(token))
+    sealing = connection_key(token)
+    sealed.listen(self._pull, sealing)
     self._handshakes = sealed.Handshakes(self._pull)
     self._bind(endpoint(epoch.address(host)))
     self._push: dict[int, zmq.Socket] = {}
@@ -126,7 +127,7 @@ class Links:
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.LINGER, linger)
         s.setsockopt(zmq.RECONNECT_IVL, 20)
-        sealed.connect(s, connection_key(token))
+        sealed.connect(s, sealing)
         s.connect(endpoint(address))
     self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
     self._reader = threading.Thread(target=self._read, daemon=True,
