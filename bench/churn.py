@@ -21,7 +21,8 @@ live      `--rejoin_after=1`: the coordinator beside the hosts; a host that dies
           SIGUSR1 to the launcher, which starts the spare id, and it joins the same way.
 restart   `--shared_fate`: any event stops every host, and the same command starts all of
           them again from their checkpoints (a frozen host stalls the others until it wakes,
-          or, frozen longer than its lease, is dropped and the job goes on without it);
+          or, frozen longer than its lease, is dropped: it is refused when it wakes, and its
+          exit stops the job, which starts again);
           join_new stops every host with a checkpoint (SIGTERM) and starts one more than
           before.
 
@@ -63,6 +64,7 @@ ROUND = re.compile(r"^\[host (\d+)\] round +(\d+)/")
 JOINED = re.compile(r"^\[host (\d+)\] host \d+ joined at round (\d+): state ([0-9.]+) (\w+) "
                     r"from host (\d+) in ([0-9.]+) s")
 FINAL = re.compile(r"final eval loss ([0-9.]+)")
+FREEZE_ENDS_JOB_S = 10.0  # a dropped host wakes, is refused and exits within (lease 5 s)
 UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -214,8 +216,11 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       back_round = r_joined
     else:
       back = None
-      if kind == "freeze":  # the others waited for it: back at the next round line, or the
-        back = _next_round(out, job, t_event + freeze_s)  # job stopped (a link lost)
+      if kind == "freeze":  # the others waited for it (back at the next round line), or
+        try:  # dropped it (frozen past its lease): it stops the job once it wakes
+          job.wait(timeout=FREEZE_ENDS_JOB_S)
+        except subprocess.TimeoutExpired:
+          back = _next_round(out, job, t_event + freeze_s)
       if back is None:
         code = job.wait()
         if kind not in ("leave", "freeze", "join_new") and code == 0:

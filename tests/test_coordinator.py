@@ -360,15 +360,38 @@ def test_a_host_is_dropped_by_a_majority_of_the_others_and_a_lone_accuser_drops_
   assert "host 2 named by 2 of the 2 others" in log[-1], log[-1]
 
   # votes missing: judged accuse_s after the first not-ok, with the votes in
-  ledger, hosts, log, e = ledger_of(3, accuse_s=2.0)
-  hosts.vote(0, e, 5, now=1.0, ok=False, suspect=2)
-  hosts.vote(1, e, 5, now=1.5, ok=False, suspect=2)
-  for h in range(3):
+  ledger, hosts, log, e = ledger_of(4, accuse_s=2.0)
+  hosts.vote(0, e, 5, now=1.0, ok=False, suspect=3)
+  hosts.vote(1, e, 5, now=1.5, ok=False, suspect=3)
+  for h in range(4):
     hosts.heartbeat(h, now=2.9)
   ledger.expire(2.9)
-  assert ledger.epoch.number == e  # not yet
+  assert ledger.epoch.number == e  # not yet: host 2 may still vote
   ledger.expire(3.0)
-  assert ledger.epoch.hosts == (0, 1) and "host 2 named by 2 of the 2 others" in log[-1]
+  assert ledger.epoch.hosts == (0, 1, 2) and "host 3 named by 2 of the 3 others" in log[-1]
+
+
+def test_the_one_member_every_other_names_leaves_before_its_vote_and_a_lone_one_waits():
+  """A host whose port refuses the others (its process ended: wire/departed.py) is named by
+  all of them: with at least two accusers it leaves at once, since its own vote could not
+  change the judgment; a single accuser (two members) waits accuse_s, as its accusation
+  alone might be the one that is wrong."""
+  ledger, hosts, log, e = ledger_of(3, accuse_s=20.0)
+  assert hosts.vote(0, e, 5, now=1.0, ok=False, suspect=2)["op"] == "wait"
+  assert verdict(hosts.vote(1, e, 5, now=1.1, ok=False, suspect=2)) == (False, e + 1, (0, 1))
+  assert "host 2 named by 2 of the 2 others" in log[-1], log[-1]
+
+  ledger, hosts, log, e = ledger_of(3, accuse_s=20.0)  # one names another host: no rush
+  hosts.vote(0, e, 5, now=1.0, ok=False, suspect=2)
+  assert hosts.vote(1, e, 5, now=1.1, ok=False, suspect=0)["op"] == "wait"
+
+  ledger, hosts, log, e = ledger_of(2, accuse_s=5.0)
+  assert hosts.vote(0, e, 5, now=1.0, ok=False, suspect=1)["op"] == "wait"
+  hosts.heartbeat(1, now=5.9)
+  ledger.expire(5.9)
+  assert ledger.epoch.number == e
+  ledger.expire(6.0)
+  assert ledger.epoch.hosts == (0,) and "host 1 named by 1 of the 1 others" in log[-1]
 
 
 def test_an_op_that_fails_in_every_epoch_ends_the_job_in_one_line():

@@ -310,8 +310,13 @@ MEMBER = textwrap.dedent("""
 """)
 
 
-def test_a_killed_peer_is_named_within_the_timeout_and_the_survivors_go_on():
-  epoch, timeout = make_epoch([0, 1, 2]), 2.0
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_dead_peer_is_named_at_once_a_silent_one_at_the_timeout_and_the_survivors_go_on(how):
+  """Host 2 (a process of its own) sums once, then is killed (its kernel closes its
+  listener: connections to it are refused, and the others name it at once, well within the
+  timeout) or stopped (its sockets stay open: it is silent, named after the timeout)."""
+  epoch = make_epoch([0, 1, 2])
+  timeout = 30.0 if how == "kill" else 2.0
   proc = subprocess.Popen([sys.executable, "-c", MEMBER, ",".join(epoch.addresses)],
                           cwd=REPO, stdout=subprocess.PIPE, text=True)
   wires = [Wire(h, token=TOKEN, timeout_s=timeout) for h in (0, 1)]
@@ -319,8 +324,9 @@ def test_a_killed_peer_is_named_within_the_timeout_and_the_survivors_go_on():
     first = run_all([lambda w=w: w.open(epoch).allreduce_sum(np.full(4, w.host + 1, np.float32))
                      for w in wires])
     assert proc.stdout.readline() == "summed\n"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    if how == "kill":
+      proc.wait()
     start = time.monotonic()
     errors = run_all([lambda w=w: w.peers.allreduce_sum(np.ones(4, np.float32))
                       for w in wires])
@@ -335,8 +341,15 @@ def test_a_killed_peer_is_named_within_the_timeout_and_the_survivors_go_on():
     np.testing.assert_array_equal(got, np.full(4, 6, np.float32))
   for e in errors:
     assert isinstance(e, PeerError) and (e.host, e.epoch) == (2, 1), e
-    assert f"host 2 ({epoch.addresses[2]}) sent nothing for 2 s" in str(e)
-  assert timeout <= waited < timeout + 3
+    if how == "kill":
+      assert (f"host 2 is gone (its connection closed and {epoch.addresses[2]} refuses "
+              "connections: its process ended, or it left the epoch)") in str(e), e
+    else:
+      assert f"host 2 ({epoch.addresses[2]}) sent nothing for 2 s" in str(e)
+  if how == "kill":
+    assert waited < 2.0, waited
+  else:
+    assert timeout <= waited < timeout + 3
   for got in survivors:
     np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
 

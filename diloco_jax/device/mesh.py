@@ -24,7 +24,6 @@ host have, with the figures.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 from typing import NamedTuple
 
@@ -41,6 +40,7 @@ from diloco_jax import units
 from diloco_jax.algo import state as state_lib
 from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
+from diloco_jax.runtime.hostmem import host_memory_available
 
 REPLICA_AXIS, DATA_AXIS, FSDP_AXIS = "replica", "data", "fsdp"
 
@@ -142,27 +142,6 @@ def peak_flops(device: jax.Device) -> float | None:
   (the usual convention: a float32 run shows how far it is from what bf16 would allow)."""
   kind = getattr(device, "device_kind", "")
   return next((peak for name, peak in PEAK_BF16_FLOPS if name in kind), None)
-
-
-def host_memory_available() -> int:
-  """Bytes of host memory this process can still take: /proc/meminfo's MemAvailable (or
-  all physical memory where there is none), less if a cgroup limit leaves less."""
-  available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  try:
-    with open("/proc/meminfo") as f:
-      fields = dict(line.split(":", 1) for line in f)
-    available = int(fields["MemAvailable"].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    pass
-  for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                  "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-    try:
-      with open(limit_file) as f, open(usage_file) as g:
-        available = min(available, int(f.read()) - int(g.read()))  # "max": no limit
-    except (OSError, ValueError):
-      pass
-  return available
 
 
 def device_memory_limit() -> int | None:

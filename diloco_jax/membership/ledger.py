@@ -20,6 +20,7 @@ from diloco_jax.membership.votes import VERDICTS_KEPT  # noqa: F401 -- callers r
 from diloco_jax.membership.votes import MAX_REDOS
 from diloco_jax.membership.votes import Votes
 from diloco_jax.membership.votes import judge
+from diloco_jax.membership.votes import unanimous
 from diloco_jax.runtime import security
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import Member
@@ -368,7 +369,8 @@ class Ledger:
           self._votes.committed(step)
           admitted = self._admit(e, step, votes)
           self._votes.decide(key, True, self.epoch.to_json(), admitted)
-        elif all(h in votes for h in self.epoch.hosts):  # every vote in, one not ok: rule 3
+        elif (all(h in votes for h in self.epoch.hosts)  # every vote in, one not ok: rule 3
+              or unanimous(votes, self.epoch.hosts)):  # or the one missing would leave
           self._judge(step)
     answer = self._votes.answer(key)
     if answer["op"] == "verdict":

@@ -131,5 +131,15 @@ def judge(members: list[int], named: dict[int, int | None]) -> tuple[set[int], s
   return leave, "; ".join(why)
 
 
+def unanimous(votes: dict[int, Vote], members) -> bool:
+  """Whether op's `votes` can be judged before the last member's vote: every member but
+  one voted not ok naming that one, and they are at least two. `judge` then makes it leave
+  whatever it votes (named by every other member; its own accusation backed by one of
+  them at most, which is no majority of two or more)."""
+  silent = [h for h in members if h not in votes]
+  return (len(silent) == 1 and len(votes) >= 2
+          and all(not ok and suspect == silent[0] for ok, suspect, _ in votes.values()))
+
+
 def _ids(hosts) -> str:
   return ",".join(map(str, sorted(hosts)))

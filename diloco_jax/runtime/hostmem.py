@@ -37,6 +37,27 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+def host_memory_available() -> int:
+  """Bytes of host memory this process can still take: /proc/meminfo's MemAvailable (or
+  all physical memory where there is none), less if a cgroup limit leaves less."""
+  available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    pass
+  for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                  "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    try:
+      with open(limit_file) as f, open(usage_file) as g:
+        available = min(available, int(f.read()) - int(g.read()))  # "max": no limit
+    except (OSError, ValueError):
+      pass
+  return available
+
+
 @functools.cache
 def _libc():
   name = ctypes.util.find_library("c")

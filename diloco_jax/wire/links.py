@@ -22,6 +22,8 @@ from typing import Callable
 import numpy as np
 import zmq
 
+from diloco_jax.runtime import hostmem
+from diloco_jax.wire import departed
 from diloco_jax.wire import frames
 from diloco_jax.wire import sealed
 from diloco_jax.wire.droplog import DropLog
@@ -43,18 +45,6 @@ BIND_RETRY_S = 5.0  # the last epoch's listener on the same port may still be cl
 def _warn(line: str) -> None:
   from absl import logging  # pylint: disable=import-outside-toplevel
   logging.warning("%s", line)
-
-
-def free_memory() -> int:
-  """Bytes this host can still allocate (the kernel's MemAvailable; 2**62 where unknown)."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return 1 << 62
 
 
 def as_bytes(a: np.ndarray) -> memoryview:
@@ -129,6 +119,7 @@ class Links:
         s.setsockopt(zmq.RECONNECT_IVL, 20)
         sealed.connect(s, sealing)
         s.connect(endpoint(address))
+    self._departures = departed.Departures(self._push, dict(zip(epoch.hosts, epoch.addresses)))
     self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
     self._reader = threading.Thread(target=self._read, daemon=True,
                                     name=f"wire epoch {epoch.number} host {host}")
@@ -162,6 +153,7 @@ class Links:
       os.close(self._wake_w)
       self._wake_r = self._wake_w = -1
     self._handshakes.close()
+    self._departures.close()
     for s in [self._pull, *self._push.values()]:
       s.close()
     self.broken = self.broken or WireError(f"epoch {self.epoch.number} is closed")
@@ -199,11 +191,16 @@ class Links:
     poller.register(self._pull, zmq.POLLIN)
     poller.register(self._wake_r, zmq.POLLIN)
     poller.register(self._handshakes.socket, zmq.POLLIN)
+    for monitor in self._departures.sockets:
+      poller.register(monitor, zmq.POLLIN)
     try:
       while True:
         ready = dict(poller.poll())
         if self._wake_r in ready:
           return
+        for monitor in self._departures.sockets:
+          if monitor in ready:
+            self._departures.read(monitor)
         for _ in range(self._handshakes.read()):  # nothing of it was read: no address
           self._drops(None, f"its handshake failed ({sealed.STRANGER})")
         while True:  # all that is queued, then back to the poller
@@ -266,6 +263,10 @@ class Links:
     self._arrived.wait(max(0.0, min(until - time.monotonic(), INTERRUPT_EVERY_S)))
 
   def _check_interrupt(self, host: int, what: str) -> None:
+    if gone := self._departures.gone():  # any peer's: the op cannot complete in this epoch
+      raise PeerError(f"epoch {self.epoch.number}: host {gone[0]} is gone ({gone[1]}), seen "
+                      f"from host {self.host} during {what}", epoch=self.epoch.number,
+                      host=gone[0])
     now = time.monotonic()
     if self._interrupt is None or now - self._asked < INTERRUPT_EVERY_S:
       return
@@ -358,7 +359,7 @@ class Links:
     chunks = self.chunks(src, kind, None if out is None else out.nbytes, what)
     total = next(chunks)
     if out is None:
-      room = free_memory()
+      room = hostmem.host_memory_available()
       if total > room:  # a size no honest peer sends: refused before any allocation
         raise PeerError(f"epoch {self.epoch.number}: host {src} announced {total} bytes for "
                         f"{what}, more than the {room} this host has free (seen from host "
