@@ -26,12 +26,21 @@ restart   `--shared_fate`: any event stops every host, and the same command star
           join_new stops every host with a checkpoint (SIGTERM) and starts one more than
           before.
 
+Every host id computes within a CPU quota of its own, the same for each (bench/cpushare.py;
+--no-quota: all on every core): a joiner's compile cannot take the members' cores, and a host
+that is away leaves its share unused, as a machine of its own would.
+
 Goodput = the tokens the job kept (every round once, times the replicas that took part) ÷
-(the uninterrupted run's tokens/s on the same path × the wall time), as Decoupled DiLoCo
-counts it; the uninterrupted run has --hosts hosts, and after a join_new the job has one
-more (on a machine whose cores every host shares, that adds replicas, not tokens/s). Per event: the seconds until the job is whole again ("back": the joiner's line
-on the live path, the restarted job's first round line on the other), a joiner's start to
-its join and the state it received. Writes bench/results/churn.json.
+the tokens the uninterrupted run would have trained meanwhile: its tokens/s per host × the
+host-seconds the job had (the --hosts hosts for the whole wall time; after a join_new one
+more, from its event on), as Decoupled DiLoCo counts it. (--no-quota: the uninterrupted
+run's tokens/s × the wall time, whatever the hosts: on shared cores a host more adds
+replicas, not tokens/s.) Per event: the seconds until the job is whole again ("back": the
+joiner's line on the live path, the restarted job's first round line on the other), a
+joiner's start to its join and the state it received, and the members' round time while it
+was away (`members_round_s`, the median from the second round after the event; the first,
+`first_round_s`, waited for the lost host), beside the uninterrupted run's (`round_s`).
+Writes bench/results/churn.json.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +64,7 @@ sys.path.insert(0, REPO)
 
 from bench import _smoke  # noqa: E402
 from bench import chaos  # noqa: E402
+from bench import cpushare  # noqa: E402
 
 KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer", "join_new")
 ONCE = ("join_new",)  # one spare host id
@@ -96,6 +107,43 @@ class Output:
         if m := ROUND.match(line):
           return int(m.group(2)), int(m.group(1))
     return 0, 0
+
+
+class Quotas:
+  """Every trainer whose command line names `marker` (this bench's directory), moved into
+  the cgroup of its host id as soon as it is seen (`cpushare.Placement`: the same CPU quota
+  for each id): a joiner that compiles cannot take the members' cores, and a host that is
+  away leaves its share unused, as on a machine of its own."""
+
+  def __init__(self, placement: cpushare.Placement, marker: str):
+    self.placement, self.marker = placement, marker
+    self._seen: dict[str, float] = {}  # pid -> when first seen (a fork may exec later)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._follow, daemon=True)
+    if placement.quota:
+      self._thread.start()
+
+  def _follow(self) -> None:
+    while not self._stop.wait(0.02):
+      now = time.monotonic()
+      for pid in os.listdir("/proc"):
+        first = self._seen.setdefault(pid, now)
+        if not pid.isdigit() or now - first > 2.0:
+          continue  # decided: not a host (a host is moved on its first sight as one)
+        try:
+          with open(f"/proc/{pid}/cmdline") as f:
+            cmd = f.read().split("\0")
+          if "diloco_jax.train" in cmd and any(self.marker in a for a in cmd):
+            host = next(int(a.split("=")[1]) for a in cmd if a.startswith("--host_id="))
+            self.placement.place(host, int(pid))
+            self._seen[pid] = -1e9
+        except (OSError, StopIteration, ValueError):
+          continue  # gone already, or not a host
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
 
 
 def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
@@ -180,7 +228,7 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
   live, out = path == "live", Output(log)
   t0 = time.monotonic()
   job = launcher(workdir, hosts, flags, live, spare, baseline if path == "base" else None)
-  readers, events = [out.follow(job)], []
+  readers, events, added = [out.follow(job)], [], []  # added: when each join_new came
   back_round, now_hosts, hosts_from = 0, hosts, [(1, hosts)]
   for kind, victim in plan:
     if not wait_round(out, job, back_round + rng.randint(2, 5)):
@@ -192,6 +240,7 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       break
     t_event = time.monotonic()
     if kind == "join_new":  # live: the launcher starts the spare id; else all stop
+      added.append(t_event)
       job.send_signal(signal.SIGUSR1 if live else signal.SIGTERM)
     elif kind in ("kill", "kill_wipe", "kill_writer"):
       os.kill(pid, signal.SIGKILL)
@@ -242,13 +291,23 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
   code = job.wait()
   for thread in readers:
     thread.join(timeout=10)
-  wall = time.monotonic() - t0
+  end = time.monotonic()
+  wall = end - t0
   recs = records(workdir, hosts + 1)
   text = "".join(line for _, line in out.lines)
   final = FINAL.findall(text)
+  for event in events:  # the members' rounds while the host was away (not the first: it
+    away = range(event["round"] + 2, event.get("joined_at", 0) + 1)  # waited for the lost)
+    times = [recs[r]["round_time"] for r in away if "round_time" in recs.get(r, {})]
+    if times:
+      event["members_round_s"] = statistics.median(times)
+    if "round_time" in recs.get(event["round"] + 1, {}):
+      event["first_round_s"] = recs[event["round"] + 1]["round_time"]
+  steady = [rec["round_time"] for r, rec in recs.items() if r > 2 and "round_time" in rec]
   return {"wall_s": wall, "exit": code, "rounds_completed": max(recs, default=0),
           "kept_tokens": kept_tokens(recs, hosts + (live and spare), hosts_from),
-          "events": events,
+          "host_seconds": hosts * wall + sum(end - t for t in added),
+          "round_s": statistics.median(steady) if steady else None, "events": events,
           "final_eval_loss": float(final[-1]) if final else None}
 
 
@@ -279,6 +338,17 @@ def _next_round(out: Output, job, since: float):
   return None
 
 
+def goodput(ref: dict, churn: dict, quota: bool) -> float:
+  """The tokens `churn` kept ÷ those the uninterrupted run `ref` would have trained in the
+  same time. With a quota per host id, the hosts the job had (a join_new adds one from its
+  event on: `host_seconds`) at the uninterrupted run's tokens/s per host; without, cores
+  every host shares: the job's tokens/s whatever its hosts."""
+  if quota:
+    return churn["kept_tokens"] / (ref["kept_tokens"] / ref["host_seconds"]
+                                   * churn["host_seconds"])
+  return churn["kept_tokens"] / (ref["kept_tokens"] / ref["wall_s"] * churn["wall_s"])
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
@@ -295,6 +365,10 @@ def main(argv: list[str] | None = None) -> None:
                       help="a checkout of another diloco_jax version (e.g. `git worktree add "
                            "/tmp/base 7bb7343`), whose uninterrupted run is path base")
   parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
+  parser.add_argument("--quota", action=argparse.BooleanOptionalAction, default=True,
+                      help="each host id an equal CPU quota (bench/cpushare.py; root and the "
+                           "cgroup cpu controller) where the ids outnumber the cores; "
+                           "--no-quota: every host on every core (never in --smoke)")
   args = _smoke.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
   paths = [p for p in args.paths.split(",") if p]
   if args.hosts < 2 or not paths or set(paths) - {"live", "restart", "base"}:
@@ -313,15 +387,20 @@ def main(argv: list[str] | None = None) -> None:
            "--config.wire_timeout=120", "--heartbeat_timeout=20",
            *(SMOKE_FLAGS if args.smoke else [])]
   root = tempfile.mkdtemp(prefix="bench_churn_")
+  spare_id = any(kind in ONCE for kind, _ in plan)
+  placement = cpushare.Placement(args.hosts + spare_id, args.quota and not args.smoke)
   log_dir = (os.path.dirname(args.out) if args.smoke
              else tempfile.mkdtemp(prefix="bench_churn_log_"))
   log_path = os.path.join(log_dir, "churn.log")
   result = {"smoke": args.smoke, "hosts": args.hosts, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "seed": args.seed, "freeze_s": args.freeze_s,
             "cpu_count": os.cpu_count(), "plan": [list(p) for p in plan], "paths": {},
-            "log": log_path}
+            "log": log_path, "placement": placement.describe(),
+            "quota": placement.share if placement.quota else None}
+  quotas = None
   try:
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, placement:
+      quotas = Quotas(placement, root)
       for path in paths:
         # live: both runs with the spare id the plan's join_new starts (the same job)
         spare = any(kind in ONCE for kind, _ in plan) and path != "base"
@@ -333,14 +412,22 @@ def main(argv: list[str] | None = None) -> None:
           continue
         churn = run(path, os.path.join(root, path), args.hosts, flags, plan, log,
                     args.freeze_s, random.Random(args.seed + 1), spare)
-        rate = ref["kept_tokens"] / ref["wall_s"]
-        churn["goodput"] = churn["kept_tokens"] / (rate * churn["wall_s"])
+        churn["goodput"] = goodput(ref, churn, placement.quota)
         result["paths"][path] = {"uninterrupted": ref, "churn": churn}
         print(f"{path}: uninterrupted {ref['wall_s']:.1f} s; through {len(churn['events'])} "
               f"events {churn['wall_s']:.1f} s, goodput {churn['goodput']:.2f}, final eval "
               f"loss {churn['final_eval_loss']} (uninterrupted {ref['final_eval_loss']})",
               flush=True)
+        if path == "live" and ref["round_s"]:
+          away = [f"{e['kind']} {e['members_round_s'] / ref['round_s']:.2f}"
+                  for e in churn["events"] if "members_round_s" in e]
+          print(f"{path}: the members' round time while a host was away, against "
+                f"uninterrupted ({ref['round_s'] * 1000:.0f} ms): {', '.join(away)}",
+                flush=True)
+      quotas.close()  # (before the cgroups go: the last host processes have ended)
   finally:
+    if quotas is not None:
+      quotas.close()
     shutil.rmtree(root, ignore_errors=True)
   result.update(_smoke.provenance("churn", argv))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

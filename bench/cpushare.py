@@ -76,6 +76,12 @@ class Placement:
       except OSError as e:
         print(f"WARNING: cgroup {path} left behind: {e}", file=sys.stderr)
 
+  def place(self, i: int, pid: int) -> None:
+    """Moves process `pid` (all its threads) into host i's cgroup, where there is one (a
+    process started by another, e.g. a launcher's host)."""
+    if self.quota:
+      _write(os.path.join(self._path(i), "cgroup.procs"), pid)
+
   def command(self, i: int, argv: list[str]) -> list[str]:
     if not self.pin:
       return argv
