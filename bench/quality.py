@@ -144,7 +144,7 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
 def plot(rows: list[dict], path: str) -> None:
   import matplotlib
 
-  from diloco_jax.reporting import metrics
+  from diloco_jax.reporting import plots
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
@@ -153,7 +153,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.annotate(row["method"], (max(row["total_bytes"], 1), row["final_eval_loss"]),
                 textcoords="offset points", xytext=(4, 4), fontsize=8)
   ax.set_xscale("log")
-  metrics.save_figure(fig, ax, path, xlabel="bytes host 0 sent in all (log)",
+  plots.save_figure(fig, ax, path, xlabel="bytes host 0 sent in all (log)",
                       ylabel="final eval loss (nats/token)",
                       title="What each method learns per byte (K = 4, same tokens)")
 

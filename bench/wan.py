@@ -239,7 +239,7 @@ def checkout(path: str | None) -> str | None:
 def plot(rows: list[dict], path: str, title: str) -> None:
   import matplotlib
 
-  from diloco_jax.reporting import metrics
+  from diloco_jax.reporting import plots
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
@@ -247,7 +247,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     if row["curve"]:
       xs, ys = zip(*row["curve"])
       ax.plot(xs, ys, "o-", markersize=3, label=f"{row['mode']} ({row['wall_s']:.0f} s)")
-  metrics.save_figure(fig, ax, path, xlabel="wall-clock time (s, round 1 excluded)",
+  plots.save_figure(fig, ax, path, xlabel="wall-clock time (s, round 1 excluded)",
                       ylabel="eval loss (nats/token)", title=title)
 
 

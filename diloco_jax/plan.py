@@ -210,7 +210,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
-  from diloco_jax.reporting import metrics  # pylint: disable=import-outside-toplevel
+  from diloco_jax.reporting import plots  # pylint: disable=import-outside-toplevel
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
   hosts = rows[0][0].hosts
   lines: dict[tuple, list] = {}
@@ -221,7 +221,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
     xs, ys = zip(*sorted(points))
     ax.plot(xs, [100 * y for y in ys], "o-", markersize=3, label=f"{mode}, {fmt}")
   ax.set_xscale("log")
-  metrics.save_figure(fig, ax, path, xlabel="H (inner steps per round)",
+  plots.save_figure(fig, ax, path, xlabel="H (inner steps per round)",
                       ylabel="compute utilization (%)", title=title)
 
 

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 
 import pytest
 
@@ -286,3 +287,42 @@ def test_a_refusal_every_host_agrees_on_ends_every_process_with_its_line(tmp_pat
     assert len(refusals) == 1 and "config.inner_steps = 5" in refusals[0], out[-6000:]
     assert f"host {h} exited with code 1" in out
   assert "Traceback" not in out and "signal 6" not in out and "Check failed" not in out
+
+
+def test_a_host_frozen_past_its_lease_joins_again_in_the_same_process(tmp_path):
+  """Host 2 is SIGSTOPped longer than its lease, mid-run of an async mode (a sum in flight
+  on its dispatch thread). The others drop it and train on; woken, it finds itself out of
+  the job and joins it again in the same process (no launcher restarts anything here): its
+  failed ops end, it takes the members' state at a round boundary and trains on with them
+  to the stop, every round's outer state compared across hosts (debug_checks). (7bb7343:
+  it stopped with exit 1, and only a launcher with --rejoin_after brought it back.)"""
+  launcher = _live_job(tmp_path, "--config.mode=delayed", "--config.debug_checks=True",
+                       rounds=1000)
+  lines, pid, rejoined, stopped = [], None, None, False
+  for line in launcher.stdout:
+    lines.append(line)
+    m = re.search(r"^\[host \d\] round +(\d+)/", line)
+    if pid is None and m and int(m.group(1)) >= 3:
+      pid = next(p for p in multihost.children(launcher.pid)
+                 if "--host_id=2" in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
+      os.kill(pid, signal.SIGSTOP)
+      time.sleep(7.0)  # the lease is 3 s
+      os.kill(pid, signal.SIGCONT)
+    if rejoined is None and (j := re.search(r"^\[host 2\] host 2 joined at round (\d+)", line)):
+      rejoined = int(j.group(1))
+    if rejoined and m and int(m.group(1)) >= rejoined + 4 and not stopped:
+      launcher.send_signal(signal.SIGTERM)  # every host stops after the same round
+      stopped = True
+  launcher.wait(timeout=300)
+  text = "".join(lines)
+  assert launcher.returncode == 0 and rejoined, text[-6000:]
+  assert re.search(r"\[host 2\] host 2: .*(not in the job any more|dropped from the job).*; "
+                   r"it joins the job again", text), text[-6000:]
+  assert multihost.alive(pid) is False and "starting host 2 again" not in text
+  assert "Traceback" not in text, text[-6000:]
+  mine = {h: records(os.path.join(tmp_path, f"host{h}")) for h in range(3)}
+  assert len({rs[-1]["round"] for rs in mine.values()}) == 1, mine  # stopped together
+  assert len({rs[-1]["anchor_hash"] for rs in mine.values()}) == 1
+  rounds2 = [r["round"] for r in mine[2]]
+  after = [r for r in rounds2 if r > rejoined]  # contiguous from its return on
+  assert after == list(range(rejoined + 1, rounds2[-1] + 1)), rounds2

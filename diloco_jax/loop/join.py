@@ -130,6 +130,20 @@ def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
   return state
 
 
+def again(parts, state: state_lib.RunState, dropped: BaseException) -> state_lib.RunState:
+  """A member dropped from a job that goes on (`lease.Dropped`: frozen or cut off past its
+  lease) joins it again in this process, as a host started late would: its ops in flight
+  have failed, its open rounds are the members' to record, and it continues from the
+  state they send (its compiled programs, data and connections kept)."""
+  print(f"{dropped}; it joins the job again", flush=True)
+  parts.dispatcher.recover()
+  parts.collective.rejoin()
+  parts.world.lease.rejoin()
+  parts.membership.join_due()  # what the sums said before: not this host's to act on
+  parts.log.forget()
+  return receive(parts, state)
+
+
 def restore_message(parts, state: state_lib.RunState, got: list[bytes], where: str,
                     held: list[str] | None = None) -> tuple[state_lib.RunState, int]:
   """The state a joiner continues from, out of a member's `message_of`, each part checked
@@ -183,17 +197,21 @@ def own_for_joiner(sent_own, replicas: int):
 
 
 def _like(parts, state: state_lib.RunState, arrived: int) -> dict:
-  """The shapes of the files: the shared state, in eager mode one replica's own outer
-  state, and each arrived mean (a Δ without its replica axis)."""
+  """The shapes of the files (zeros: `state`'s values are not read, and a host dropped
+  mid-round holds arrays its failed round consumed): the shared state, in eager mode one
+  replica's own outer state, and each arrived mean (a Δ without its replica axis)."""
+  def zeros(x, shape=None):
+    return np.zeros(np.shape(x) if shape is None else shape, x.dtype)
   shared, own = parts.driver.split(state.outer._replace(inflight=()))
-  like = {"shared": shared}
+  like = {"shared": jax.tree.map(zeros, shared)}
   if "outer" in own:
-    like["own"] = {"outer": jax.tree.map(lambda x: np.asarray(x)[:1], own["outer"])}
+    like["own"] = {"outer": jax.tree.map(lambda x: zeros(x, (1, *np.shape(x)[1:])),
+                                         own["outer"])}
   if arrived:
-    sent = parts.driver.sent_at_boundary(state.replicas.params)
-    mean = jax.tree.map(lambda x: np.zeros(np.shape(x)[1:], np.float32), sent)
+    sent = jax.eval_shape(parts.driver.sent_at_boundary, state.replicas.params)
+    mean = jax.tree.map(lambda x: zeros(x, np.shape(x)[1:]), sent)
     like["arrived"] = {"means": [mean for _ in range(arrived)]}
-  return jax.tree.map(np.asarray, like)
+  return like
 
 
 def _arrived(parts, outer, replicas, saved: dict, mean) -> exchange_lib.Pending:

@@ -27,8 +27,10 @@ from diloco_jax.loop import resume as resume_lib
 from diloco_jax.loop import rounds
 from diloco_jax.loop import runinfo
 from diloco_jax.loop import state as state_lib
+from diloco_jax.membership import lease as lease_lib
 from diloco_jax.modes import base as modes_base
 from diloco_jax.reporting import metrics
+from diloco_jax.reporting import plots
 from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import hostmem
@@ -101,26 +103,23 @@ class Trainer:
     every, preempted_at = parts.config.checkpoint.every, None
     parts.membership.started()
 
-    t_round = time.perf_counter()
-    for r in range(done + 1, parts.num_rounds + 1):
-      parts.profile.before_round(r)
-      with profiling.annotate(f"round {r}"):
-        self.run_round(r)
-      parts.profile.after_round(r, self.state.replicas)
-      parts.log.printing = parts.prints  # live membership: the lowest live host, now
-      parts.log.write_through(r - 1)  # read after round r's work was dispatched
-      parts.log.timed(r, time.perf_counter() - t_round, steady=not parts.profile.covers(r),
-                      tokens=sum(parts.pacer.steps(r)) * parts.replicas_per_host
-                      * parts.tokens_per_replica_step)
-      preempted = parts.preemption.reached(r)
-      if r < parts.num_rounds and (preempted or (every and r % every == 0)):
-        self._save(r)
-      if preempted and r < parts.num_rounds:
+    r, t_round = done + 1, time.perf_counter()
+    while r <= parts.num_rounds:
+      try:
+        preempted = self._round(r, t_round, every)
+      except (dispatch.CollectiveError, lease_lib.Dropped) as e:
+        dropped = e if isinstance(e, lease_lib.Dropped) else e.__cause__
+        if not isinstance(dropped, lease_lib.Dropped):
+          raise
+        # live: the job went on without this host (frozen or cut off past its lease)
+        self.state = join_lib.again(parts, self.state, dropped)
+        r, t_round = self.state.round + 1, time.perf_counter()
+        continue
+      if preempted:
         preempted_at = r
         break
-      if parts.membership.join_due() and r < parts.num_rounds:  # live: a host waits
-        self.state = join_lib.admit(parts, self.state, r)
-      t_round = time.perf_counter()  # the save's blocking part is in the next round
+      # the save's blocking part is in the next round
+      r, t_round = r + 1, time.perf_counter()
 
     parts.bar.close()
     final_params = final_eval = None
@@ -141,7 +140,7 @@ class Trainer:
                        unigram=spec.unigram_loss, elapsed=parts.log.elapsed,
                        num_rounds=parts.num_rounds, title=title)
       else:  # a live job's other hosts: the plot in their own workdir, no line
-        metrics.plot_losses(records, os.path.join(parts.workdir, "loss.png"),
+        plots.plot_losses(records, os.path.join(parts.workdir, "loss.png"),
                             floor=spec.floor, unigram=spec.unigram_loss, title=title)
     state = self.state
     return TrainResult(final_params if preempted_at is None else
@@ -149,6 +148,28 @@ class Trainer:
                        state.outer.state, state.replicas, parts.log.writer.records,
                        {"inner_step": parts.inner.traces, "eval_step": parts.eval_step.traces},
                        preempted_at)
+
+  def _round(self, r: int, t_round: float, every: int) -> bool:
+    """Round r and what follows it: its records, a checkpoint when due, an admission when
+    a host waits (live). Returns whether a preemption stops the run after it."""
+    parts = self.parts
+    parts.profile.before_round(r)
+    with profiling.annotate(f"round {r}"):
+      self.run_round(r)
+    parts.profile.after_round(r, self.state.replicas)
+    parts.log.printing = parts.prints  # live membership: the lowest live host, now
+    parts.log.write_through(r - 1)  # read after round r's work was dispatched
+    parts.log.timed(r, time.perf_counter() - t_round, steady=not parts.profile.covers(r),
+                    tokens=sum(parts.pacer.steps(r)) * parts.replicas_per_host
+                    * parts.tokens_per_replica_step)
+    preempted = parts.preemption.reached(r)
+    if r < parts.num_rounds and (preempted or (every and r % every == 0)):
+      self._save(r)
+    if preempted and r < parts.num_rounds:
+      return True
+    if parts.membership.join_due() and r < parts.num_rounds:  # live: a host waits
+      self.state = join_lib.admit(parts, self.state, r)
+    return False
 
   def finish_run(self) -> tuple[Any, Any]:
     """After the last round: apply what is still in flight, evaluate the final model,

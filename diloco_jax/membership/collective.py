@@ -54,6 +54,13 @@ class EpochCollective:
     self.left: list[int] = []  # hosts that left, in the order they did
     self.joined: list[int] = []  # hosts admitted since the start, in the order they were
 
+  def rejoin(self) -> None:
+    """After `lease_lib.Dropped`, once no op runs: the last epoch's connections closed
+    (`admitted` then takes the epoch that admits this host again)."""
+    if self._peers is not None:
+      self._peers.close()
+      self._peers = None
+
   def admitted(self) -> None:
     """A host that joined: the epoch that admitted it (`lease.join`), whose ops it numbers
     from the epoch's first, like its members."""

@@ -15,6 +15,9 @@ this host: the host registers again under its id, saying how many ops it committ
 whom (`resume`), and takes the verdict on the op it waited on from the epoch the new
 coordinator opens (`_resumed`). Only a coordinator away for longer than the grace ends the
 run here, with one line; checkpoints already written are untouched.
+
+A host whose lease ran out while the job went on (frozen, cut off) is `Dropped` when it
+wakes: the trainer then makes it a joiner again in the same process (`rejoin`, then `join`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from diloco_jax.runtime import security
 class MembershipError(errors.DilocoError, RuntimeError):
   """This host is no longer in the job: the coordinator was lost, or dropped this host."""
   prefix = "Membership"
+
+
+class Dropped(MembershipError):
+  """This host is out of the job, which goes on without it (its lease ran out while it was
+  frozen or cut off, or its peers found it silent): it can join again (`Lease.rejoin`)."""
 
 
 class JobEnded(MembershipError):
@@ -82,6 +90,7 @@ class Lease:
     # once it is ready to take the members' state, and is in no epoch until then.
     self.joining = registration.pending
     self.lost: str | None = None  # why this host is out of the job, once it is
+    self.dropped = False  # out of a job that goes on (`Dropped`): it may join again
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -162,7 +171,7 @@ class Lease:
     # nobody is left to admit this host (the members' leases run out, or they stop)
     while self.host not in self.epoch.hosts:
       if self.lost is not None:
-        raise MembershipError(self.lost)
+        raise self._out()
       if self.stopping:
         self._ended("the job it was to join is stopping (every member after the same round, "
                     "with a checkpoint): nothing to join")
@@ -217,6 +226,24 @@ class Lease:
     if epoch.number > self.epoch.number:
       self.epoch = epoch
 
+  def _drop(self, why: str) -> None:
+    if self.lost is None:
+      self.lost, self.dropped = why, True
+
+  def _out(self) -> MembershipError:
+    return (Dropped if self.dropped else MembershipError)(self.lost)
+
+  def rejoin(self) -> None:
+    """After `Dropped`: this process becomes a joiner (`join` registers it ready and waits
+    for a round boundary; it then takes the members' state, as a host started late)."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=self.client.timeout_s + 1.0)
+    self._stop, self._thread = threading.Event(), None
+    with self._back:
+      self.lost, self.dropped, self.joining, self.position = None, False, True, 0
+      self.client.registration = None
+
   def _say(self, line: str) -> None:
     print(f"host {self.host}: {line}", file=sys.stderr, flush=True)
 
@@ -257,8 +284,8 @@ class Lease:
       except coordinator_client.CoordinatorLost as e:
         self._away(e)
         return
-      except coordinator_client.CoordinatorError as e:
-        self.lost = self.lost or f"host {self.host}: {e}"
+      except coordinator_client.CoordinatorError as e:  # the job went on without it
+        self._drop(f"host {self.host}: {e}")
         return
       self._boot, self.epoch = registration.epoch.boot, registration.epoch
       self._present()
@@ -270,7 +297,7 @@ class Lease:
     once every host is back, the new epoch continues at the highest op any committed."""
     while True:
       if self.lost is not None:
-        raise MembershipError(self.lost)
+        raise self._out()
       self._heartbeat()
       if self.client.registration is not None and not self.client.rebuilding:
         break
@@ -280,10 +307,10 @@ class Lease:
       return coordinator_client.Verdict(True, self.epoch)
     if first == step:
       return coordinator_client.Verdict(False, self.epoch)
-    self.lost = (f"host {self.host}: after the coordinator's restart the other hosts continue "
-                 f"at op {first}, and this host {'held' if ok else 'failed'} op {step}: it "
-                 "cannot go on with them (start it again to join them)")
-    raise MembershipError(self.lost)
+    self._drop(f"host {self.host}: after the coordinator's restart the other hosts continue "
+               f"at op {first}, and this host {'held' if ok else 'failed'} op {step}: it "
+               "cannot go on with them (it joins them again)")
+    raise self._out()
 
   def _renew(self) -> None:
     try:
@@ -324,7 +351,7 @@ class Lease:
       self.position = step
     while True:
       if self.lost is not None:
-        raise MembershipError(self.lost)
+        raise self._out()
       try:
         verdict = self.client.commit(epoch, step, ok, suspect, boundary=boundary)
         break
@@ -347,9 +374,9 @@ class Lease:
     if verdict.epoch.number > self.epoch.number:
       self.epoch = verdict.epoch
     if self.host not in verdict.epoch.hosts:
-      self.lost = (f"host {self.host}: dropped from the job at epoch {verdict.epoch.number} "
-                   "(its peers found it silent)")
-      raise MembershipError(self.lost)
+      self._drop(f"host {self.host}: dropped from the job at epoch {verdict.epoch.number} "
+                 "(its peers found it silent)")
+      raise self._out()
     return verdict
 
   def close(self, leave: bool = True) -> None:

@@ -292,7 +292,7 @@ class Ledger:
     if now >= self._resume_until:
       why = (f"host {host} is not in the job any more (its lease ran out, or it came back "
              f"over {REBUILD_LEASES} leases after this coordinator started): the job went on "
-             "without it; start it again to join")
+             "without it; it may join again, as a host started late")
       self._log(f"coordinator: refused host {host}: {why}")
       return {"op": "refused", "challenge": challenge, "why": why}
     members = self._members()

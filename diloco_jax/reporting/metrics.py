@@ -1,6 +1,6 @@
 """What a run reports: run.json, the start-up lines, each round's record (written by
-`writers.py`: metrics.jsonl, TensorBoard, W&B), the progress line and bar, the ETA, the
-final report and the loss plot.
+`writers.py`: metrics.jsonl, TensorBoard, W&B), the progress line and bar, the ETA and the
+final report (with the loss plot: `plots.py`).
 
 Host 0 writes the files and prints (live membership: every host its own workdir's files,
 the lowest live host prints). A round's record is assembled from what the loop hands over
@@ -29,6 +29,7 @@ import optax
 
 from diloco_jax._version import __version__
 from diloco_jax.reporting import writers
+from diloco_jax.reporting.plots import plot_losses
 from diloco_jax.runtime import hostmem
 from diloco_jax.units import format_bytes
 from diloco_jax.units import format_count
@@ -107,50 +108,6 @@ class ProgressBar:
     if self._progress is not None:
       self._progress.stop()
       self._progress = None
-
-
-def plot_losses(records: list[Mapping[str, Any]], path: str, *, floor: float | None,
-                unigram: float | None, title: str = "") -> None:
-  """Train and eval loss against tokens seen, with the loss floor and unigram loss drawn;
-  records with bits per byte (prepared data) add a right axis in bits per byte of the
-  train split and the last figures to the legend."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-  tokens = [r["tokens"] for r in records]
-  last = {s: next((f", last {r[s + '_bpb']:.3f} bpb" for r in reversed(records)
-                   if s + "_bpb" in r), "") for s in ("train", "eval")}
-  ax.plot(tokens, [r["train_loss"] for r in records],
-          label=f"train (mean over replicas){last['train']}")
-  evals = [(r["tokens"], r["eval_loss"]) for r in records if "eval_loss" in r]
-  if evals:
-    ax.plot(*zip(*evals), "o-", markersize=3, label=f"eval (anchor){last['eval']}")
-  scaled = next((r for r in records if r.get("train_bpb")), None)
-  if scaled is not None:  # nats/token -> bits/byte is a fixed factor for the train split
-    k = scaled["train_loss"] / scaled["train_bpb"]
-    ax.secondary_yaxis("right", functions=(lambda x: x / k, lambda y: y * k)).set_ylabel(
-        "bits per byte (train split)")
-  if floor is not None:
-    ax.axhline(floor, color="k", linestyle="--", label=f"floor (true model) {floor:.3f}")
-  if unigram is not None:
-    ax.axhline(unigram, color="gray", linestyle=":", label=f"best unigram {unigram:.3f}")
-  save_figure(fig, ax, path, xlabel="tokens seen (all replicas)",
-              ylabel="loss (nats/token)", title=title)
-
-
-def save_figure(fig, ax, path: str, *, xlabel: str, ylabel: str, title: str) -> None:
-  """Labels, grid and legend, then writes the figure to `path` and closes it."""
-  import matplotlib.pyplot as plt
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
 
 
 @dataclasses.dataclass
@@ -268,6 +225,14 @@ class RoundLog:
     """Waits for the Δ diagnostics still being gathered for rounds <= r (before save r)."""
     for q in [q for q in sorted(self._open) if q <= r and self._open[q].diagnostics]:
       self._open[q].diagnostics.result()
+
+  def forget(self) -> None:
+    """Drops the records not yet written: a host dropped from a live job, joining it again,
+    did not finish those rounds as the job did (the members' records hold them, and their
+    figures may wait on ops that failed); the ETA's next interval does not count the time
+    it was away."""
+    self._open.clear()
+    self._last_end = None
 
   def write_through(self, r: int) -> None:
     for q in sorted(self._open):

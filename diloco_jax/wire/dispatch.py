@@ -7,7 +7,7 @@ order; the main thread gets a future per job and keeps dispatching inner steps w
 collective runs (the overlap of Async DiLoCo).
 
 After a job fails, the collective group is broken: every later job fails at once with the
-same error instead of issuing another collective that would hang.
+same error instead of issuing another collective that would hang (until `recover`).
 """
 
 from __future__ import annotations
@@ -83,6 +83,15 @@ class Dispatcher:
         self._failure = CollectiveError(round_, what, e)
         self._failure.__cause__ = e
         future.set_exception(self._failure)
+
+  def recover(self) -> None:
+    """After a job failed: waits until every job queued has ended (each failed at once),
+    then takes jobs again (a host dropped from a live job, joining it again)."""
+    try:
+      self.run(lambda: None, what="the queue's end")
+    except CollectiveError:
+      pass
+    self._failure = None
 
   @property
   def failed(self) -> bool:
