@@ -19,12 +19,11 @@ live      `--rejoin_after=1`: the coordinator beside the hosts; a host that dies
           dropped, the others train on, and the launcher starts it again: it joins at a
           round boundary. The job's ids go up to --hosts + 1 (`--max_hosts`); join_new is a
           SIGUSR1 to the launcher, which starts the spare id, and it joins the same way.
-restart   `--shared_fate`: any event stops every host, and the same command starts all of
-          them again from their checkpoints (a frozen host stalls the others until it wakes,
-          or, frozen longer than its lease, is dropped: it is refused when it wakes, and its
-          exit stops the job, which starts again);
-          join_new stops every host with a checkpoint (SIGTERM) and starts one more than
-          before.
+restart   `--shared_fate`: a host's exit stops every host, and the same command starts all
+          of them again from their checkpoints; a leave and a join_new stop every host with
+          its checkpoint (SIGTERM to the launcher), and a join_new starts one host more. A
+          frozen host stalls the others until it wakes, or, frozen longer than its lease,
+          is dropped and joins again when it wakes (no host exits).
 
 Every host id computes within a CPU quota of its own, the same for each (bench/cpushare.py;
 --no-quota: all on every core): a joiner's compile cannot take the members' cores, and a host
@@ -75,7 +74,6 @@ ROUND = re.compile(r"^\[host (\d+)\] round +(\d+)/")
 JOINED = re.compile(r"^\[host (\d+)\] host \d+ joined at round (\d+): state ([0-9.]+) (\w+) "
                     r"from host (\d+) in ([0-9.]+) s")
 FINAL = re.compile(r"final eval loss ([0-9.]+)")
-FREEZE_ENDS_JOB_S = 10.0  # a dropped host wakes, is refused and exits within (lease 5 s)
 UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -245,6 +243,8 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
     elif kind in ("kill", "kill_wipe", "kill_writer"):
       os.kill(pid, signal.SIGKILL)
       wait_dead(pid)
+    elif kind == "leave" and not live:  # a fixed job stops whole, every host with its
+      job.send_signal(signal.SIGTERM)  # checkpoint, and starts again
     elif kind == "leave":
       os.kill(pid, signal.SIGTERM)
     elif kind == "freeze":
@@ -265,11 +265,8 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       back_round = r_joined
     else:
       back = None
-      if kind == "freeze":  # the others waited for it (back at the next round line), or
-        try:  # dropped it (frozen past its lease): it stops the job once it wakes
-          job.wait(timeout=FREEZE_ENDS_JOB_S)
-        except subprocess.TimeoutExpired:
-          back = _next_round(out, job, t_event + freeze_s)
+      if kind == "freeze":  # the others waited for it, or dropped it (frozen past its
+        back = _next_round(out, job, t_event + freeze_s)  # lease) and it joins again
       if back is None:
         code = job.wait()
         if kind not in ("leave", "freeze", "join_new") and code == 0:
