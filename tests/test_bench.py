@@ -304,6 +304,15 @@ def check_churn(result: dict) -> None:
   for e in live["churn"]["events"]:
     assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
     assert e["state_bytes"] > 0 and e["back_s"] > 0, e
+    assert e["first_round_s"] > 0 and (e["joined_at"] < e["round"] + 2
+                                       or e["members_round_s"] > 0), e
+  assert result["quota"] is None  # (never in --smoke)
+  for path in (live, restart):  # the host-seconds: --hosts for the wall, one more after
+    ref, churn = path["uninterrupted"], path["churn"]  # the join_new
+    assert ref["host_seconds"] == pytest.approx(result["hosts"] * ref["wall_s"])
+    assert (result["hosts"] * churn["wall_s"] < churn["host_seconds"]
+            < (result["hosts"] + 1) * churn["wall_s"]), churn
+    assert 0 < ref["round_s"] < ref["wall_s"] / result["rounds"]
   assert live["churn"]["events"][1]["host"] == result["hosts"]  # the spare id
   full = restart["uninterrupted"]["kept_tokens"]  # (the live job's spare id never started)
   assert live["uninterrupted"]["kept_tokens"] == full

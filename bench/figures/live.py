@@ -95,6 +95,7 @@ def churn(results: Results) -> dict:
   wall time against the uninterrupted run's and the final eval loss."""
   d = results("churn")
   live, restart = d["paths"]["live"]["churn"], d["paths"]["restart"]["churn"]
+  steady = d["paths"]["live"]["uninterrupted"].get("round_s")
   rows = []
   for i, (kind, host) in enumerate(d["plan"]):
     a = live["events"][i] if i < len(live["events"]) else None
@@ -105,6 +106,8 @@ def churn(results: Results) -> dict:
                  f"{a['back_s']:.1f}" if a and "back_s" in a else "–",
                  f"{a['state_bytes']:,} from host {a['source']} in {a['transfer_s']:.1f} s"
                  if a and "state_bytes" in a else "–",
+                 f"{a['members_round_s'] / steady:.2f}×"
+                 if a and steady and "members_round_s" in a else "–",
                  f"{b['back_s']:.1f}" if b and "back_s" in b else "–"])
   paths = []
   for name in ("live", "restart"):
