@@ -38,7 +38,8 @@ replicas, not tokens/s.) Per event: the seconds until the job is whole again ("b
 joiner's line on the live path, the restarted job's first round line on the other), a
 joiner's start to its join and the state it received, and the members' round time while it
 was away (`members_round_s`, the median from the second round after the event; the first,
-`first_round_s`, waited for the lost host), beside the uninterrupted run's (`round_s`).
+`first_round_s`, waited for the lost host) and the joiner's first round with them
+(`joined_round_s`), beside the uninterrupted run's (`round_s`).
 Writes bench/results/churn.json.
 """
 
@@ -300,6 +301,9 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       event["members_round_s"] = statistics.median(times)
     if "round_time" in recs.get(event["round"] + 1, {}):
       event["first_round_s"] = recs[event["round"] + 1]["round_time"]
+    after = recs.get(event.get("joined_at", -2) + 1, {})  # the joiner's first round: the
+    if "round_time" in after:  # members wait at its sum for what it compiles first
+      event["joined_round_s"] = after["round_time"]
   steady = [rec["round_time"] for r, rec in recs.items() if r > 2 and "round_time" in rec]
   return {"wall_s": wall, "exit": code, "rounds_completed": max(recs, default=0),
           "kept_tokens": kept_tokens(recs, hosts + (live and spare), hosts_from),

@@ -12,7 +12,6 @@ replicas and hosts of each round's sum going 3 -> 2 -> 3 -> 2), the hosts' ancho
 every round (debug_checks) and equal in the records of the rounds they share, the joiner's
 and host 2's checkpoints on their disks."""
 
-import glob
 import json
 import os
 import re
@@ -114,12 +113,6 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
   assert start["joined"]["round"] == joined and start["joined"]["bytes"] > 0, start
   assert start["joined"]["source"] == int(m.group(2))
   assert ("each host keeps its checkpoints and records in" in text) == (not per_host)
-  # The wiped joiner kept no init program (it took the members' state: nothing to draw);
-  # host 2, started with the job, compiled and kept one.
-  kept = {h: {os.path.basename(p).split("-")[0] for p in glob.glob(
-      os.path.join(tmp_path, f"host{h}", "**", "*.executable"), recursive=True)}
-      for h in (1, 2)}
-  assert "inner_step" in kept[1] and "init" not in kept[1] and "init" in kept[2], kept
   # Host 2's records: every round once; 3 replicas, 2 after host 1's loss, 3 once it has
   # joined, 2 after host 0's loss. One replica per host.
   host2 = records(os.path.join(tmp_path, "host2"))

@@ -25,6 +25,8 @@ from diloco_jax.checkpoints import shared_dir
 from diloco_jax.checkpoints import store
 from diloco_jax.loop import join
 from diloco_jax.loop import trainer
+from diloco_jax.membership import world as world_lib
+from diloco_jax.models import model as model_lib
 from diloco_jax.wire import collective as collective_lib
 from diloco_jax.wire import dispatch
 from tests.multihost import small_config
@@ -91,6 +93,35 @@ def test_a_joiner_takes_the_senders_step_count_data_pacer_and_own_rows(sent, tmp
     mean = state.outer.inflight[0].future.result().mean
     want = sender.outer.inflight[0].future.result().mean
     for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  finally:
+    t.parts.dispatcher.close()
+
+
+def test_a_joiner_draws_no_init_and_restores_over_a_placeholder_it_consumed(
+    sent, tmp_path, monkeypatch):
+  """A joiner builds its state from zeros, without the model's init (the members' state
+  replaces it), and restores the members' state whatever became of that placeholder: its
+  rehearsal of a round's end (`join.rehearse`), or a round cut short (a host dropped and
+  joining again), consumed its arrays (donated to the outer step)."""
+  config, sender, message = sent
+
+  def drawn(*args):
+    raise AssertionError("a joiner drew the model's init")
+  monkeypatch.setattr(model_lib, "init_params", drawn)
+  monkeypatch.setattr(world_lib.World, "joining", property(lambda self: True))
+  t = joiner(config, tmp_path)
+  try:
+    anchor = t.parts.driver.model(t.state.outer, None)
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(anchor))
+    for x in jax.tree.leaves((t.state.outer._replace(inflight=()), t.state.replicas)):
+      if isinstance(x, jax.Array):
+        x.delete()
+    state, r = join.restore_message(t.parts, t.state, message, "the state sent")
+    shared, _ = t.parts.driver.split(state.outer._replace(inflight=()))
+    sent_shared, _ = t.parts.driver.split(sender.outer._replace(inflight=()))
+    assert r == 2
+    for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(sent_shared), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   finally:
     t.parts.dispatcher.close()

@@ -42,6 +42,7 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import units
@@ -50,6 +51,7 @@ from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import store
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
+from diloco_jax.membership import collective as collective_lib
 from diloco_jax.wire import exchange as exchange_lib
 
 
@@ -105,12 +107,47 @@ def message_of(parts, state: state_lib.RunState, r: int) -> list[bytes]:
   return [files.meta_bytes(meta), *(blobs[name] for name in sorted(blobs))]
 
 
-def receive(parts, state: state_lib.RunState) -> state_lib.RunState:
+def rehearse(parts, state: state_lib.RunState) -> None:
+  """A joiner, before it says it is ready: the end of a round (two in the async modes,
+  whose sum is applied a round late; streaming's fragments at their steps) and an eval, on
+  its placeholder state (consumed: the members' replaces it), with this host alone. Every
+  program these compile on first use (the Δ, the sum's local parts in the job's wire
+  format, the outer update, the loss sum, the eval) is then compiled before the members
+  would wait for it at its first sum: on configs/tiny.py under a 0.36-core quota, a new
+  host's first round held every member 5-6 s (bench/churn.py)."""
+  driver, exchange, h = parts.driver, parts.exchange, parts.h
+  alone = collective_lib.Rehearsal(parts.collective, parts.world.lease.address)
+  real, exchange.collective = exchange.collective, alone
+  try:
+    outer, replicas = state.outer, state.replicas
+    for r in (1, 2) if driver.asynchronous else (1,):
+      for i in range(h - 1):
+        update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)
+        outer, replicas = update.outer, update.replicas
+      losses = jnp.sum(jnp.stack([jnp.zeros(parts.replicas_per_host, jnp.float32)] * h))
+      update = driver.end_round(outer, replicas, losses, r)
+      outer, replicas = update.outer, update.replicas
+    for pending in outer.inflight:
+      pending.future.result()
+    jax.block_until_ready(parts.eval_step(driver.model(outer, replicas), parts.eval_batches))
+  except Exception as e:  # noqa: BLE001 -- a start that compiles later is no failure
+    print(f"host {parts.host}: WARNING: the rehearsal of a round failed ({type(e).__name__}: "
+          f"{e}); its first round compiles what it needs", flush=True)
+  finally:
+    parts.dispatcher.recover()  # every job it queued (Δ diagnostics) has run
+    exchange.collective = real
+    alone.close()
+
+
+def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_lib.RunState:
   """The joiner: waits to be admitted, takes the members' state, and returns the state it
-  continues from (the round the members ended with `admit`)."""
+  continues from (the round the members ended with `admit`). `compiled`: it has run rounds
+  in this process (`again`): nothing to `rehearse`."""
   world = parts.world
   collective = parts.collective
   t = time.perf_counter()
+  if not compiled:
+    rehearse(parts, state)
   world.lease.join()
   collective.admitted()
   source, got, held = parts.dispatcher.run(collective.transfer, (world.host,), None,
@@ -141,7 +178,7 @@ def again(parts, state: state_lib.RunState, dropped: BaseException) -> state_lib
   parts.world.lease.rejoin()
   parts.membership.join_due()  # what the sums said before: not this host's to act on
   parts.log.forget()
-  return receive(parts, state)
+  return receive(parts, state, compiled=True)
 
 
 def restore_message(parts, state: state_lib.RunState, got: list[bytes], where: str,

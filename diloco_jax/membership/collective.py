@@ -32,6 +32,7 @@ import numpy as np
 
 from diloco_jax.membership import lease as lease_lib
 from diloco_jax.wire import collective as collective_lib
+from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.epoch import PeerError
 from diloco_jax.wire.epoch import WireError
 from diloco_jax.wire.peers import Peers
@@ -237,6 +238,34 @@ class EpochCollective:
     if self._peers is not None and drained(DRAIN_S):
       self._peers.close()
     self._peers = None
+
+
+class Rehearsal(EpochCollective):
+  """`of`'s host alone, on an epoch wire of its own (one member: nothing is sent) and
+  without the coordinator: the ops run at once, every wire format through the same code.
+  A joiner runs a round's end on it before it is admitted (`loop/join.py`), so that what it
+  compiles on first use is compiled before the members would wait for it."""
+
+  def __init__(self, of: EpochCollective, address: str):
+    super().__init__(of.lease, token=of.token, timeout_s=of.timeout_s)
+    self._epoch = Epoch.of(0, (of.host_index,), (address,))
+    self.live = [of.host_index]
+
+  def _open(self) -> Peers:
+    if self._peers is None:
+      self._peers = Peers(self._epoch, self.host_index, token=self.token,
+                          timeout_s=self.timeout_s)
+    return self._peers
+
+  def _unit(self, what: str, op: Callable[[Peers], Any], boundary: bool = False) -> Any:
+    del what, boundary
+    return op(self._open())
+
+  def close(self, leave: bool = False, drained=None) -> None:
+    del leave, drained
+    if self._peers is not None:
+      self._peers.close()
+      self._peers = None
 
 
 DRAIN_S = 10.0  # how long a leaver waits for an op in flight to end before it exits
