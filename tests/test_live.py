@@ -113,6 +113,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
   assert start["joined"]["round"] == joined and start["joined"]["bytes"] > 0, start
   assert start["joined"]["source"] == int(m.group(2))
   assert ("each host keeps its checkpoints and records in" in text) == (not per_host)
+  assert "the rehearsal of a round failed" not in text, text[-6000:]  # (join.rehearse)
   # Host 2's records: every round once; 3 replicas, 2 after host 1's loss, 3 once it has
   # joined, 2 after host 0's loss. One replica per host.
   host2 = records(os.path.join(tmp_path, "host2"))
