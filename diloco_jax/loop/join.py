@@ -146,7 +146,8 @@ def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_l
   world = parts.world
   collective = parts.collective
   t = time.perf_counter()
-  if not compiled:
+  if not compiled:  # start-up's one-off programs dropped first (the trainer keeps these)
+    jax.clear_caches()
     rehearse(parts, state)
   world.lease.join()
   collective.admitted()

@@ -87,8 +87,10 @@ class Trainer:
       done = self.resume()
     # jax keeps every program it compiled for the life of the process, with its traces:
     # start-up's one-off programs (params and optimizer-state init) are dropped. The inner
-    # step keeps its own executable; what else runs later compiles on first use.
-    jax.clear_caches()
+    # step keeps its own executable; what else runs later compiles on first use (a
+    # joiner's: dropped before its rehearsal compiled them, kept).
+    if not parts.world.joining:
+      jax.clear_caches()
     hostmem.trim()  # what compiling freed
     parts.start_phases.done("resume")  # the checkpoint read, and what compiling freed
     first = done if self.state.outer.inflight else done + 1  # the first round logged now
