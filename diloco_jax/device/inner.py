@@ -249,6 +249,11 @@ class EvalStep:
   def __call__(self, params, batches_ExBxL1):
     return self._eval(params, batches_ExBxL1)
 
+  def compile(self, params, batches_ExBxL1) -> None:
+    """Compiles the eval for these arguments' shapes without running it (the next call
+    finds it compiled)."""
+    self._eval.lower(params, batches_ExBxL1).compile()
+
   def put(self, batches_ExBxL1: np.ndarray) -> jax.Array:
     """Places the eval batches on the devices once, for the whole run."""
     return jax.device_put(batches_ExBxL1, self.batch_sharding)

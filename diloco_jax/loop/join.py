@@ -129,7 +129,7 @@ def rehearse(parts, state: state_lib.RunState) -> None:
       outer, replicas = update.outer, update.replicas
     for pending in outer.inflight:
       pending.future.result()
-    jax.block_until_ready(parts.eval_step(driver.model(outer, replicas), parts.eval_batches))
+    parts.eval_step.compile(driver.model(outer, replicas), parts.eval_batches)
   except Exception as e:  # noqa: BLE001 -- a start that compiles later is no failure
     print(f"host {parts.host}: WARNING: the rehearsal of a round failed ({type(e).__name__}: "
           f"{e}); its first round compiles what it needs", flush=True)
