@@ -105,18 +105,26 @@ class Job:
     return pid
 
 
+def trainer(pid: int | str) -> tuple[int, list[str]] | None:
+  """(host id, command line) of process `pid` if it is a trainer started with --host_id,
+  else None (gone, or another process)."""
+  try:
+    with open(f"/proc/{pid}/cmdline") as f:
+      cmd = f.read().split("\0")
+  except OSError:
+    return None
+  if "diloco_jax.train" not in cmd:
+    return None
+  host = next((a.split("=", 1)[1] for a in cmd if a.startswith("--host_id=")), "")
+  return (int(host), cmd) if host.isdigit() else None
+
+
 def host_pid(root: int, host: int) -> int | None:
   """The trainer process of `host` below process `root` (a launcher), or None."""
   for pid in os.listdir("/proc"):
-    if pid.isdigit():
-      try:
-        with open(f"/proc/{pid}/cmdline") as f:
-          cmd = f.read().split("\0")
-      except OSError:
-        continue
-      if (f"--host_id={host}" in cmd and "diloco_jax.train" in cmd
-          and parent_chain_has(int(pid), root)):
-        return int(pid)
+    if pid.isdigit() and (found := trainer(pid)) and found[0] == host and parent_chain_has(
+        int(pid), root):
+      return int(pid)
   return None
 
 

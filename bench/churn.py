@@ -129,15 +129,13 @@ class Quotas:
         first = self._seen.setdefault(pid, now)
         if not pid.isdigit() or now - first > 2.0:
           continue  # decided: not a host (a host is moved on its first sight as one)
-        try:
-          with open(f"/proc/{pid}/cmdline") as f:
-            cmd = f.read().split("\0")
-          if "diloco_jax.train" in cmd and any(self.marker in a for a in cmd):
-            host = next(int(a.split("=")[1]) for a in cmd if a.startswith("--host_id="))
-            self.placement.place(host, int(pid))
-            self._seen[pid] = -1e9
-        except (OSError, StopIteration, ValueError):
-          continue  # gone already, or not a host
+        found = chaos.trainer(pid)
+        if found and any(self.marker in a for a in found[1]):
+          try:
+            self.placement.place(found[0], int(pid))
+          except OSError:
+            continue  # gone already
+          self._seen[pid] = -1e9
 
   def close(self) -> None:
     self._stop.set()

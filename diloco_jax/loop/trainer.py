@@ -80,16 +80,15 @@ class Trainer:
   def run(self) -> TrainResult:
     parts = self.parts
     runinfo.announce(parts)
+    # jax keeps every program it compiled for the life of the process, with its traces:
+    # start-up's one-off programs (params and optimizer-state init) are dropped. The inner
+    # step keeps its own executable; what else runs later compiles on first use (a
+    # joiner's are dropped before its rehearsal compiles those: `join.receive`).
     if parts.world.joining:  # the members' state, at their next round boundary
       self.state = join_lib.receive(parts, self.state)
       done = self.state.round
     else:
       done = self.resume()
-    # jax keeps every program it compiled for the life of the process, with its traces:
-    # start-up's one-off programs (params and optimizer-state init) are dropped. The inner
-    # step keeps its own executable; what else runs later compiles on first use (a
-    # joiner's: dropped before its rehearsal compiled them, kept).
-    if not parts.world.joining:
       jax.clear_caches()
     hostmem.trim()  # what compiling freed
     parts.start_phases.done("resume")  # the checkpoint read, and what compiling freed
