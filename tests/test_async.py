@@ -229,10 +229,11 @@ def test_eager_with_k_per_round_matches_numpy_float64():
 
 
 # A host joins a live job (docs/algorithms.md §11): hosts of one replica each, replica h on
-# host h; hosts 0 and 1 train from round 1, host 2 is admitted at the end of round 3 and
-# trains rounds 4-7. The means of rounds 1-3 are over K = 2 (the static K), the later ones
+# host h; hosts 0 and 1 train from round 1, host 2 is admitted at the end of round 3, takes
+# the state after it, catches up in round 4 (no steps, a zero Δ counted by no mean) and
+# trains rounds 5-7. The means of rounds 1-4 are over K = 2 (the static K), the later ones
 # over 3.
-JOIN_STARTS = (0, 0, 3)  # the round index (0-based) from which each host trains
+JOIN_STARTS = (0, 0, 3)  # the round index (0-based) whose start state each host takes
 JOIN_ROUNDS = 7
 
 
@@ -246,74 +247,89 @@ def join_problem(seed, replicas=1):
 
 
 def joiner_adamw(inner, params, t):
-  """A joiner's inner optimizer, admitted at the end of round t: fresh moments at the
-  run's step count."""
+  """A joiner's inner optimizer, first training in round index t: fresh moments at the
+  run's step count then."""
   opt = NumpyAdamW(inner, JOIN_ROUNDS * H, params)
   opt.count = t * H
   return opt
 
 
-def np_delayed_join(params, batches, inner, starts=JOIN_STARTS):
-  """Delayed with joiners, written from §3 and §11: a replica admitted at the end of round
-  t starts round t+1 from the shared anchor s_{t+1} with fresh moments, applies the mean
-  of round t (which it had no part in) like every member, and its Δ is in the means from
-  round t+1 on; each mean is divided by the replicas that took part in it. Returns (the
-  anchor after every round, s_{r+1}; the drained anchor)."""
+def trains(start, t):
+  """Whether a replica that took the state at the start of round index `start` trains,
+  and is in the mean, in round index t: from the start (0), or after its catch-up round."""
+  return start == 0 or t > start
+
+
+def np_anchor_join(params, batches, inner, starts=JOIN_STARTS, delay=1):
+  """Sync (delay 0) or delayed (1) with joiners, written from §2, §3 and §11: a replica
+  admitted at the end of round t takes the shared anchor, trains nothing in round t+1 and
+  is in no mean of it; it trains from round t+2, from the anchor every replica starts it
+  from, with fresh moments at the run's step count; each mean is divided by the replicas
+  that took part in it. Returns (the anchor every replica starts the next round from,
+  after every round; the final (drained) anchor)."""
   s = {n: v.copy() for n, v in params.items()}
   buf = {n: np.zeros_like(v) for n, v in params.items()}
   opts = {m: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for m, t in enumerate(starts) if t == 0}
   in_flight, anchors = None, []
   for t in range(JOIN_ROUNDS):
-    live = [m for m, start in enumerate(starts) if start <= t]
+    live = [m for m, start in enumerate(starts) if trains(start, t)]
     opts.update({m: joiner_adamw(inner, params, t) for m in live if m not in opts})
     deltas = []
     for m in live:
       local = inner_phase(s, opts[m], batches, t, m)
       deltas.append({n: s[n] - local[n] for n in s})
-    if in_flight is not None:
+    mean = {n: sum(d[n] for d in deltas) / len(live) for n in s}
+    if delay == 0:
+      s, buf = nesterov(s, buf, mean)
+    elif in_flight is not None:
       s, buf = nesterov(s, buf, in_flight)
-    in_flight = {n: sum(d[n] for d in deltas) / len(live) for n in s}
+    in_flight = mean
     anchors.append(s)
-  s, buf = nesterov(s, buf, in_flight)
+  if delay:
+    s, buf = nesterov(s, buf, in_flight)
   return anchors, s
 
 
 def np_eager_join(params, batches, inner, starts=JOIN_STARTS, mu=MU):
   """Eager with joiners, written from §4 ("K per round") and §11: a replica admitted at the
-  end of round t takes the first member's (θ_m, b_m, Δ_m,prev), fresh moments, and in round
-  t+1 applies Δ_j/K_t + (Δ̄^(t) − Δ_src^(t)/K_t) like every replica. Returns (θ_m after
-  every round, for the replicas there in that round; θ_m after the drain)."""
+  end of round t takes the first member's (θ_m, b_m, Δ_m,prev); in round t+1 its Δ is zero
+  and in no mean, and it applies 0/K_t + (Δ̄^(t) − Δ_src^(t)/K_t) like every replica; it
+  trains from round t+2 with fresh moments. Returns (θ_m after every round, for the
+  replicas there in that round; θ_m after the drain)."""
   n_all = len(starts)
+  zeros = lambda: {n: np.zeros_like(v) for n, v in params.items()}  # noqa: E731
   theta = [{n: v.copy() for n, v in params.items()} for _ in range(n_all)]
-  buf = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(n_all)]
-  prev = [{n: np.zeros_like(v) for n, v in params.items()} for _ in range(n_all)]
-  prev_mean = {n: np.zeros_like(v) for n, v in params.items()}
+  buf = [zeros() for _ in range(n_all)]
+  prev = [zeros() for _ in range(n_all)]
+  prev_mean = zeros()
   opts = {m: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for m, t in enumerate(starts) if t == 0}
   k_prev = len(opts)  # the static K: no mean has arrived in round 1
   history = []
   for t in range(JOIN_ROUNDS):
-    live = [m for m, start in enumerate(starts) if start <= t]
-    for m in live:
-      if m not in opts:  # the sender is the first member
-        src = live[0]
+    here = [m for m, start in enumerate(starts) if start <= t]
+    for m in here:
+      if starts[m] == t and t > 0:  # admitted: the sender is the first member
+        src = here[0]
         theta[m], buf[m], prev[m] = ({n: v.copy() for n, v in tree[src].items()}
                                      for tree in (theta, buf, prev))
-        opts[m] = joiner_adamw(inner, params, t)
-    deltas = {}
+    live = [m for m in here if trains(starts[m], t)]
+    for m in live:
+      opts.setdefault(m, joiner_adamw(inner, params, t))
+    deltas = {m: zeros() for m in here}
     for m in live:
       local = inner_phase(theta[m], opts[m], batches, t, m)
       deltas[m] = {n: theta[m][n] - local[n] for n in params}
-    for m in live:
+    for m in here:
       grad = {n: deltas[m][n] / k_prev + (prev_mean[n] - prev[m][n] / k_prev)
               for n in params}
       theta[m], buf[m] = nesterov(theta[m], buf[m], grad, mu=mu)
-    for m in live:
+    for m in here:
       prev[m] = deltas[m]
-    prev_mean = {n: sum(d[n] for d in deltas.values()) / len(live) for n in params}
+    prev_mean = {n: sum(deltas[m][n] for m in live) / len(live) for n in params}
     k_prev = len(live)
-    history.append([theta[m] for m in live])
+    history.append([theta[m] for m in here])
   final = [{n: theta[m][n] - LR * (1 + mu) * (prev_mean[n] - prev[m][n] / k_prev)
-            for n in params} for m in live]
+            for n in params} for m in here]
   return history, final
 
 
@@ -323,9 +339,11 @@ def drive_join(rule, params, batches, inner, starts=JOIN_STARTS, replicas=1):
   after the members' outer step of round t and the arrival of round t's mean, the joiner
   takes `rule.split` of the first member's state (eager: its own part through
   `own_for_joiner`: every replica the first one's), and the mean of round t as it
-  arrived, with its K. Returns (per round, every replica's start of the next round, by
-  replica; per replica, the trained params; per round, the mean and the K it was divided
-  by, and each replica's Δ)."""
+  arrived, with its K; in round t+1 it trains nothing and sends a zero Δ that no mean
+  counts (wire/exchange.py's `idle`), and applies the round's outer step like every
+  member. Returns (per round, every replica's start of the next round, by replica; per
+  replica, the trained params; per round, the mean and the K it was divided by, and each
+  replica's Δ, zero where it caught up)."""
   hosts, r = range(len(starts)), replicas
   ids = lambda h: [h * r + i for i in range(r)]  # noqa: E731
   opts = {m: NumpyAdamW(inner, JOIN_ROUNDS * H, params) for h in hosts if starts[h] == 0
@@ -346,31 +364,37 @@ def drive_join(rule, params, batches, inner, starts=JOIN_STARTS, replicas=1):
         if own is not None:
           own = own_for_joiner(own, r)
         states[h] = rule.join(shared, own)
-        for m in ids(h):
-          opts[m] = joiner_adamw(inner, params, t)
-    sent = []
+    deltas = {}
     for h in sorted(states):
       starts_h = rows(rule.start(states[h]))
       deltas_R = {n: [] for n in params}
       for m, start in zip(ids(h), starts_h):
-        local = inner_phase(start, opts[m], batches, t, m)
+        if trains(starts[h], t):
+          opts.setdefault(m, joiner_adamw(inner, params, t))
+          local = inner_phase(start, opts[m], batches, t, m)
+        else:  # catching up: no steps, its Δ θ − θ exactly zero
+          local = start
         for n in params:
           deltas_R[n].append(start[n] - local[n])
-      deltas_R = {n: jnp.asarray(np.stack(v)) for n, v in deltas_R.items()}
-      states[h] = apply(states[h], deltas_R, mean, k)
-      sent.append(deltas_R)
-    history.append({m: start for h in sorted(states)
-                    for m, start in zip(ids(h), rows(rule.start(states[h])))})
+      deltas[h] = {n: jnp.asarray(np.stack(v)) for n, v in deltas_R.items()}
+    sent = [deltas[h] for h in sorted(states) if trains(starts[h], t)]
     total = jax.tree.map(lambda *d: jnp.concatenate(d), *sent)
     count = len(sent) * r
-    mean = diloco.divide(diloco.replica_sum(total), count)
-    k = diloco.arrived_k(count, static_k)
+    this_mean = diloco.divide(diloco.replica_sum(total), count)
+    this_k = diloco.arrived_k(count, static_k)
+    if rule.delay == 0:
+      mean, k = this_mean, this_k
+    for h in sorted(states):
+      states[h] = apply(states[h], deltas[h], mean, k)
+    history.append({m: start for h in sorted(states)
+                    for m, start in zip(ids(h), rows(rule.start(states[h])))})
+    mean, k = this_mean, this_k
     means.append((to_np(mean), count))
     sent_by_round.append({m: {n: np.asarray(d[n][i]) for n in params}
-                          for h, d in zip(sorted(states), sent) for i, m in enumerate(ids(h))})
+                          for h, d in deltas.items() for i, m in enumerate(ids(h))})
   final = {}
   for h in sorted(states):
-    trained = rule.final(drain(states[h], mean, k))
+    trained = rule.final(drain(states[h], mean if rule.delay else None, k))
     for m, row in zip(ids(h), rows(trained)):
       final[m] = row
   return history, final, means, sent_by_round
@@ -387,18 +411,19 @@ def replica_starts(replicas: int, starts=JOIN_STARTS) -> tuple[int, ...]:
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_delayed_join_matches_numpy_float64(replicas):
-  """§11, delayed: the joiner starts from the shared s_{t+1} and momentum, applies the
-  mean of round t as it arrived, and is in the means from round t+1 on. The anchor after
-  every round is the same on every host, the joiner's from its first round; with one or
-  two replicas per host."""
+@pytest.mark.parametrize("rule, replicas", [(diloco.Delayed, 1), (diloco.Delayed, 2),
+                                            (diloco.Sync, 1)])
+def test_anchor_join_matches_numpy_float64(rule, replicas):
+  """§11, sync and delayed: the joiner takes the shared anchor and momentum (delayed: and
+  the mean of round t as it arrived), catches up in round t+1 with a zero Δ that no mean
+  counts, and trains from round t+2. The anchor after every round is the same on every
+  host, the joiner's from its first round; with one or two replicas per host."""
   params, batches = join_problem(8, replicas)
   inner = inner_config()
   starts = replica_starts(replicas)
-  history, final, _, _ = drive_join(outer_rule(diloco.Delayed, replicas=replicas), params,
-                                    batches, inner, replicas=replicas)
-  anchors, drained = np_delayed_join(params, batches, inner, starts=starts)
+  history, final, means, _ = drive_join(outer_rule(rule, replicas=replicas), params,
+                                        batches, inner, replicas=replicas)
+  anchors, drained = np_anchor_join(params, batches, inner, starts=starts, delay=rule.delay)
   for t, (got, want) in enumerate(zip(history, anchors, strict=True)):
     assert sorted(got) == [h for h, start in enumerate(starts) if start <= t]
     for h in got:
@@ -409,7 +434,11 @@ def test_delayed_join_matches_numpy_float64(replicas):
     for n in params:
       np.testing.assert_array_equal(final[h][n], final[0][n])
       np.testing.assert_allclose(final[h][n], drained[n], atol=1e-10, rtol=0)
-  _, alone = np_delayed_join(params, batches, inner, starts=starts[:2 * replicas])
+  catch_up = JOIN_STARTS[-1]  # its round's mean is the members' alone, over their K
+  assert [count for _, count in means] == [2 * replicas] * (catch_up + 1) + [
+      3 * replicas] * (JOIN_ROUNDS - catch_up - 1)
+  _, alone = np_anchor_join(params, batches, inner, starts=starts[:2 * replicas],
+                            delay=rule.delay)
   assert not np.allclose(final[0]["w"], alone["w"], atol=1e-6)  # the join made a difference
 
 

@@ -5,15 +5,18 @@ Four hosts of one replica each run `wire.exchange.Exchange` over the epoch wire 
 process (a membership coordinator in a thread, each host a thread with its lease, epoch
 collective and dispatch thread): hosts 0-3 sum rounds 1-2, host 3 then leaves and hosts
 0-2 sum rounds 3-4, and host 3, started again (a new incarnation with nothing of the old
-one), joins at the boundary after round 4 and all four sum rounds 5-6. K goes 4 -> 3 -> 4.
-Each round replica h sends `wire_deltas(h, 0, round)`; every host's means must be the
-same bits, and equal numpy's:
+one), joins at the boundary after round 4, catches up in round 5 (it sends its Δ, which
+the exchange replaces by zeros that no mean counts: `Exchange.idle`), and all four sum
+rounds 6-7. K goes 4 -> 3 -> 4. Each round replica h sends `wire_deltas(h, 0, round)`;
+every host's means must be the same bits, and equal numpy's:
 - int8 with error feedback: each host's accumulator e_h <- e_h + Δ_h sends Q(e_h) (256-entry
   blocks, absmax scale), the chunk owners sum the decoded rows and send the sum encoded
-  again; Δ̄ = Q(Σ_h Q(e_h)) / K_r, and the joiner's accumulator starts at 0;
+  again; Δ̄ = Q(Σ_h Q(e_h)) / K_r, and the joiner's accumulator starts at 0 (and stays 0
+  through its catch-up round);
 - SparseLoCo (chunk top-k, 2-bit values, e_h <- β e_h + Δ_h): Δ̄ = Σ_h Q(e_h) / K_r;
 - the trimmed mean with trim 0.25: 4 replicas trim one from each end; 3 are too few for
-  it, so those rounds take the mean (and the printing host says so, once a round).
+  it, so those rounds take the mean (and the printing host says so, once a round), the
+  catch-up round too: the joiner's rows are left out.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from tests.wire_main import wire_deltas
 
 pytestmark = pytest.mark.multihost  # hosts on the epoch wire (threads of this process)
 
-SIZE, ROUNDS = 1000, 6
-PRESENT = [(0, 1, 2, 3)] * 2 + [(0, 1, 2)] * 2 + [(0, 1, 2, 3)] * 2  # hosts in each round
+SIZE, ROUNDS = 1000, 7
+PRESENT = [(0, 1, 2, 3)] * 2 + [(0, 1, 2)] * 3 + [(0, 1, 2, 3)] * 2  # hosts in each mean
 LEAVES_AFTER, JOINS_AFTER = 2, 4  # host 3
+CATCHES_UP = JOINS_AFTER + 1  # the joiner's round without a part in the mean
 FORMATS = {
     "int8": {"compression": "int8", "error_feedback": True},
     "sparseloco": SPARSELOCO,
@@ -172,6 +176,7 @@ def run_hosts(outer) -> dict[str, dict]:
           host.round(t)
           if t == JOINS_AFTER:
             assert host.boundary() == (3,)
+            host.exchange.idle(CATCHES_UP, (3,))
       finally:
         results[str(h)] = host
         if not (h == 3 and left.is_set()):
@@ -183,6 +188,7 @@ def run_hosts(outer) -> dict[str, dict]:
       assert host.lease.joining
       host.lease.join()
       host.collective.admitted()
+      host.exchange.idle(CATCHES_UP, (3,))
       for t in range(JOINS_AFTER + 1, ROUNDS + 1):
         host.round(t)
       results["3 again"] = host
@@ -216,7 +222,7 @@ def test_means_over_the_replicas_present_equal_numpy(formats_run):
   want, accumulators = np_means(fmt)
   for t, present in enumerate(PRESENT, start=1):
     got = [hosts[h].means[t] for h in hosts if t in hosts[h].means]
-    assert len(got) == len(present), (t, sorted(hosts))
+    assert len(got) == len(present) + (t == CATCHES_UP), (t, sorted(hosts))
     for other in got[1:]:  # every host holds the same mean, bit for bit
       np.testing.assert_array_equal(other, got[0])
     # float32 against float64: the same entries kept and the same levels chosen

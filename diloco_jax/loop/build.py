@@ -184,7 +184,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   membership = membership_lib.of(world, config)
   collective = membership.collective
   pacer = pacing.Pacer(config, host=host, num_hosts=num_hosts,
-                       replicas_per_host=replicas_per_host, present=lambda: collective.live)
+                       replicas_per_host=replicas_per_host, present=lambda: collective.live,
+                       idle=lambda r: exchange.idle_hosts(r))  # (built below)
   # A host joining a live job talks to no one until the members admit it (loop/join.py).
   if world.joining:
     claim, workdir = workdir_lib.claim_joining(workdir, host=host, num_hosts=num_hosts,

@@ -1,15 +1,15 @@
-"""A host joins a live job at a round boundary; no member stops.
+"""A host joins a live job at a round boundary; no member stops, and none waits for it.
 
 A host started while the job runs (a restarted id, its disk wiped or not, or a new id) finds
-itself pending at the coordinator (`membership/lease.py`): it builds everything it needs, then
-registers again, ready, and waits. Each member's sums carry whether it has seen a host
-waiting (`membership.manager.LiveReplicas`), so every member learns it from the same sum and,
-at the end of the same round r, all of them run `admit`:
+itself pending at the coordinator (`membership/lease.py`): it builds everything it needs,
+rehearses a round's end alone (`rehearse`), then registers again, ready, and waits. Each
+member's sums carry whether it has seen a host waiting (`membership.manager.LiveReplicas`),
+so every member learns it from the same sum and, at the end of the same round r, all of
+them run `admit`: each copies its state after round r to host memory and queues, on the
+dispatch thread, behind whatever is in flight (a sum of the async modes arrives first),
 
-  1. the boundary op (`EpochCollective.boundary`), which the dispatch thread runs after
-     whatever is in flight: a sum of the async modes arrives first, so the round after a
-     join does not overlap its sum (what a join costs the members, with the transfer);
-     its commit admits the waiting hosts into a new epoch;
+  1. the boundary op (`EpochCollective.boundary`), whose commit admits the waiting hosts
+     into a new epoch;
   2. the transfer op (`EpochCollective.transfer`): the lowest member that was there sends
      each joiner, point to point, the run's state after round r in the one encoding of a
      checkpoint (`loop/state.py`'s snapshot; checkpoints/files.py: meta.json and
@@ -19,14 +19,19 @@ at the end of the same round r, all of them run `admit`:
      sender dies mid-way the members left send it again from the lowest of them; if a
      joiner dies, the op is redone without it.
 
+and trains round r+1 meanwhile: its sums queue behind the transfer. Round r+1 is the
+joiners' catch-up round (docs/algorithms.md §11): they train no step in it and send zeros
+that no mean counts (`wire.exchange.Exchange.idle`), so its means are the members' alone;
+they apply its outer step like every member and train from round r+2.
+
 The joiner (`receive`) checks meta.json's own sha256 and every file against it, its config
 against meta.json's and the shared state against its fingerprint, and restores the state
 (`state.restore`) as a host without rows of its own (docs/algorithms.md, "A host that
 joins"):
   - the outer state is the shared one; its replicas start from the anchor with fresh AdamW
-    moments at the run's step count (eager: every replica takes the sender's θ_m, b_m and
-    Δ_m,prev, so that its delayed correction cancels the sender's fresh term as the
-    sender's own does); the pacer's decisions are the sender's;
+    moments at the run's step count after round r+1 (eager: every replica takes the
+    sender's θ_m, b_m and Δ_m,prev, so that its delayed correction cancels the sender's
+    fresh term as the sender's own does); the pacer's decisions are the sender's;
   - a sum that was in flight arrives on the joiner too, as it arrived on the members (the
     second sync of the async protocol): the joiner had no part in it, applies its mean like
     every member, and its own Δ of that round is zero;
@@ -38,8 +43,11 @@ joins"):
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 import types
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,41 +63,67 @@ from diloco_jax.membership import collective as collective_lib
 from diloco_jax.wire import exchange as exchange_lib
 
 
-def admit(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
-  """A member, at the end of round r when a host waits to join (module docstring)."""
-  collective = parts.collective
-  t = time.perf_counter()
-  admitted = parts.dispatcher.run(collective.boundary, round_=r, what="a round boundary")
-  if not admitted:
-    return state  # the waiting host left, or was admitted by an earlier boundary
-  sent = {}
+def admit(parts, state: state_lib.RunState, r: int) -> None:
+  """A member, at the end of round r when a host waits to join (module docstring): the
+  state is copied to host memory now (round r+1 replaces it), and the boundary and the
+  transfer are queued on the dispatch thread; round r+1 trains meanwhile."""
+  collective, exchange = parts.collective, parts.exchange
+  held = _hold(parts, state, r)
 
-  def message() -> list[bytes]:
-    sent["parts"] = message_of(parts, state, r)
-    return sent["parts"]
+  def join_op() -> None:
+    t = time.perf_counter()
+    admitted = collective.boundary()
+    if not admitted:
+      return  # the waiting host left, or was admitted by an earlier boundary
+    exchange.idle(r + 1, admitted)  # they catch up in round r+1: in its sums from r+2
+    sent = {}
 
-  def fingerprint() -> str:  # every member's, for the joiner to check the source's against
-    shared, _ = parts.driver.split(state.outer._replace(inflight=()))
-    return algo_state.fingerprint(shared)
-  source, _, _ = parts.dispatcher.run(
-      collective.transfer, admitted, message, fingerprint, round_=r,
-      what=f"sending the run's state to host(s) {list(admitted)}")
-  if parts.prints:
-    size = (f"state {units.format_bytes(sum(len(p) for p in sent['parts']))} " if sent
-            else "state ")
-    print(f"host(s) {list(admitted)} joined at round {r}: {size}from host {source} in "
-          f"{time.perf_counter() - t:.1f} s", flush=True)
-  return state
+    def message() -> list[bytes]:
+      sent["parts"] = _encode(parts, held)
+      return sent["parts"]
+
+    def fingerprint() -> str:  # every member's, for the joiner to check the source's against
+      return algo_state.fingerprint(held.snap.shared)
+    source, _, _ = collective.transfer(admitted, message, fingerprint)
+    if parts.prints:
+      size = (f"state {units.format_bytes(sum(len(p) for p in sent['parts']))} " if sent
+              else "state ")
+      print(f"host(s) {list(admitted)} joined at round {r}: {size}from host {source} in "
+            f"{time.perf_counter() - t:.1f} s", flush=True)
+  parts.dispatcher.submit(join_op, round_=r, what="admitting the hosts waiting to join")
+
+
+class _Held(NamedTuple):
+  """A member's state after round r in host memory, for a joiner: the snapshot of
+  `state_lib.snapshot` (shared tree and, in eager mode, the first replica's own outer
+  state, as numpy) and the sums in flight (their futures: they arrive before the transfer
+  runs, on the same thread)."""
+  snap: store.Snapshot
+  own_outer: Any
+  inflight: tuple
+
+
+def _hold(parts, state: state_lib.RunState, r: int) -> _Held:
+  outer = state.outer
+  snap = state_lib.snapshot(parts, state.replace(outer=outer._replace(inflight=())), r)
+  own = None
+  if "outer" in snap.own:  # eager: per-replica outer state; the sender's first replica's
+    own = jax.tree.map(lambda x: np.array(np.asarray(x)[:1]), snap.own["outer"])
+  shared = jax.tree.map(lambda x: np.array(x), snap.shared)  # a copy: never donated
+  return _Held(dataclasses.replace(snap, shared=shared, own={}), own, outer.inflight)
 
 
 def message_of(parts, state: state_lib.RunState, r: int) -> list[bytes]:
   """What a member sends a joiner after round r: meta.json, then its files by name."""
-  outer = state.outer
-  arrived = [p.future.result() for p in outer.inflight]  # the boundary op came after them
-  snap = state_lib.snapshot(parts, state.replace(outer=outer._replace(inflight=())), r)
+  return _encode(parts, _hold(parts, state, r))
+
+
+def _encode(parts, held: _Held) -> list[bytes]:
+  arrived = [p.future.result() for p in held.inflight]  # queued before the transfer
+  snap = held.snap
   items = {"shared": snap.shared}
-  if "outer" in snap.own:  # eager: per-replica outer state; the sender's first replica's
-    items["own"] = {"outer": jax.tree.map(lambda x: np.asarray(x)[:1], snap.own["outer"])}
+  if held.own_outer is not None:
+    items["own"] = {"outer": held.own_outer}
   if arrived:
     items["arrived"] = {"means": [a.mean for a in arrived]}
   blobs, records = {}, {}
@@ -156,6 +190,11 @@ def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_l
   seconds = time.perf_counter() - t
   where = f"the state host {world.host} received from host {source}"
   state, r = restore_message(parts, state, [bytes(p) for p in got], where, held)
+  # It catches up in round r+1 (no inner steps, no part in its sums) and trains from r+2
+  # with the members' step count then, so that its learning rate is theirs.
+  parts.exchange.idle(r + 1, (world.host,))
+  state = state.replace(replicas=state.replicas.replace(opt_state=algo_state.with_step_count(
+      state.replicas.opt_state, parts.pacer.steps_done(r + 1))))
   size = sum(len(p) for p in got)
   joined = {"round": r, "source": source, "bytes": size, "seconds": round(seconds, 3)}
   state = rounds.reschedule(parts, state.replace(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -58,7 +59,8 @@ class Pacer:
   divisor = None
 
   def __init__(self, config: ml_collections.ConfigDict, *, host: int, num_hosts: int,
-               replicas_per_host: int, present: Callable[[], Sequence[int]] | None = None):
+               replicas_per_host: int, present: Callable[[], Sequence[int]] | None = None,
+               idle: Callable[[int], Collection[int]] = lambda r: ()):
     self.speed = self.keep = config.balance == "speed"
     self.h, self.num_rounds = config.inner_steps, config.num_rounds
     self.every, self.tolerance = config.balance_every, config.balance_tolerance
@@ -70,6 +72,7 @@ class Pacer:
     self.changed = False  # a decision was taken since `take_changed` was last asked
     # the hosts in the next sum (live membership: the epoch's); every host by default
     self.present = present or (lambda: range(num_hosts))
+    self.idle = idle  # the hosts present that take no part in a round (a joiner catching up)
     self.last_present: tuple[int, ...] | None = None  # the hosts in the last sum
 
   def steps(self, r: int) -> tuple[int, ...]:
@@ -85,7 +88,10 @@ class Pacer:
     same steps. (A host lost in the sum leaves that round's weights summing to a little
     less or more than the replicas left: the mean is off by that much, once.)"""
     steps = self.steps(r)
-    present = [steps[h] for h in self.present()]
+    idle = self.idle(r)
+    if self.host in idle:  # it sends zeros (wire/exchange.py: `idle`)
+      return np.float32(1)
+    present = [steps[h] for h in self.present() if h not in idle]
     return np.float32(len(present) * steps[self.host] / sum(present))
 
   def schedule_steps(self, host: int | None = None) -> int:

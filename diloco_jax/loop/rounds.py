@@ -31,10 +31,18 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
   n = pacer.my_steps(r)
   open_record(parts, r)
   replicas, losses, t = state.replicas, [], time.perf_counter()
+  # A host admitted at the end of round r−1 catches up in round r: it takes no part in its
+  # sums, trains no step and reads no batch, but meets every sum of the round where the
+  # members do (docs/algorithms.md §11); its Δ is zero, and so are its losses.
+  idle = parts.exchange.idle_here(r)
+  no_loss = jnp.zeros(parts.replicas_per_host, jnp.float32) if idle else None
   for i in range(n):
     step = (r - 1) * h + (i + 1) * h // n  # the progress in slowest-host steps
-    with profiling.step_annotation("inner_step", step_num=step):
-      replicas, loss_R = parts.inner(replicas, parts.data.next_batch())
+    if idle:
+      loss_R = no_loss
+    else:
+      with profiling.step_annotation("inner_step", step_num=step):
+        replicas, loss_R = parts.inner(replicas, parts.data.next_batch())
     losses.append(loss_R)
     if i + 1 < n:  # streaming syncs fragments mid-round
       state = take(parts, state.replace(replicas=replicas), r,
@@ -44,7 +52,7 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
   state = state.replace(replicas=replicas)
   if pacer in parts.exchange.riders:  # this host's speed: its inner phase, if not compiled
     jax.block_until_ready(replicas)  # (the outer step waits for it first thing)
-    pacer.measured(r, 0.0 if state.compiles else time.perf_counter() - t)
+    pacer.measured(r, 0.0 if state.compiles or idle else time.perf_counter() - t)
     state = state.replace(compiles=False)
   if state.await_steps_once:
     # The round's end compiles its programs (the outer step's, the loss sum's) on first

@@ -169,7 +169,7 @@ class Trainer:
     if preempted and r < parts.num_rounds:
       return True
     if parts.membership.join_due() and r < parts.num_rounds:  # live: a host waits
-      self.state = join_lib.admit(parts, self.state, r)
+      join_lib.admit(parts, self.state, r)  # on the dispatch thread: round r+1 goes on
     return False
 
   def finish_run(self) -> tuple[Any, Any]:

@@ -162,6 +162,7 @@ class LiveReplicas:
   replicas the mean divides by and the hosts that took part, and whether this host has
   seen a host waiting to join (`pending`: the coordinator's last word)."""
   name, keep, divisor = "members", False, "replicas"
+  part = ("replicas", "hosts")  # 0 from a host catching up after its join (loop/join.py)
 
   def __init__(self, replicas_per_host: int, pending: Callable[[], bool] = lambda: False):
     self.replicas_per_host, self.pending = replicas_per_host, pending

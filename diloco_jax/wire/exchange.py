@@ -63,7 +63,8 @@ class Rider(Protocol):
     keep: a sum in flight keeps its words, so that a resumed run sends the same ones (they
       decide something) rather than new ones.
     divisor: the word whose sum counts the replicas in the mean (None: the mean is over
-      all K).
+      all K). A host that takes no part in a round (`Exchange.idle`) sends it as 0, and
+      with it any other word its rider names in `part` (a count of the hosts taking part).
   """
   name: str
   keep: bool
@@ -180,6 +181,25 @@ class Exchange:
     self._mean = jax.jit(lambda total: diloco.divide(total, self.num_replicas))
     self._mean_by = jax.jit(diloco.divide)  # by the replicas a rider counts
     self._stats = jax.jit(_delta_stats)
+    self._idle: dict[int, frozenset[int]] = {}  # round -> hosts taking no part (`idle`)
+
+  def idle(self, round_: int, hosts: Sequence[int]) -> None:
+    """`hosts` take no part in the sums of round `round_`: a host admitted at the end of
+    the round before catches up in it (loop/join.py). Each of them sends zeros and counts
+    no replicas (its divisor word is 0), and a robust aggregation leaves its rows out, so
+    the mean is the other hosts' bit for bit (docs/algorithms.md §11). Set on the dispatch
+    thread ahead of that round's sums, or by the host itself before it sends them."""
+    idle = {r: h for r, h in self._idle.items() if r >= round_ - 1}
+    idle[round_] = idle.get(round_, frozenset()) | frozenset(hosts)
+    self._idle = idle  # one assignment: the other thread reads the old dict or the new
+
+  def idle_hosts(self, round_: int) -> frozenset[int]:
+    """The hosts that take no part in round `round_`'s sums (`idle`)."""
+    return self._idle.get(round_, frozenset())
+
+  def idle_here(self, round_: int) -> bool:
+    """Whether this host takes no part in round `round_`'s sums (`idle`)."""
+    return self.collective.host_index in self.idle_hosts(round_)
 
   def init_residuals(self, sizes: dict[int, int]) -> dict[int, np.ndarray]:
     """Zero error-feedback residuals for fragments of these sizes ({} without feedback)."""
@@ -194,6 +214,10 @@ class Exchange:
     """Queues the sum over hosts of this host's Δ_m, with the loss, the bad flags and every
     rider's words (`kept`: words a checkpointed sum kept, sent again instead of asking)."""
     host, r = self.collective.host_index, self.replicas_per_host
+    idle = self.idle_here(round_)
+    if idle:  # zeros whatever the driver measured (streaming's merge leaves a difference)
+      deltas_R = jax.tree.map(jnp.zeros_like, deltas_R)
+      finite_R = np.ones(r, bool)
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * r:(host + 1) * r] = ~np.asarray(finite_R, bool)
     payload = {"loss": loss_sum, "bad": bad_K}
@@ -207,6 +231,10 @@ class Exchange:
     kept = kept or {}
     words = {r.name: kept[r.name] if r.name in kept else r.words(round_) for r in self.riders}
     words = {name: w for name, w in words.items() if w is not None}
+    if idle and self.divisor is not None and self.divisor.name in words:
+      counts = getattr(self.divisor, "part", (self.divisor.divisor,))
+      words[self.divisor.name] = {word: np.zeros_like(x) if word in counts else x
+                                  for word, x in words[self.divisor.name].items()}
     if words:
       payload["riders"] = words
     job = functools.partial(self._job, payload, rows, residual, round_, key)
@@ -224,10 +252,14 @@ class Exchange:
       total = c.sum(payload)
       carried, aggregation = residual, self.aggregation
       if rows is not None:
-        # K of this op: a live job's sums are over the hosts present (the epoch's).
-        aggregation = aggregate.for_replicas(self.aggregation,
-                                             c.num_hosts * self.replicas_per_host, self.trim)
-        total["delta"], carried = self._reduce_rows(c, rows, residual, aggregation)
+        # K of this op: a live job's sums are over the hosts present (the epoch's), less
+        # those that take no part in this round
+        idle = self.idle_hosts(round_)
+        present = [i for i, h in enumerate(_hosts(c)) if h not in idle]
+        aggregation = aggregate.for_replicas(
+            self.aggregation, len(present) * self.replicas_per_host, self.trim)
+        total["delta"], carried = self._reduce_rows(
+            c, rows, residual, aggregation, present, self.idle_here(round_))
       return total, carried, aggregation
     total, residual, aggregation = self.collective.atomic("the sum of pseudo-gradients", op)
     jax.block_until_ready(total)
@@ -240,6 +272,8 @@ class Exchange:
       replicas = int(count)
     if self.aggregates:  # the wire combined the rows itself
       mean = jax.device_put(total["delta"], self.host_device)
+    elif count is not None and not count:  # every host took no part: nothing moves
+      mean = jax.device_put(jax.tree.map(np.zeros_like, total["delta"]), self.host_device)
     elif count is not None:
       mean = self._mean_by(total["delta"], count)
     else:
@@ -252,26 +286,31 @@ class Exchange:
                    tolerated=aggregate.tolerated(aggregation, replicas, self.trim))
 
   def _reduce_rows(self, collective, rows: Params, residual: np.ndarray | None,
-                   aggregation: str):
+                   aggregation: str, present: Sequence[int], idle: bool):
     """Σ over the replicas (aggregation 'mean': rows of host sums) or their `aggregation`
     (rows of replicas) of `rows`, sent encoded over `collective`; the same bytes on every
-    host. Returns it and the residual after this send."""
+    host. `present`: the positions of the hosts taking part among the op's (an aggregation
+    leaves the others' rows out); `idle`: this host is not one of them (its rows are zeros,
+    its residual kept for its next send). Returns it and the residual after this send."""
     leaves, treedef = jax.tree.flatten(rows)
     x = np.concatenate([np.asarray(v, np.float32).reshape(v.shape[0], -1) for v in leaves],
                        axis=1)
-    if self.feedback:  # the accumulator: e ← β e + Δ (β = 1: plain error feedback)
+    if self.feedback and not idle:  # the accumulator: e ← β e + Δ (β = 1: plain feedback)
       x = x + (residual if self.decay == 1 else np.float32(self.decay) * residual)
     combine = collective_lib.sum_rows
     if self.aggregates:
       combine = functools.partial(aggregate.aggregate, aggregation=aggregation, trim=self.trim)
+    if len(present) < collective.num_hosts:  # rows in host-major order
+      r = x.shape[0]
+      kept = np.array([i * r + m for i in present for m in range(r)])
+      combine = functools.partial(_rows_of, kept, combine)
     out, carried = collective.reduce_encoded(x, self.compression, combine, **self.wire_options)
+    if idle:
+      return _unflatten(out, leaves, treedef), residual
     if self.feedback:
       residual = x - carried
       residual = np.where(np.isfinite(residual), residual, np.float32(0))
-    sizes = [int(np.prod(leaf.shape[1:])) for leaf in leaves]
-    parts = np.split(out, np.cumsum(sizes)[:-1])
-    return jax.tree.unflatten(treedef, [p.reshape(leaf.shape[1:])
-                                        for p, leaf in zip(parts, leaves)]), residual
+    return _unflatten(out, leaves, treedef), residual
 
   def wait(self, pending: Pending, diagnostics: bool = True) -> Arrived:
     """The sum of `pending`, once it arrives; with `diagnostics`, the per-replica Δ
@@ -326,3 +365,23 @@ class Exchange:
     return self.submit(jax.device_put(saved["deltas"], self.host_device), saved["loss"],
                        np.asarray(saved["finite"]), round_=int(saved["round"]), key=key,
                        residual=residuals.get(key), kept=kept)
+
+
+def _hosts(collective) -> Sequence[int]:
+  """The hosts of a collective's op, in the order of its rows: a live epoch's members, or
+  every host."""
+  epoch = getattr(collective, "epoch", None)
+  return epoch.hosts if epoch is not None else range(collective.num_hosts)
+
+
+def _rows_of(kept: np.ndarray, combine, rows: np.ndarray) -> np.ndarray:
+  """`combine` over the rows of the hosts taking part (none: zeros, nothing moves)."""
+  return combine(rows[kept]) if len(kept) else np.zeros(rows.shape[1:], rows.dtype)
+
+
+def _unflatten(out: np.ndarray, leaves, treedef) -> Params:
+  """[N] -> the tree of `leaves` without their row axis."""
+  sizes = [int(np.prod(leaf.shape[1:])) for leaf in leaves]
+  parts = np.split(out, np.cumsum(sizes)[:-1])
+  return jax.tree.unflatten(treedef, [p.reshape(leaf.shape[1:])
+                                      for p, leaf in zip(parts, leaves)])
