@@ -215,8 +215,10 @@ class Exchange:
     rider's words (`kept`: words a checkpointed sum kept, sent again instead of asking)."""
     host, r = self.collective.host_index, self.replicas_per_host
     idle = self.idle_here(round_)
-    if idle:  # zeros whatever the driver measured (streaming's merge leaves a difference)
-      deltas_R = jax.tree.map(jnp.zeros_like, deltas_R)
+    if idle:  # zeros whatever the driver measured (streaming's merge leaves a difference),
+      # put where Δ is (jnp.zeros_like would compile a program per shape: the members wait)
+      deltas_R = jax.tree.map(lambda d: jax.device_put(np.zeros(d.shape, d.dtype),
+                                                       getattr(d, "sharding", None)), deltas_R)
       finite_R = np.ones(r, bool)
     bad_K = np.zeros(self.num_replicas, np.float32)  # each host fills its own replicas'
     bad_K[host * r:(host + 1) * r] = ~np.asarray(finite_R, bool)
