@@ -38,8 +38,10 @@ replicas, not tokens/s.) Per event: the seconds until the job is whole again ("b
 joiner's line on the live path, the restarted job's first round line on the other), a
 joiner's start to its join and the state it received, and the members' round time while it
 was away (`members_round_s`, the median from the second round after the event; the first,
-`first_round_s`, waited for the lost host) and the joiner's first round with them
-(`joined_round_s`), beside the uninterrupted run's (`round_s`).
+`first_round_s`, waited for the lost host), the round after the join, which is the
+joiner's catch-up round (`joined_round_s`), and the next, its first trained
+(`joined_next_round_s`), each read from a member's records, beside the uninterrupted
+run's (`round_s`).
 Writes bench/results/churn.json.
 """
 
@@ -178,10 +180,13 @@ def wait_dead(pid: int, timeout: float = 30.0) -> None:
     time.sleep(0.05)
 
 
-def records(workdir: str, hosts: int) -> dict[int, dict]:
-  """Every round's record, from whichever host has it (the same figures on every host)."""
+def records(workdir: str, hosts: int, besides: int | None = None) -> dict[int, dict]:
+  """Every round's record, from whichever host has it (the same figures on every host but
+  the times: `besides`, a host whose records are not read, a joiner's of its own rounds)."""
   out = {}
   for h in range(hosts):
+    if h == besides:
+      continue
     try:
       with open(os.path.join(workdir, f"host{h}", "metrics.jsonl")) as f:
         for line in f:
@@ -294,14 +299,18 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
   final = FINAL.findall(text)
   for event in events:  # the members' rounds while the host was away (not the first: it
     away = range(event["round"] + 2, event.get("joined_at", 0) + 1)  # waited for the lost)
-    times = [recs[r]["round_time"] for r in away if "round_time" in recs.get(r, {})]
+    members = records(workdir, hosts + 1, besides=event["host"])
+    times = [members[r]["round_time"] for r in away if "round_time" in members.get(r, {})]
     if times:
       event["members_round_s"] = statistics.median(times)
-    if "round_time" in recs.get(event["round"] + 1, {}):
-      event["first_round_s"] = recs[event["round"] + 1]["round_time"]
-    after = recs.get(event.get("joined_at", -2) + 1, {})  # the joiner's first round: the
-    if "round_time" in after:  # members wait at its sum for what it compiles first
-      event["joined_round_s"] = after["round_time"]
+    if "round_time" in members.get(event["round"] + 1, {}):
+      event["first_round_s"] = members[event["round"] + 1]["round_time"]
+    # the members' round after the join (the joiner's catch-up round) and the next (its
+    # first trained): what the transfer and the joiner's first sums cost them
+    for key, r in (("joined_round_s", 1), ("joined_next_round_s", 2)):
+      after = members.get(event.get("joined_at", -3) + r, {})
+      if "round_time" in after:
+        event[key] = after["round_time"]
   steady = [rec["round_time"] for r, rec in recs.items() if r > 2 and "round_time" in rec]
   return {"wall_s": wall, "exit": code, "rounds_completed": max(recs, default=0),
           "kept_tokens": kept_tokens(recs, hosts + (live and spare), hosts_from),

@@ -305,6 +305,7 @@ def check_churn(result: dict) -> None:
     assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
     assert e["state_bytes"] > 0 and e["back_s"] > 0, e
     assert e["first_round_s"] > 0 and e["joined_round_s"] > 0 and (
+        e["joined_next_round_s"] > 0) and (
         e["joined_at"] < e["round"] + 2 or e["members_round_s"] > 0), e
   assert result["quota"] is None  # (never in --smoke)
   for path in (live, restart):  # the host-seconds: --hosts for the wall, one more after

@@ -108,8 +108,8 @@ def churn(results: Results) -> dict:
                  if a and "state_bytes" in a else "–",
                  f"{a['members_round_s'] / steady:.2f}×"
                  if a and steady and "members_round_s" in a else "–",
-                 f"{a['joined_round_s'] / steady:.1f}×"
-                 if a and steady and "joined_round_s" in a else "–",
+                 *(f"{a[key] / steady:.1f}×" if a and steady and key in a else "–"
+                   for key in ("joined_round_s", "joined_next_round_s")),
                  f"{b['back_s']:.1f}" if b and "back_s" in b else "–"])
   paths = []
   for name in ("live", "restart"):

@@ -123,9 +123,11 @@ def init_eager_state(outer_optimizer: optax.GradientTransformation, anchor: Para
 def with_step_count(opt_state: optax.OptState, step: int) -> optax.OptState:
   """`opt_state` with every step counter (optax's `count` fields, which drive schedules)
   set to `step`."""
+  def count(x):  # numpy's, put where x is (jnp.full_like compiles a program per shape)
+    return jax.device_put(np.full(np.shape(x), step, x.dtype), getattr(x, "sharding", None))
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.full_like(x, step) if getattr(path[-1], "name", None) == "count"
-      else x, opt_state)
+      lambda path, x: count(x) if getattr(path[-1], "name", None) == "count" else x,
+      opt_state)
 
 
 @flax.struct.dataclass

@@ -60,6 +60,7 @@ from diloco_jax.checkpoints import store
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.membership import collective as collective_lib
+from diloco_jax.runtime import hostmem
 from diloco_jax.wire import exchange as exchange_lib
 
 
@@ -142,13 +143,14 @@ def _encode(parts, held: _Held) -> list[bytes]:
 
 
 def rehearse(parts, state: state_lib.RunState) -> None:
-  """A joiner, before it says it is ready: the end of a round (two in the async modes,
-  whose sum is applied a round late; streaming's fragments at their steps) and an eval, on
-  its placeholder state (consumed: the members' replaces it), with this host alone. Every
-  program these compile on first use (the Δ, the sum's local parts in the job's wire
-  format, the outer update, the loss sum, the eval) is then compiled before the members
-  would wait for it at its first sum: on configs/tiny.py under a 0.36-core quota, a new
-  host's first round held every member 5-6 s (bench/churn.py)."""
+  """A joiner, before it says it is ready: an inner step, the end of a round (two in the
+  async modes, whose sum is applied a round late; streaming's fragments at their steps),
+  an eval and the fresh replicas of a restore, on its placeholder state (consumed: the
+  members' replaces it), with this host alone. Every program these compile on first use
+  (the Δ, the sum's local parts in the job's wire format, the outer update, the loss sum,
+  the eval, fresh replicas) is then compiled before the members would wait for it at its
+  first sum: on configs/tiny.py under a 0.36-core quota, a new host's first round held
+  every member 5-6 s (bench/churn.py)."""
   driver, exchange, h = parts.driver, parts.exchange, parts.h
   alone = collective_lib.Rehearsal(parts.collective, parts.world.lease.address)
   real, exchange.collective = exchange.collective, alone
@@ -169,6 +171,7 @@ def rehearse(parts, state: state_lib.RunState) -> None:
     for pending in outer.inflight:
       pending.future.result()
     parts.eval_step.compile(driver.model(outer, replicas), parts.eval_batches)
+    parts.init_replicas(driver.model(outer, None))  # the restore's fresh replicas
   except Exception as e:  # noqa: BLE001 -- a start that compiles later is no failure
     print(f"host {parts.host}: WARNING: the rehearsal of a round failed ({type(e).__name__}: "
           f"{e}); its first round compiles what it needs", flush=True)
@@ -188,6 +191,7 @@ def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_l
   if not compiled:  # start-up's one-off programs dropped first (the trainer keeps these)
     jax.clear_caches()
     rehearse(parts, state)
+    hostmem.trim()  # what compiling freed: here, not once the members wait (0.05 s)
   world.lease.join()
   collective.admitted()
   source, got, held = parts.dispatcher.run(collective.transfer, (world.host,), None,

@@ -84,13 +84,13 @@ class Trainer:
     # start-up's one-off programs (params and optimizer-state init) are dropped. The inner
     # step keeps its own executable; what else runs later compiles on first use (a
     # joiner's are dropped before its rehearsal compiles those: `join.receive`).
-    if parts.world.joining:  # the members' state, at their next round boundary
-      self.state = join_lib.receive(parts, self.state)
+    if parts.world.joining:  # the members' state, at their next round boundary (it gives
+      self.state = join_lib.receive(parts, self.state)  # back what compiling freed first)
       done = self.state.round
     else:
       done = self.resume()
       jax.clear_caches()
-    hostmem.trim()  # what compiling freed
+      hostmem.trim()  # what compiling freed
     parts.start_phases.done("resume")  # the checkpoint read, and what compiling freed
     first = done if self.state.outer.inflight else done + 1  # the first round logged now
     log = parts.config.log
