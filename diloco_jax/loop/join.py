@@ -145,12 +145,12 @@ def _encode(parts, held: _Held) -> list[bytes]:
 def rehearse(parts, state: state_lib.RunState) -> None:
   """A joiner, before it says it is ready: an inner step, the end of a round (two in the
   async modes, whose sum is applied a round late; streaming's fragments at their steps),
-  an eval and the fresh replicas of a restore, on its placeholder state (consumed: the
-  members' replaces it), with this host alone. Every program these compile on first use
-  (the Δ, the sum's local parts in the job's wire format, the outer update, the loss sum,
-  the eval, fresh replicas) is then compiled before the members would wait for it at its
-  first sum: on configs/tiny.py under a 0.36-core quota, a new host's first round held
-  every member 5-6 s (bench/churn.py)."""
+  the fresh replicas of a restore and, if it will be the lowest live host, an eval, on its
+  placeholder state (consumed: the members' replaces it), with this host alone. Every
+  program these compile on first use (the Δ, the sum's local parts in the job's wire
+  format, the outer update, the loss sum, fresh replicas, the eval) is then compiled
+  before the members would wait for it at its first sum: on configs/tiny.py under a
+  0.36-core quota, a new host's first round held every member 5-6 s (bench/churn.py)."""
   driver, exchange, h = parts.driver, parts.exchange, parts.h
   alone = collective_lib.Rehearsal(parts.collective, parts.world.lease.address)
   real, exchange.collective = exchange.collective, alone
@@ -170,7 +170,10 @@ def rehearse(parts, state: state_lib.RunState) -> None:
       outer, replicas = update.outer, update.replicas
     for pending in outer.inflight:
       pending.future.result()
-    parts.eval_step.compile(driver.model(outer, replicas), parts.eval_batches)
+    if parts.host < min(parts.world.lease.epoch.hosts, default=parts.host + 1):
+      # it will print and evaluate (the lowest live host): the members would wait at the
+      # sum after its first eval (on CPU, the eval's compile is half of this rehearsal)
+      parts.eval_step.compile(driver.model(outer, replicas), parts.eval_batches)
     parts.init_replicas(driver.model(outer, None))  # the restore's fresh replicas
   except Exception as e:  # noqa: BLE001 -- a start that compiles later is no failure
     print(f"host {parts.host}: WARNING: the rehearsal of a round failed ({type(e).__name__}: "
