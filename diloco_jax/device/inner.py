@@ -150,6 +150,7 @@ class Step:
     optimizer, accumulation). With it the executable is kept whole and a start that
     finds it runs it without a trace (executables.py), keyed by `spec`, this
     step's kind and mesh, and the arguments' shapes and shardings."""
+    self.batch_shape = batch_shape  # what a batch of this run is (a rehearsal's zeros)
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
     if spec is None:
       self._compiled = self._jit(state).lower(state, batch).compile()

@@ -158,9 +158,7 @@ def rehearse(parts, state: state_lib.RunState) -> None:
     outer, replicas = state.outer, state.replicas
     # an inner step on a batch of zeros: its first run is slower than the next (on CPU,
     # 3x a steady round's steps), and the members would wait for it at its first sum
-    config = parts.config
-    replicas, _ = parts.inner(replicas, np.zeros(
-        (parts.replicas_per_host, config.batch_size, config.model.seq_len + 1), np.int32))
+    replicas, _ = parts.inner(replicas, np.zeros(parts.inner.batch_shape, np.int32))
     for r in (1, 2) if driver.asynchronous else (1,):
       for i in range(h - 1):
         update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)
