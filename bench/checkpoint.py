@@ -85,7 +85,7 @@ def timed_round(trainer, r: int) -> float:
 def timed_save(trainer, r: int) -> tuple[float, float]:
   """(seconds `save` returns as blocking, wall seconds of the call on this thread)."""
   t = time.perf_counter()
-  blocking = trainer.parts.store.save(trainer.snapshot(r))
+  blocking = trainer.parts.storage.store.save(trainer.snapshot(r))
   return blocking, time.perf_counter() - t
 
 
@@ -123,7 +123,7 @@ def main():
 
   with dispatch.Dispatcher() as dispatcher:
     trainer = trainer_lib.Trainer(config, workdir, dispatcher)
-    print(f"model {trainer.parts.num_params:,} params; batch {config.batch_size} x "
+    print(f"model {trainer.parts.model.num_params:,} params; batch {config.batch_size} x "
           f"{config.model.seq_len} tokens; H={config.inner_steps}", flush=True)
     print(f"round 1 (compiles): {timed_round(trainer, 1):.1f} s", flush=True)
     r = 1
@@ -132,7 +132,7 @@ def main():
       rounds.append({"round": r, "seconds": timed_round(trainer, r), "write_behind": False})
       t = time.perf_counter()
       blocking, wall = timed_save(trainer, r)
-      trainer.parts.store.wait()
+      trainer.parts.storage.store.wait()
       saves.append({"round": r, "blocking": blocking, "wall": wall,
                     "full": time.perf_counter() - t})
       print(f"round {r}: {rounds[-1]['seconds']:.1f} s; save: blocking {blocking:.3f} s, "
@@ -147,9 +147,9 @@ def main():
             f"{rounds[-1]['seconds']:.1f} s; save: blocking {blocking:.3f} s", flush=True)
     saved = host_copy(held(trainer))  # what round r's save holds
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(saved))
-    trainer.parts.store.wait()
-    trainer.parts.store.close()
-    step_dir = os.path.join(trainer.parts.store.directory, str(r))
+    trainer.parts.storage.store.wait()
+    trainer.parts.storage.store.close()
+    step_dir = os.path.join(trainer.parts.storage.store.directory, str(r))
     size = dir_bytes(step_dir)
 
     fresh = trainer_lib.Trainer(config, workdir, dispatcher)
@@ -158,7 +158,7 @@ def main():
     restore = time.perf_counter() - t
     anchor_ok = restored_round == r and same(saved[0][0].anchor, fresh.state.outer.state.anchor)
     state_ok = restored_round == r and same(saved, held(fresh))
-    fresh.parts.store.close()
+    fresh.parts.storage.store.close()
   if args.workdir is None:
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -177,7 +177,7 @@ def main():
                  "mode": config.mode, "replicas_per_host": config.replicas_per_host,
                  "checkpoint_keep": config.checkpoint.keep, "rounds_timed": args.rounds,
                  "overlap_rounds": args.overlap_rounds, "extrapolated": False},
-      "params": trainer.parts.num_params, "state_bytes": state_bytes,
+      "params": trainer.parts.model.num_params, "state_bytes": state_bytes,
       "round_seconds": round_s, "round_with_write_behind_seconds": round_behind_s,
       "save_blocking_seconds": blocking_s, "save_call_wall_seconds": wall_s,
       "save_full_seconds": full_s, "restore_seconds": restore,
@@ -197,7 +197,7 @@ def main():
     json.dump(result, f, indent=2)
 
   n_clean = sum(not x["write_behind"] for x in rounds)
-  print(f"\n{trainer.parts.num_params / 1e6:.2f}M params, batch {config.batch_size}, "
+  print(f"\n{trainer.parts.model.num_params / 1e6:.2f}M params, batch {config.batch_size}, "
         f"H={config.inner_steps}, sync, 1 replica; jax {jax.__version__}, "
         f"orbax {ocp.__version__}")
   print("| what | seconds |\n|---|---|")

@@ -66,8 +66,8 @@ def main(out_dir):
         jax.tree.leaves((t.state.replicas, t.state.outer.state)),
         jax.tree.leaves((end.replicas, end.outer_state)), strict=True))
     specs = {str(x.sharding.spec) for x in jax.tree.leaves(t.state.replicas.params)}
-    t.parts.store.close()
-    saved.parts.store.close()
+    t.parts.storage.store.close()
+    saved.parts.storage.store.close()
   out["resumed under 2x2"] = {"same_numbers": same, "specs": sorted(specs),
                               "restored_the_end": restored, "round": resumed_round}
   with open(os.path.join(out_dir, "layouts.json"), "w") as f:

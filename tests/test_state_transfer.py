@@ -76,15 +76,15 @@ def test_a_joiner_takes_the_senders_step_count_data_pacer_and_own_rows(sent, tmp
     state, r = join.restore_message(t.parts, t.state, message, "the state sent")
     assert r == 2 and state.round == 2 and state.run_id == sender.run_id
     # the pacer's decisions, and the step count of the run they give: 4 + 6 steps
-    assert t.parts.pacer.state()["decisions"] == PACE["decisions"] == state.pace["decisions"]
+    assert t.parts.sync.pacer.state()["decisions"] == PACE["decisions"] == state.pace["decisions"]
     counts = [np.asarray(x) for path, x in
               jax.tree_util.tree_leaves_with_path(state.replicas.opt_state)
               if getattr(path[-1], "name", None) == "count"]
     assert counts and all((c == 10).all() for c in counts), counts
     assert t.parts.data.get_state() == sender.data == state.data
     # eager: each replica's own outer state (θ_m, b_m, Δ_m,prev) is the sender's first one's
-    shared, own = t.parts.driver.split(state.outer._replace(inflight=()))
-    _, sender_own = t.parts.driver.split(sender.outer._replace(inflight=()))
+    shared, own = t.parts.sync.driver.split(state.outer._replace(inflight=()))
+    _, sender_own = t.parts.sync.driver.split(sender.outer._replace(inflight=()))
     for got, want in zip(jax.tree.leaves(own["outer"]), jax.tree.leaves(sender_own["outer"])):
       for row in np.asarray(got):
         np.testing.assert_array_equal(row, np.asarray(want)[0])
@@ -112,14 +112,14 @@ def test_a_joiner_draws_no_init_and_restores_over_a_placeholder_it_consumed(
   monkeypatch.setattr(world_lib.World, "joining", property(lambda self: True))
   t = joiner(config, tmp_path)
   try:
-    anchor = t.parts.driver.model(t.state.outer, None)
+    anchor = t.parts.sync.driver.model(t.state.outer, None)
     assert not any(np.asarray(x).any() for x in jax.tree.leaves(anchor))
     for x in jax.tree.leaves((t.state.outer._replace(inflight=()), t.state.replicas)):
       if isinstance(x, jax.Array):
         x.delete()
     state, r = join.restore_message(t.parts, t.state, message, "the state sent")
-    shared, _ = t.parts.driver.split(state.outer._replace(inflight=()))
-    sent_shared, _ = t.parts.driver.split(sender.outer._replace(inflight=()))
+    shared, _ = t.parts.sync.driver.split(state.outer._replace(inflight=()))
+    sent_shared, _ = t.parts.sync.driver.split(sender.outer._replace(inflight=()))
     assert r == 2
     for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(sent_shared), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -258,7 +258,7 @@ def test_anchor_check_names_the_host_that_diverged(tmp_path):
 
   with dispatch.Dispatcher() as d:
     t = trainer.Trainer(config, str(tmp_path), d)
-    t.parts.anchor_check.exchange = exchange = ThreeHosts()
+    t.parts.sync.anchor_check.exchange = exchange = ThreeHosts()
     t.run_round(1)
     t.run_round(2)
     assert list(exchange.published) == [2] and exchange.collected == []
@@ -274,7 +274,7 @@ def _rounds_with_slow_collective(tmp_path, mode, slow_sum_of, num_rounds=5, inne
                         eval_every=100)
   with dispatch.Dispatcher() as d:
     t = trainer.Trainer(config, str(tmp_path / mode), d)
-    t.parts.collective.sum = slow_sum_of(t, t.parts.collective.sum)
+    t.parts.sync.collective.sum = slow_sum_of(t, t.parts.sync.collective.sum)
     return t.run().records
 
 
@@ -301,8 +301,8 @@ def test_async_modes_overlap_the_collective(tmp_path):
     def gated_sum(tree):  # returns once the devices finished half an inner phase
       calls.append(None)
       if len(calls) < num_rounds:  # the last round has no inner phase after it
-        start, deadline = t.parts.inner.steps_finished(), time.monotonic() + 120
-        while t.parts.inner.steps_finished() - start < inner_steps // 2:
+        start, deadline = t.parts.model.inner.steps_finished(), time.monotonic() + 120
+        while t.parts.model.inner.steps_finished() - start < inner_steps // 2:
           assert time.monotonic() < deadline, "the inner phase waited for the collective"
           time.sleep(0.005)
       return fast_sum(tree)

@@ -85,6 +85,18 @@ class Recovered:
   seconds: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class SavePolicy:
+  """When the round loop saves: every `every` rounds (config.checkpoint.every; 0: never),
+  and after the round a preemption stops at. The last round is saved by the end of the
+  run (`last=True`), never here."""
+  every: int
+  last_round: int
+
+  def due(self, r: int, preempted: bool) -> bool:
+    return r < self.last_round and (preempted or bool(self.every and r % self.every == 0))
+
+
 class Store(Protocol):
   """A checkpoint store, as the round loop uses it (the policy for an unreadable
   checkpoint: the module docstring).

@@ -57,6 +57,7 @@ from diloco_jax import units
 from diloco_jax.algo import state as algo_state
 from diloco_jax.checkpoints import files
 from diloco_jax.checkpoints import store
+from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.membership import collective as collective_lib
@@ -64,11 +65,11 @@ from diloco_jax.runtime import hostmem
 from diloco_jax.wire import exchange as exchange_lib
 
 
-def admit(parts, state: state_lib.RunState, r: int) -> None:
+def admit(parts: parts_lib.Parts, state: state_lib.RunState, r: int) -> None:
   """A member, at the end of round r when a host waits to join (module docstring): the
   state is copied to host memory now (round r+1 replaces it), and the boundary and the
   transfer are queued on the dispatch thread; round r+1 trains meanwhile."""
-  collective, exchange = parts.collective, parts.exchange
+  collective, exchange = parts.sync.collective, parts.sync.exchange
   held = _hold(parts, state, r)
 
   def join_op() -> None:
@@ -104,7 +105,7 @@ class _Held(NamedTuple):
   inflight: tuple
 
 
-def _hold(parts, state: state_lib.RunState, r: int) -> _Held:
+def _hold(parts: parts_lib.Parts, state: state_lib.RunState, r: int) -> _Held:
   outer = state.outer
   snap = state_lib.snapshot(parts, state.replace(outer=outer._replace(inflight=())), r)
   own = None
@@ -114,12 +115,12 @@ def _hold(parts, state: state_lib.RunState, r: int) -> _Held:
   return _Held(dataclasses.replace(snap, shared=shared, own={}), own, outer.inflight)
 
 
-def message_of(parts, state: state_lib.RunState, r: int) -> list[bytes]:
+def message_of(parts: parts_lib.Parts, state: state_lib.RunState, r: int) -> list[bytes]:
   """What a member sends a joiner after round r: meta.json, then its files by name."""
   return _encode(parts, _hold(parts, state, r))
 
 
-def _encode(parts, held: _Held) -> list[bytes]:
+def _encode(parts: parts_lib.Parts, held: _Held) -> list[bytes]:
   arrived = [p.future.result() for p in held.inflight]  # queued before the transfer
   snap = held.snap
   items = {"shared": snap.shared}
@@ -142,7 +143,7 @@ def _encode(parts, held: _Held) -> list[bytes]:
   return [files.meta_bytes(meta), *(blobs[name] for name in sorted(blobs))]
 
 
-def rehearse(parts, state: state_lib.RunState) -> None:
+def rehearse(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
   """A joiner, before it says it is ready: an inner step, the end of a round (two in the
   async modes, whose sum is applied a round late; streaming's fragments at their steps),
   the fresh replicas of a restore and, if it will be the lowest live host, an eval, on its
@@ -151,14 +152,14 @@ def rehearse(parts, state: state_lib.RunState) -> None:
   format, the outer update, the loss sum, fresh replicas, the eval) is then compiled
   before the members would wait for it at its first sum: on configs/tiny.py under a
   0.36-core quota, a new host's first round held every member 5-6 s (bench/churn.py)."""
-  driver, exchange, h = parts.driver, parts.exchange, parts.h
-  alone = collective_lib.Rehearsal(parts.collective, parts.world.lease.address)
+  driver, exchange, h = parts.sync.driver, parts.sync.exchange, parts.h
+  alone = collective_lib.Rehearsal(parts.sync.collective, parts.world.lease.address)
   real, exchange.collective = exchange.collective, alone
   try:
     outer, replicas = state.outer, state.replicas
     # an inner step on a batch of zeros: its first run is slower than the next (on CPU,
     # 3x a steady round's steps), and the members would wait for it at its first sum
-    replicas, _ = parts.inner(replicas, np.zeros(parts.inner.batch_shape, np.int32))
+    replicas, _ = parts.model.inner(replicas, np.zeros(parts.model.inner.batch_shape, np.int32))
     for r in (1, 2) if driver.asynchronous else (1,):
       for i in range(h - 1):
         update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)
@@ -171,8 +172,8 @@ def rehearse(parts, state: state_lib.RunState) -> None:
     if parts.host < min(parts.world.lease.epoch.hosts, default=parts.host + 1):
       # it will print and evaluate (the lowest live host): the members would wait at the
       # sum after its first eval (on CPU, the eval's compile is half of this rehearsal)
-      parts.eval_step.compile(driver.model(outer, replicas), parts.eval_batches)
-    parts.init_replicas(driver.model(outer, None))  # the restore's fresh replicas
+      parts.model.eval_step.compile(driver.model(outer, replicas), parts.model.eval_batches)
+    parts.model.init_replicas(driver.model(outer, None))  # the restore's fresh replicas
   except Exception as e:  # noqa: BLE001 -- a start that compiles later is no failure
     print(f"host {parts.host}: WARNING: the rehearsal of a round failed ({type(e).__name__}: "
           f"{e}); its first round compiles what it needs", flush=True)
@@ -182,12 +183,13 @@ def rehearse(parts, state: state_lib.RunState) -> None:
     alone.close()
 
 
-def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_lib.RunState:
+def receive(parts: parts_lib.Parts, state: state_lib.RunState,
+            compiled: bool = False) -> state_lib.RunState:
   """The joiner: waits to be admitted, takes the members' state, and returns the state it
   continues from (the round the members ended with `admit`). `compiled`: it has run rounds
   in this process (`again`): nothing to `rehearse`."""
   world = parts.world
-  collective = parts.collective
+  collective = parts.sync.collective
   t = time.perf_counter()
   if not compiled:  # start-up's one-off programs dropped first (the trainer keeps these)
     jax.clear_caches()
@@ -202,9 +204,9 @@ def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_l
   state, r = restore_message(parts, state, [bytes(p) for p in got], where, held)
   # It catches up in round r+1 (no inner steps, no part in its sums) and trains from r+2
   # with the members' step count then, so that its learning rate is theirs.
-  parts.exchange.idle(r + 1, (world.host,))
+  parts.sync.exchange.idle(r + 1, (world.host,))
   state = state.replace(replicas=state.replicas.replace(opt_state=algo_state.with_step_count(
-      state.replicas.opt_state, parts.pacer.steps_done(r + 1))))
+      state.replicas.opt_state, parts.sync.pacer.steps_done(r + 1))))
   size = sum(len(p) for p in got)
   joined = {"round": r, "source": source, "bytes": size, "seconds": round(seconds, 3)}
   state = rounds.reschedule(parts, state.replace(
@@ -217,21 +219,22 @@ def receive(parts, state: state_lib.RunState, compiled: bool = False) -> state_l
   return state
 
 
-def again(parts, state: state_lib.RunState, dropped: BaseException) -> state_lib.RunState:
+def again(parts: parts_lib.Parts, state: state_lib.RunState,
+          dropped: BaseException) -> state_lib.RunState:
   """A member dropped from a job that goes on (`lease.Dropped`: frozen or cut off past its
   lease) joins it again in this process, as a host started late would: its ops in flight
   have failed, its open rounds are the members' to record, and it continues from the
   state they send (its compiled programs, data and connections kept)."""
   print(f"{dropped}; it joins the job again", flush=True)
   parts.dispatcher.recover()
-  parts.collective.rejoin()
+  parts.sync.collective.rejoin()
   parts.world.lease.rejoin()
-  parts.membership.join_due()  # what the sums said before: not this host's to act on
-  parts.log.forget()
+  parts.sync.membership.join_due()  # what the sums said before: not this host's to act on
+  parts.reporting.log.forget()
   return receive(parts, state, compiled=True)
 
 
-def restore_message(parts, state: state_lib.RunState, got: list[bytes], where: str,
+def restore_message(parts: parts_lib.Parts, state: state_lib.RunState, got: list[bytes], where: str,
                     held: list[str] | None = None) -> tuple[state_lib.RunState, int]:
   """The state a joiner continues from, out of a member's `message_of`, each part checked
   first; a part changed on the way is refused with one line naming it (sha256). `held`:
@@ -283,37 +286,37 @@ def own_for_joiner(sent_own, replicas: int):
   return jax.tree.map(lambda x: np.repeat(np.asarray(x)[:1], replicas, axis=0), sent_own)
 
 
-def _like(parts, state: state_lib.RunState, arrived: int) -> dict:
+def _like(parts: parts_lib.Parts, state: state_lib.RunState, arrived: int) -> dict:
   """The shapes of the files (zeros: `state`'s values are not read, and a host dropped
   mid-round holds arrays its failed round consumed): the shared state, in eager mode one
   replica's own outer state, and each arrived mean (a Δ without its replica axis)."""
   def zeros(x, shape=None):
     return np.zeros(np.shape(x) if shape is None else shape, x.dtype)
-  shared, own = parts.driver.split(state.outer._replace(inflight=()))
+  shared, own = parts.sync.driver.split(state.outer._replace(inflight=()))
   like = {"shared": jax.tree.map(zeros, shared)}
   if "outer" in own:
     like["own"] = {"outer": jax.tree.map(lambda x: zeros(x, (1, *np.shape(x)[1:])),
                                          own["outer"])}
   if arrived:
-    sent = jax.eval_shape(parts.driver.sent_at_boundary, state.replicas.params)
+    sent = jax.eval_shape(parts.sync.driver.sent_at_boundary, state.replicas.params)
     mean = jax.tree.map(lambda x: zeros(x, np.shape(x)[1:]), sent)
     like["arrived"] = {"means": [mean for _ in range(arrived)]}
   return like
 
 
-def _arrived(parts, outer, replicas, saved: dict, mean) -> exchange_lib.Pending:
+def _arrived(parts: parts_lib.Parts, outer, replicas, saved: dict, mean) -> exchange_lib.Pending:
   """A sum in flight at the join, as it arrived on the members: a finished `Pending` into
   which this host put nothing (a zero Δ, every replica finite)."""
   key = int(saved["key"])
   residual = outer.residuals.get(key)
-  sent = parts.driver.sent_at_boundary(replicas.params)
+  sent = parts.sync.driver.sent_at_boundary(replicas.params)
   zeros = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), sent)
   riders = types.MappingProxyType({name: {word: np.asarray(x, np.float32)
                                           for word, x in words.items()}
                                    for name, words in saved["riders"].items()})
   future = concurrent.futures.Future()
   future.set_result(exchange_lib.Arrived(
-      int(saved["round"]), key, jax.device_put(mean, parts.exchange.host_device),
+      int(saved["round"]), key, jax.device_put(mean, parts.sync.exchange.host_device),
       np.asarray(saved["bad_K"], bool), float(saved["loss_sum"]), residual, 0.0, 0, 0,
       riders=riders, replicas=int(saved["replicas"]), aggregation=str(saved["aggregation"]),
       tolerated=int(saved["tolerated"])))

@@ -17,21 +17,22 @@ import numpy as np
 
 from diloco_jax.checkpoints import resize
 from diloco_jax.checkpoints import store
+from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import pretrained
 from diloco_jax.reporting import metrics
 
 
-def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
+def resume(parts: parts_lib.Parts, state: state_lib.RunState) -> state_lib.RunState:
   """The state after the newest readable checkpoint (`state` itself, with the run's id, when
   there is none). A sum in flight in it is issued again; its round's record is opened anew."""
   config = parts.config
-  snap = parts.store.restore(lambda meta: state_lib.snapshot_like(parts, state, meta),
+  snap = parts.storage.store.restore(lambda meta: state_lib.snapshot_like(parts, state, meta),
                              lambda meta: _check_checkpoint(parts, meta))
   state = state.replace(run_id=_agreed_run_id(parts, snap.meta.get("run_id", "") if snap else ""),
                         init_source=_init_source(config))
-  storage = "shared" if parts.shared_storage else "per_host"
+  storage = "shared" if parts.storage.shared else "per_host"
   if snap is None:
     state = state.replace(start={"round": 0, "storage": storage}, round=0)
     return _from_pretrained(parts, state) if config.model.init_from else state
@@ -47,9 +48,9 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
   state = rounds.reschedule(parts, state)
   if snap.own is None:
     print(f"host {parts.host}: starting from the anchor at round {r + 1}: replicas with "
-          f"fresh optimizer moments (step {parts.pacer.steps_done(r)})", flush=True)
+          f"fresh optimizer moments (step {parts.sync.pacer.steps_done(r)})", flush=True)
   outer = state.outer
-  recovered = parts.store.recovered
+  recovered = parts.storage.store.recovered
   state = state.replace(start={
       "round": r, "storage": storage, **change.describe(),
       "healed_from": recovered.source if recovered and recovered.healed else None,
@@ -59,7 +60,7 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
     print(change.message(r, replicas_per_host=parts.replicas_per_host,
                         inflight=bool(snap.meta["inflight"])), flush=True)
   if parts.prints:
-    metrics.print_resumed(r, parts.store.directory, replicas=parts.num_replicas,
+    metrics.print_resumed(r, parts.storage.store.directory, replicas=parts.num_replicas,
                           inflight=bool(outer.inflight), finished=state.finished_before,
                           num_rounds=parts.num_rounds)
     if config.model.init_from:
@@ -72,29 +73,30 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
   return state
 
 
-def _check_checkpoint(parts, meta: dict) -> None:
+def _check_checkpoint(parts: parts_lib.Parts, meta: dict) -> None:
   store.check_compatible(meta, parts.config, num_hosts=parts.num_hosts,
                          replicas_per_host=parts.replicas_per_host,
-                         where=f"checkpoint {meta['round']} in {parts.store.directory}")
+                         where=f"checkpoint {meta['round']} in {parts.storage.store.directory}")
 
 
-def _agreed_run_id(parts, saved: str) -> str:
+def _agreed_run_id(parts: parts_lib.Parts, saved: str) -> str:
   """The run's id: the checkpoint's, else a new one; host 0's on every host."""
   mine = np.frombuffer(bytes.fromhex(saved or uuid.uuid4().hex), np.uint8)
-  words = parts.dispatcher.run(parts.collective.allgather, mine, what="agreeing on the run")
+  words = parts.dispatcher.run(parts.sync.collective.allgather, mine, what="agreeing on the run")
   return bytes(words[0]).hex()
 
 
-def _from_pretrained(parts, state: state_lib.RunState) -> state_lib.RunState:
+def _from_pretrained(parts: parts_lib.Parts, state: state_lib.RunState) -> state_lib.RunState:
   """The anchor and every replica from `config.model.init_from`'s weights: the same files
   on every host, the same anchor."""
-  params = pretrained.params(parts.config.model.init_from, parts.model_cfg)
+  params = pretrained.params(parts.config.model.init_from, parts.model.cfg)
   # The placeholders (zeros of the right shapes) go first: one copy of the state at a time.
   for x in jax.tree.leaves((state.outer, state.replicas)):
     if isinstance(x, jax.Array):
       x.delete()
-  anchor = jax.device_put(params, parts.exchange.host_device)
-  return state.replace(outer=parts.driver.init(anchor), replicas=parts.init_replicas(anchor))
+  anchor = jax.device_put(params, parts.sync.exchange.host_device)
+  return state.replace(outer=parts.sync.driver.init(anchor),
+                       replicas=parts.model.init_replicas(anchor))
 
 
 def _init_source(config) -> dict | None:

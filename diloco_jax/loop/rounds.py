@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.device import mesh as mesh_lib
+from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import runinfo
 from diloco_jax.loop import state as state_lib
 from diloco_jax.modes import base as modes_base
@@ -23,18 +24,18 @@ from diloco_jax.reporting import profiling
 from diloco_jax.runtime import hostmem
 
 
-def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
+def run_round(parts: parts_lib.Parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
   """Round r: H inner steps of every local replica (balance 'speed': this host's share,
-  `parts.pacer`), then the outer step. Its record opens in `parts.log`; the figures of its
-  sums join it when they arrive."""
-  h, pacer = parts.h, parts.pacer
+  `parts.sync.pacer`), then the outer step. Its record opens in the round log; the figures
+  of its sums join it when they arrive."""
+  h, pacer = parts.h, parts.sync.pacer
   n = pacer.my_steps(r)
   open_record(parts, r)
   replicas, losses, t = state.replicas, [], time.perf_counter()
   # A host admitted at the end of round r−1 catches up in round r: it takes no part in its
   # sums, trains no step and reads no batch, but meets every sum of the round where the
   # members do (docs/algorithms.md §11); its Δ is zero, and so are its losses.
-  idle = parts.exchange.idle_here(r)
+  idle = parts.sync.exchange.idle_here(r)
   no_loss = jnp.zeros(parts.replicas_per_host, jnp.float32) if idle else None
   for i in range(n):
     step = (r - 1) * h + (i + 1) * h // n  # the progress in slowest-host steps
@@ -42,15 +43,15 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
       loss_R = no_loss
     else:
       with profiling.step_annotation("inner_step", step_num=step):
-        replicas, loss_R = parts.inner(replicas, parts.data.next_batch())
+        replicas, loss_R = parts.model.inner(replicas, parts.data.next_batch())
     losses.append(loss_R)
     if i + 1 < n:  # streaming syncs fragments mid-round
       state = take(parts, state.replace(replicas=replicas), r,
-                   parts.driver.after_step(state.outer, replicas, step, r))
+                   parts.sync.driver.after_step(state.outer, replicas, step, r))
       replicas = state.replicas
-    parts.bar.update(step, f"round {r}/{parts.num_rounds}")
+    parts.reporting.bar.update(step, f"round {r}/{parts.num_rounds}")
   state = state.replace(replicas=replicas)
-  if pacer in parts.exchange.riders:  # this host's speed: its inner phase, if not compiled
+  if pacer in parts.sync.exchange.riders:  # this host's speed: its inner phase, if not compiled
     jax.block_until_ready(replicas)  # (the outer step waits for it first thing)
     pacer.measured(r, 0.0 if state.compiles or idle else time.perf_counter() - t)
     state = state.replace(compiles=False)
@@ -63,51 +64,55 @@ def run_round(parts, state: state_lib.RunState, r: int) -> state_lib.RunState:
     state = state.replace(await_steps_once=False)
   loss_sum = jnp.sum(jnp.stack(losses))  # dispatched, not waited for
   with profiling.annotate("outer_step"):
-    state = take(parts, state, r, parts.driver.end_round(state.outer, replicas, loss_sum, r))
+    state = take(parts, state, r, parts.sync.driver.end_round(state.outer, replicas, loss_sum, r))
   round_checks(parts, state, r)
-  if (peak := mesh_lib.peak_bytes(parts.mesh.devices.flat)) is not None:
-    parts.log.add(r, device_peak_bytes=peak)  # accelerators: the allocator's peak so far
+  if (peak := mesh_lib.peak_bytes(parts.model.mesh.devices.flat)) is not None:
+    parts.reporting.log.add(r, device_peak_bytes=peak)  # accelerators: the allocator's peak so far
   hostmem.trim()  # what the round's compiles and host copies freed
-  return state.replace(round=r, data=parts.data.get_state(), pace=parts.pacer.state())
+  return state.replace(round=r, data=parts.data.get_state(), pace=parts.sync.pacer.state())
 
 
-def open_record(parts, r: int, **figures) -> None:
+def open_record(parts: parts_lib.Parts, r: int, **figures) -> None:
   """Round r's record; with unequal steps, the losses its train loss averages."""
-  steps = parts.pacer.steps(r)
+  pacer = parts.sync.pacer
+  steps = pacer.steps(r)
   loss_terms = (None if steps == (parts.h,) * parts.num_hosts
                 else sum(steps) * parts.replicas_per_host)
-  parts.log.open(r, loss_terms=loss_terms, inner_step=r * parts.h,
-                 tokens=parts.pacer.tokens_through(r, parts.tokens_per_replica_step), **figures)
+  parts.reporting.log.open(r, loss_terms=loss_terms, inner_step=r * parts.h,
+                           tokens=pacer.tokens_through(r, parts.tokens_per_replica_step),
+                           **figures)
 
 
-def take(parts, state: state_lib.RunState, r: int,
+def take(parts: parts_lib.Parts, state: state_lib.RunState, r: int,
          update: modes_base.Update) -> state_lib.RunState:
   """The state after a driver's `update`, whose figures go to the round log."""
   state = state.replace(outer=update.outer, replicas=update.replicas)
-  parts.log.add_times(r, update.times)
-  parts.log.add_synced(update.synced)
+  log, sync = parts.reporting.log, parts.sync
+  log.add_times(r, update.times)
+  log.add_synced(update.synced)
   for s in update.synced:  # what rode the sums comes back as the round's figures
-    parts.log.add_if_open(s.arrived.round, **parts.membership.figures(s.arrived.riders))
-    parts.preemption.arrived(s.arrived.riders)
-    if (pace := s.arrived.riders.get(parts.pacer.name)) is not None:
-      figures = parts.pacer.arrived(s.arrived.round, pace, now=r)
-      parts.log.add_if_open(s.arrived.round, **figures, hosts_tokens=[
+    log.add_if_open(s.arrived.round, **sync.membership.figures(s.arrived.riders))
+    sync.preemption.arrived(s.arrived.riders)
+    if (pace := s.arrived.riders.get(sync.pacer.name)) is not None:
+      figures = sync.pacer.arrived(s.arrived.round, pace, now=r)
+      log.add_if_open(s.arrived.round, **figures, hosts_tokens=[
           n * parts.replicas_per_host * parts.tokens_per_replica_step
           for n in figures["hosts_steps"]])
-  if parts.pacer.take_changed():
+  if sync.pacer.take_changed():
     state = reschedule(parts, state, announce=True)
   return state
 
 
-def reschedule(parts, state: state_lib.RunState, announce: bool = False) -> state_lib.RunState:
+def reschedule(parts: parts_lib.Parts, state: state_lib.RunState,
+               announce: bool = False) -> state_lib.RunState:
   """balance 'speed': this host's learning-rate schedule spans the steps it trains in the
   run (`pacing.Pacer.schedule_steps`; recompiled when that changes, and the round after is
   not timed)."""
-  total = parts.pacer.schedule_steps()
+  total = parts.sync.pacer.schedule_steps()
   if total != state.schedule_steps:
-    parts.inner.reschedule(parts.inner_optimizer(total))
+    parts.model.inner.reschedule(parts.inner_optimizer(total))
     state = state.replace(schedule_steps=total, compiles=True)
-  decision = parts.pacer.decisions[-1]
+  decision = parts.sync.pacer.decisions[-1]
   if announce and parts.prints:
     print(f"balance: from round {decision.first}, inner steps per host "
           f"{list(decision.steps)} (measured speeds; H = {parts.h} for the slowest)", flush=True)
@@ -116,11 +121,12 @@ def reschedule(parts, state: state_lib.RunState, announce: bool = False) -> stat
   return state
 
 
-def round_checks(parts, state: state_lib.RunState, r: int) -> None:
+def round_checks(parts: parts_lib.Parts, state: state_lib.RunState, r: int) -> None:
   """After round r's outer step: the outer state compared across hosts, and the eval,
   when due (the eval is read late)."""
-  replicated = parts.driver.replicated(state.outer, state.replicas)
-  parts.log.add(r, **parts.anchor_check(replicated, r))
+  driver, log = parts.sync.driver, parts.reporting.log
+  log.add(r, **parts.sync.anchor_check(driver.replicated(state.outer, state.replicas), r))
   if parts.evaluates and r % parts.config.eval_every == 0 and r < parts.num_rounds:
-    parts.log.add(r, eval_loss=parts.eval_step(parts.driver.model(state.outer, state.replicas),
-                                               parts.eval_batches), floor=parts.spec.floor)
+    model = driver.model(state.outer, state.replicas)
+    log.add(r, eval_loss=parts.model.eval_step(model, parts.model.eval_batches),
+            floor=parts.spec.floor)

@@ -1,7 +1,7 @@
 """The state of one host's run, a value: `RunState`, and its `Snapshot`.
 
 Each round makes a new `RunState` from the last (`rounds.run_round`), as the mode drivers
-make a new outer state from the last; the parts that act on it (`build.Parts`) never
+make a new outer state from the last; the parts that act on it (`parts.Parts`) never
 change. `RunState` holds everything a checkpoint holds, the data iterators' positions and
 the pacer's decisions included (as they stood at the end of its round).
 
@@ -24,6 +24,7 @@ import jax
 from diloco_jax._version import __version__
 from diloco_jax.algo import state as algo_state
 from diloco_jax.checkpoints import store
+from diloco_jax.loop import parts as parts_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,22 +63,22 @@ class RunState:
     return dataclasses.replace(self, **changes)
 
 
-def snapshot(parts, state: RunState, r: int, finished: bool = False,
+def snapshot(parts: parts_lib.Parts, state: RunState, r: int, finished: bool = False,
              model=None) -> store.Snapshot:
   """Everything needed to continue after round r (after its outer step); `finished`:
   after the last round, with what was in flight applied, and `model` the trained params."""
-  shared, own = parts.driver.split(state.outer)
+  shared, own = parts.sync.driver.split(state.outer)
   snap = _snapshot(parts, state, r, shared, own, finished, bool(state.outer.inflight))
   return dataclasses.replace(snap, model=model)
 
 
-def snapshot_like(parts, state: RunState, meta: dict) -> store.Snapshot:
+def snapshot_like(parts: parts_lib.Parts, state: RunState, meta: dict) -> store.Snapshot:
   """The shapes a checkpoint with `meta` restores into (a sum in flight or not)."""
-  shared, own = parts.driver.split_like(state.outer, state.replicas, meta["inflight"])
+  shared, own = parts.sync.driver.split_like(state.outer, state.replicas, meta["inflight"])
   return _snapshot(parts, state, 0, shared, own, False, meta["inflight"])
 
 
-def _snapshot(parts, state, r, shared, own, finished, inflight) -> store.Snapshot:
+def _snapshot(parts: parts_lib.Parts, state, r, shared, own, finished, inflight) -> store.Snapshot:
   own = {"replicas": state.replicas, "data": store.encode_json(state.data), **own}
   meta = {"round": r, "finished": finished, "inflight": inflight, "mode": parts.config.mode,
           "num_hosts": parts.num_hosts, "replicas_per_host": parts.replicas_per_host,
@@ -91,7 +92,8 @@ def _snapshot(parts, state, r, shared, own, finished, inflight) -> store.Snapsho
   return store.Snapshot(r, shared, own, meta)
 
 
-def restore(parts, state: RunState, snap: store.Snapshot, *, same_world: bool = True,
+def restore(parts: parts_lib.Parts, state: RunState, snap: store.Snapshot, *,
+            same_world: bool = True,
             inflight: Callable[[Any, Any], tuple] | None = None) -> RunState:
   """The run after `snap`'s round, on this host: the outer state, and either this host's
   own replicas, data positions and in-flight sum (`snap.own` holds "replicas": a resume
@@ -103,15 +105,15 @@ def restore(parts, state: RunState, snap: store.Snapshot, *, same_world: bool = 
   pass). `inflight(outer, replicas)`: the sums that were in flight, as they arrived on the
   sender (a joiner applies them like every member: loop/join.py)."""
   own = snap.own or {}
-  parts.pacer.restore(snap.meta.get("balance"), same_world=same_world)
-  outer = parts.driver.join(snap.shared, own or None)
+  parts.sync.pacer.restore(snap.meta.get("balance"), same_world=same_world)
+  outer = parts.sync.driver.join(snap.shared, own or None)
   if "replicas" in own:
-    replicas = parts.inner.place(own["replicas"])
+    replicas = parts.model.inner.place(own["replicas"])
     data = store.decode_json(own["data"])
   else:
-    replicas = parts.init_replicas(parts.driver.model(outer, None))
+    replicas = parts.model.init_replicas(parts.sync.driver.model(outer, None))
     replicas = replicas.replace(opt_state=algo_state.with_step_count(
-        replicas.opt_state, parts.pacer.steps_done(snap.round)))
+        replicas.opt_state, parts.sync.pacer.steps_done(snap.round)))
     data = snap.meta["data_state"]
   if same_world:
     parts.data.set_state(data)
@@ -119,4 +121,4 @@ def restore(parts, state: RunState, snap: store.Snapshot, *, same_world: bool = 
     outer = outer._replace(inflight=inflight(outer, replicas))
   return state.replace(outer=outer, replicas=replicas, round=snap.round,
                        run_id=snap.meta.get("run_id", state.run_id),
-                       data=parts.data.get_state(), pace=parts.pacer.state())
+                       data=parts.data.get_state(), pace=parts.sync.pacer.state())

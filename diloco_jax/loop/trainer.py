@@ -1,6 +1,7 @@
-"""One host's run: `Trainer` holds its parts (`build.Parts`, services built once) and its
-state (`state.RunState`, a value each round replaces), and runs the rounds, the
-checkpoints and the end of the run.
+"""One host's run: `Trainer` holds its parts (`parts.Parts`, services built once) and its
+state (`state.RunState`, a value each round replaces), and runs the rounds with the hooks
+around them (`hooks.Hooks`: the profile window, the records, the checkpoints, the
+admissions) and the end of the run.
 
 The round itself is `rounds.run_round`; a start that continues a checkpoint is
 `resume.resume`; a host that joins a live job starts from its members' state instead
@@ -22,6 +23,7 @@ import ml_collections
 
 from diloco_jax.algo import state as algo_state
 from diloco_jax.loop import build as build_lib
+from diloco_jax.loop import hooks as hooks_lib
 from diloco_jax.loop import join as join_lib
 from diloco_jax.loop import resume as resume_lib
 from diloco_jax.loop import rounds
@@ -32,7 +34,6 @@ from diloco_jax.modes import base as modes_base
 from diloco_jax.reporting import metrics
 from diloco_jax.reporting import plots
 from diloco_jax.reporting import profiling
-from diloco_jax.reporting import writers
 from diloco_jax.runtime import hostmem
 from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import dispatch
@@ -64,9 +65,11 @@ class Trainer:
     self.parts, self.state = build_lib.build(config, workdir, dispatcher,
                                              world or world_lib.World.fixed(),
                                              restart_from_scratch, pseudo_gradient_hook)
+    self.hooks = self._hooks()
 
   def run_round(self, r: int) -> None:
-    self.state = rounds.run_round(self.parts, self.state, r)
+    with profiling.annotate(f"round {r}"):
+      self.state = rounds.run_round(self.parts, self.state, r)
 
   def resume(self) -> int:
     """Restores the newest readable checkpoint and returns the last round it holds (0:
@@ -78,6 +81,63 @@ class Trainer:
     return state_lib.snapshot(self.parts, self.state, r, finished)
 
   def run(self) -> TrainResult:
+    r, preempted_at = self._start(), None
+    while r <= self.parts.num_rounds:
+      self.hooks.before_round(r)
+      try:
+        self.run_round(r)
+      except (dispatch.CollectiveError, lease_lib.Dropped) as e:
+        dropped = e if isinstance(e, lease_lib.Dropped) else e.__cause__
+        if not isinstance(dropped, lease_lib.Dropped):
+          raise
+        # live: the job went on without this host (frozen or cut off past its lease)
+        self.state = join_lib.again(self.parts, self.state, dropped)
+        r = self.state.round + 1
+        continue
+      if self.hooks.after_round(r):  # a preemption: stopped after round r
+        preempted_at = r
+        break
+      r += 1
+    return self._end(preempted_at)
+
+  def _hooks(self) -> hooks_lib.Hooks:
+    """What runs around each round, in this order: the profile window, the round's record
+    (written one round late, so the devices never wait for it), a checkpoint when the
+    store's policy says so (and a stop after a preemption), and an admission when a host
+    waits to join (live)."""
+    parts, hooks, started = self.parts, hooks_lib.Hooks(), [0.0]
+    profile, log = parts.reporting.profile, parts.reporting.log
+    hooks.add("profile", before=profile.before_round,
+              after=lambda r: profile.after_round(r, self.state.replicas))
+
+    def record(r: int) -> None:
+      log.write_through(r - 1)  # read after round r's work was dispatched
+      log.timed(r, time.perf_counter() - started[0], steady=not profile.covers(r),
+                tokens=sum(parts.sync.pacer.steps(r)) * parts.replicas_per_host
+                * parts.tokens_per_replica_step)
+
+    hooks.add("record", before=lambda r: started.__setitem__(0, time.perf_counter()),
+              after=record)
+
+    def checkpoint(r: int) -> bool:
+      preempted = parts.sync.preemption.reached(r)
+      if parts.storage.policy.due(r, preempted):
+        self._save(r)
+      return preempted and r < parts.num_rounds
+
+    hooks.add("checkpoint", after=checkpoint)
+
+    def admission(r: int) -> None:
+      if parts.sync.membership.join_due() and r < parts.num_rounds:  # live: a host waits
+        join_lib.admit(parts, self.state, r)  # on the dispatch thread: round r+1 goes on
+
+    hooks.add("admission", after=admission)
+    return hooks
+
+  def _start(self) -> int:
+    """Everything before the first round of this process: the start-up lines, the state
+    (resumed from a checkpoint, or a joiner's from the members), the metrics files opened
+    where they continue, run.json. Returns the first round to train."""
     parts = self.parts
     runinfo.announce(parts)
     # jax keeps every program it compiled for the life of the process, with its traces:
@@ -86,91 +146,52 @@ class Trainer:
     # joiner's are dropped before its rehearsal compiles those: `join.receive`).
     if parts.world.joining:  # the members' state, at their next round boundary (it gives
       self.state = join_lib.receive(parts, self.state)  # back what compiling freed first)
-      done = self.state.round
     else:
-      done = self.resume()
+      self.resume()
       jax.clear_caches()
       hostmem.trim()  # what compiling freed
-    parts.start_phases.done("resume")  # the checkpoint read, and what compiling freed
+    parts.reporting.start_phases.done("resume")  # the checkpoint read, what compiling freed
+    done = self.state.round
     first = done if self.state.outer.inflight else done + 1  # the first round logged now
-    log = parts.config.log
-    parts.log.writer = writers.MetricsWriter(
-        parts.workdir, enabled=parts.writes, first_round=first,
-        purge_step=first * parts.h * parts.tokens_per_step,
-        wandb=dict(project=log.wandb_project, mode=log.wandb_mode,
-                   config=parts.config.to_dict()))
+    parts.reporting.log.writer.begin(first, purge_step=first * parts.h * parts.tokens_per_step)
     if parts.writes:  # once the workdir is known to be this run's; the last thing before
       runinfo.write_run_json(parts, self.state)  # round 1 (benches time start-up by it)
-    every, preempted_at = parts.config.checkpoint.every, None
-    parts.membership.started()
+    parts.sync.membership.started()
+    return done + 1
 
-    r, t_round = done + 1, time.perf_counter()
-    while r <= parts.num_rounds:
-      try:
-        preempted = self._round(r, t_round, every)
-      except (dispatch.CollectiveError, lease_lib.Dropped) as e:
-        dropped = e if isinstance(e, lease_lib.Dropped) else e.__cause__
-        if not isinstance(dropped, lease_lib.Dropped):
-          raise
-        # live: the job went on without this host (frozen or cut off past its lease)
-        self.state = join_lib.again(parts, self.state, dropped)
-        r, t_round = self.state.round + 1, time.perf_counter()
-        continue
-      if preempted:
-        preempted_at = r
-        break
-      # the save's blocking part is in the next round
-      r, t_round = r + 1, time.perf_counter()
-
-    parts.bar.close()
+  def _end(self, preempted_at: int | None) -> TrainResult:
+    """After the last round (or the round a preemption stopped at): the final eval and
+    checkpoint, the files closed, the last lines and the loss plot."""
+    parts = self.parts
+    parts.reporting.bar.close()
     final_params = final_eval = None
     if preempted_at is None:
       final_params, final_eval = self.finish_run()
-    parts.store.wait()
-    parts.store.close()
-    parts.log.writer.close()
-    if preempted_at is not None and (parts.prints or parts.preemption.alone):
+    parts.storage.store.wait()
+    parts.storage.store.close()
+    log = parts.reporting.log
+    log.writer.close()
+    if preempted_at is not None and (parts.prints or parts.sync.preemption.alone):
       print(f"preempted: stopped after round {preempted_at} with a checkpoint in "
-            f"{parts.store.directory}; run the same command to continue", flush=True)
+            f"{parts.storage.store.directory}; run the same command to continue", flush=True)
     elif parts.writes:
       title = (f"{parts.config.mode}: {parts.num_hosts} host(s) x {parts.replicas_per_host} "
                f"replicas, H={parts.h}")
-      records, spec = parts.log.writer.records, parts.spec
+      records, spec = log.writer.records, parts.spec
       if final_eval is not None:
         metrics.report(records, parts.workdir, final_eval=float(final_eval), floor=spec.floor,
-                       unigram=spec.unigram_loss, elapsed=parts.log.elapsed,
+                       unigram=spec.unigram_loss, elapsed=log.elapsed,
                        num_rounds=parts.num_rounds, title=title)
       else:  # a live job's other hosts: the plot in their own workdir, no line
         plots.plot_losses(records, os.path.join(parts.workdir, "loss.png"),
-                            floor=spec.floor, unigram=spec.unigram_loss, title=title)
+                          floor=spec.floor, unigram=spec.unigram_loss, title=title)
     state = self.state
     return TrainResult(final_params if preempted_at is None else
-                       parts.driver.model(state.outer, state.replicas),
-                       state.outer.state, state.replicas, parts.log.writer.records,
-                       {"inner_step": parts.inner.traces, "eval_step": parts.eval_step.traces},
+                       parts.sync.driver.model(state.outer, state.replicas),
+                       state.outer.state, state.replicas, log.writer.records,
+                       {"inner_step": parts.model.inner.traces,
+                        "eval_step": parts.model.eval_step.traces},
                        preempted_at)
-
-  def _round(self, r: int, t_round: float, every: int) -> bool:
-    """Round r and what follows it: its records, a checkpoint when due, an admission when
-    a host waits (live). Returns whether a preemption stops the run after it."""
-    parts = self.parts
-    parts.profile.before_round(r)
-    with profiling.annotate(f"round {r}"):
-      self.run_round(r)
-    parts.profile.after_round(r, self.state.replicas)
-    parts.log.printing = parts.prints  # live membership: the lowest live host, now
-    parts.log.write_through(r - 1)  # read after round r's work was dispatched
-    parts.log.timed(r, time.perf_counter() - t_round, steady=not parts.profile.covers(r),
-                    tokens=sum(parts.pacer.steps(r)) * parts.replicas_per_host
-                    * parts.tokens_per_replica_step)
-    preempted = parts.preemption.reached(r)
-    if r < parts.num_rounds and (preempted or (every and r % every == 0)):
-      self._save(r)
-    if preempted and r < parts.num_rounds:
-      return True
-    if parts.membership.join_due() and r < parts.num_rounds:  # live: a host waits
-      join_lib.admit(parts, self.state, r)  # on the dispatch thread: round r+1 goes on
-    return False
 
   def finish_run(self) -> tuple[Any, Any]:
     """After the last round: apply what is still in flight, evaluate the final model,
@@ -180,21 +201,22 @@ class Trainer:
     finished_before = self.state.finished_before
     if not finished_before:
       if num_rounds == 0:  # the initial model only: its eval and checkpoint 0
-        parts.log.open(0, inner_step=0, tokens=0)
+        parts.reporting.log.open(0, inner_step=0, tokens=0)
       self.state = rounds.take(parts, self.state, num_rounds,
-                               parts.driver.drain(self.state.outer, self.state.replicas))
-    final_params = parts.driver.final(self.state.outer, self.state.replicas)
+                               parts.sync.driver.drain(self.state.outer, self.state.replicas))
+    final_params = parts.sync.driver.final(self.state.outer, self.state.replicas)
     final_eval = None
     if parts.evaluates:
-      final_eval = parts.eval_step(final_params, parts.eval_batches)
+      final_eval = parts.model.eval_step(final_params, parts.model.eval_batches)
       if not finished_before:
-        parts.log.add(num_rounds, eval_loss=final_eval, floor=parts.spec.floor)
+        parts.reporting.log.add(num_rounds, eval_loss=final_eval, floor=parts.spec.floor)
     if not finished_before:
       hostmem.trim()  # what the eval's compile freed, before the save adds its buffers
-      parts.store.save(state_lib.snapshot(parts, self.state, num_rounds, finished=True,
-                                          model=final_params), last=True)
-      parts.store.wait()  # the last line's "ETA 0s" is printed once it is on disk
-      parts.log.write_through(num_rounds)
+      parts.storage.store.save(state_lib.snapshot(parts, self.state, num_rounds,
+                                                  finished=True, model=final_params),
+                               last=True)
+      parts.storage.store.wait()  # the last line's "ETA 0s" is printed once it is on disk
+      parts.reporting.log.write_through(num_rounds)
     return final_params, final_eval
 
   def _save(self, r: int) -> None:
@@ -206,12 +228,12 @@ class Trainer:
     written: a small one could otherwise be complete while the record still waited for
     its eval, and a host killed in between left a checkpoint whose record no resume
     writes."""
-    self.parts.log.settle(r)
+    log, store = self.parts.reporting.log, self.parts.storage.store
+    log.settle(r)
     written = threading.Event()
     try:
-      self.parts.log.add(r, checkpoint_blocking=self.parts.store.save(self.snapshot(r),
-                                                                      after=written))
-      self.parts.log.write_through(r)
+      log.add(r, checkpoint_blocking=store.save(self.snapshot(r), after=written))
+      log.write_through(r)
     finally:
       written.set()
 
@@ -232,13 +254,13 @@ def train_and_evaluate(
                       pseudo_gradient_hook=pseudo_gradient_hook)
     parts = trainer.parts
     try:
-      with parts.preemption.handling_signals():
+      with parts.sync.preemption.handling_signals():
         return trainer.run()
     finally:
-      parts.bar.close()  # after an error too: the terminal gets its cursor back
-      parts.profile.close()
-      if parts.lock is not None:
-        parts.lock.release()
-      if hasattr(parts.membership, "close"):  # live: leave, so no one waits for the lease,
+      parts.reporting.bar.close()  # after an error too: the terminal gets its cursor back
+      parts.reporting.profile.close()
+      if parts.storage.lock is not None:
+        parts.storage.lock.release()
+      if hasattr(parts.sync.membership, "close"):  # live: leave, so no one waits for the lease,
         # and the dispatch thread's op in flight ends before the sockets it uses close
-        parts.membership.close(drained=lambda timeout_s: dispatcher.close(timeout_s))
+        parts.sync.membership.close(drained=lambda timeout_s: dispatcher.close(timeout_s))

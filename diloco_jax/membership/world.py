@@ -1,6 +1,6 @@
 """Which host this process is, among how many, and with whom it sums: a value.
 
-The entry point builds it (`membership.start.start`) and hands it down (`loop.build.Parts`);
+The entry point builds it (`membership.start.start`) and hands it down (`loop.parts.Parts`);
 no module keeps it. A single host, and a `ddp` job on `jax.distributed`, are *fixed*: the
 hosts are `jax.process_index()` of `jax.process_count()` for the whole run. Every
 multi-host DiLoCo job is *live*: each host's JAX is a world of its own (so that no host's

@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from typing import Callable
 from typing import Any
 from typing import Iterable
 from typing import Mapping
@@ -134,11 +135,14 @@ class RoundLog:
   record up to round r whose figures are all in (fragment 0's sum, with the loss, arrived)."""
 
   def __init__(self, writer: writers.MetricsWriter, bar: ProgressBar, *, num_rounds: int,
-               inner_steps: int, num_replicas: int, printing: bool, tokens_per_round: int,
+               inner_steps: int, num_replicas: int,
+               printing: bool | Callable[[], bool], tokens_per_round: int,
                bytes_per_token: Mapping[str, float] | None = None,
                flops_per_token: float | None = None, peak_flops: float | None = None,
                finish_estimate=lambda: 0.0, clock=time.monotonic):
-    self.writer, self.bar, self.printing = writer, bar, printing
+    self.writer, self.bar = writer, bar
+    # live membership: whether this host prints changes (the lowest live host prints)
+    self._printing = printing if callable(printing) else lambda: printing
     self.num_rounds, self.h, self.num_replicas = num_rounds, inner_steps, num_replicas
     self.tokens_per_round = tokens_per_round
     self.bytes_per_token = bytes_per_token  # per split; None: no bits per byte
@@ -272,7 +276,7 @@ class RoundLog:
       stats = np.asarray(diagnostics.result()).reshape(-1, 3)  # the live replicas
       record.update(delta_norm=stats[:, 0].tolist(), delta_cos=stats[:, 1].tolist(),
                     param_spread=float(np.sqrt(max(stats[:, 2].mean(), 0.0))))
-    if self.printing:
+    if self._printing():
       print(round_line(record, self.num_rounds, self.num_rounds * self.h), flush=True)
     self.writer.write(record)
 

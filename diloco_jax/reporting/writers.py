@@ -102,12 +102,18 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, enabled: bool = True, first_round: int | None = None,
                purge_step: int | None = None, wandb: Mapping[str, Any] | None = None):
-    self.enabled = enabled
+    self.workdir, self.wanted, self.wandb = workdir, enabled, wandb
+    self.enabled = False  # in memory only until `begin` (a Trainer used without `run`)
     self.records: list[dict[str, Any]] = []
-    path = os.path.join(workdir, "metrics.jsonl")
-    if first_round is None:  # in memory only (a Trainer used without `run`)
-      self.enabled = False
-      return
+    if first_round is not None:
+      self.begin(first_round, purge_step)
+
+  def begin(self, first_round: int, purge_step: int | None = None) -> None:
+    """Continues the workdir's files from `first_round` (what a resume knows only once it
+    has read the checkpoint), writing if the writer was made `enabled`."""
+    enabled = self.enabled = self.wanted
+    workdir, wandb = self.workdir, self.wandb
+    path, self.records = os.path.join(workdir, "metrics.jsonl"), []
     if os.path.exists(path):
       records, torn = read_records(path)
       self.records = [r for r in records if r["round"] < first_round]
