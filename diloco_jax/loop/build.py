@@ -11,7 +11,6 @@ value that `build` makes and the round loop threads through `rounds.run_round` a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -84,11 +83,11 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   sync = _sync(config, world, dispatcher, membership, driver, train_step, mesh,
                family.param_shapes(model_cfg), pseudo_gradient_hook)
   model, anchor = _model(config, world, model_cfg, attention, mesh, loss_fn, train_step,
-                         inner_optimizer, sync, phases)
+                         inner_optimizer, sync, data.eval_batches, phases)
   phases.done("init")
   parts = parts_lib.Parts(
       config=config, workdir=workdir, dispatcher=dispatcher, world=world, data=data,
-      model=dataclasses.replace(model, eval_batches=model.eval_step.put(data.eval_batches)),
+      model=model,
       sync=sync, storage=storage,
       reporting=_reporting(config, workdir, world, data, model, sync.membership,
                            storage.store, phases))
@@ -219,10 +218,9 @@ def _sync(config: ml_collections.ConfigDict, world: world_lib.World,
 def _model(config: ml_collections.ConfigDict, world: world_lib.World,
            model_cfg: family.ModelConfig, attention: str, mesh: jax.sharding.Mesh,
            loss_fn: Any, train_step: inner.Step, inner_optimizer: Any, sync: parts_lib.Sync,
-           phases: runinfo.Phases) -> tuple[parts_lib.Model, Any]:
+           eval_batches: np.ndarray, phases: runinfo.Phases) -> tuple[parts_lib.Model, Any]:
   """The model's group (its inner step compiled before the state exists) and the anchor
-  the run starts from (a placeholder until a resume or a join replaces it). The eval
-  batches are put on the devices by the caller, once the data is known."""
+  the run starts from (a placeholder until a resume or a join replaces it)."""
   param_shapes = family.param_shapes(model_cfg)
 
   def init_replicas(anchor):
@@ -256,7 +254,7 @@ def _model(config: ml_collections.ConfigDict, world: world_lib.World,
       flops_per_token=model_lib.flops_per_token(model_cfg, num_params),
       peak_flops=peak and peak * mesh.devices.size * world.num_hosts,  # of the whole job
       mesh=mesh, inner=train_step, init_replicas=init_replicas, eval_step=eval_step,
-      eval_batches=None, step_memory=step_memory), anchor
+      eval_batches=eval_step.put(eval_batches), step_memory=step_memory), anchor
 
 
 def _reporting(config: ml_collections.ConfigDict, workdir: str, world: world_lib.World,
