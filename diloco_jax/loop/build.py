@@ -37,8 +37,9 @@ from diloco_jax.models import layers
 from diloco_jax.models import model as model_lib
 from diloco_jax.modes import base as modes_base
 from diloco_jax.modes import registry
-from diloco_jax.reporting import metrics
 from diloco_jax.reporting import profiling
+from diloco_jax.reporting import progress
+from diloco_jax.reporting import roundlog
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import preemption as preemption_lib
 from diloco_jax.membership import world as world_lib
@@ -107,8 +108,8 @@ class Parts:
   pacer: pacing.Pacer
   eval_step: inner.EvalStep
   eval_batches: Any
-  log: metrics.RoundLog
-  bar: metrics.ProgressBar
+  log: roundlog.RoundLog
+  bar: progress.ProgressBar
   preemption: preemption_lib.Preemption
   profile: profiling.ProfileWindow
   anchor_check: integrity.AnchorCheck
@@ -283,9 +284,9 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   peak = mesh_lib.peak_flops(mesh.devices.flat[0])  # every host has the same devices
   peak_flops = peak and peak * mesh.devices.size * num_hosts  # of the whole job
   eval_step = inner.EvalStep(loss_fn, mesh=mesh)
-  bar = metrics.ProgressBar(num_rounds * h, enabled=host == 0)
+  bar = progress.ProgressBar(num_rounds * h, enabled=host == 0)
   tokens_per_step = num_replicas * tokens_per_replica_step
-  log = metrics.RoundLog(
+  log = roundlog.RoundLog(
       writers.MetricsWriter(workdir, enabled=False), bar, num_rounds=num_rounds,
       inner_steps=h, num_replicas=num_replicas, printing=membership.prints(host),
       tokens_per_round=h * tokens_per_step, bytes_per_token=data.spec.bytes_per_token,

@@ -20,7 +20,7 @@ from diloco_jax.checkpoints import store
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import pretrained
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import lines
 
 
 def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
@@ -59,7 +59,7 @@ def resume(parts, state: state_lib.RunState) -> state_lib.RunState:
     print(change.message(r, replicas_per_host=parts.replicas_per_host,
                         inflight=bool(snap.meta["inflight"])), flush=True)
   if parts.prints:
-    metrics.print_resumed(r, parts.store.directory, replicas=parts.num_replicas,
+    lines.print_resumed(r, parts.store.directory, replicas=parts.num_replicas,
                           inflight=bool(outer.inflight), finished=state.finished_before,
                           num_rounds=parts.num_rounds)
     if config.model.init_from:

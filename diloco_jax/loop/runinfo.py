@@ -8,12 +8,13 @@ import time
 import jax
 
 from diloco_jax.loop import state as state_lib
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import lines
+from diloco_jax.reporting import runjson
 
 
 def announce(parts) -> None:
   """The start-up lines (every host prints its own)."""
-  metrics.print_startup(
+  lines.print_startup(
       host=parts.host, num_hosts=parts.num_hosts, mode=parts.config.mode,
       devices=[f"{d.platform}:{jax.local_devices().index(d)}"  # this host's own numbering
                for d in parts.mesh.devices.flat],
@@ -28,8 +29,8 @@ def announce(parts) -> None:
 
 def write_run_json(parts, state: state_lib.RunState) -> None:
   """Host 0: the step's memory line and run.json."""
-  metrics.print_memory(parts.step_memory, parts.mesh)
-  metrics.write_run_json(parts.workdir, parts.config, hosts=parts.num_hosts,
+  lines.print_memory(parts.step_memory, parts.mesh)
+  runjson.write_run_json(parts.workdir, parts.config, hosts=parts.num_hosts,
                          devices=parts.mesh.devices.flat, num_params=parts.num_params,
                          flops_per_token=parts.flops_per_token,
                          tokens_per_step=parts.tokens_per_step, peak_flops=parts.peak_flops,
