@@ -21,7 +21,6 @@ from diloco_jax.config.schema import COMPUTE_DTYPES
 from diloco_jax.config.schema import DATA_SOURCES
 from diloco_jax.config.schema import INNER_OPTIMIZERS
 from diloco_jax.config.schema import MODEL_FAMILIES
-from diloco_jax.config.schema import MODES
 from diloco_jax.config.schema import REMAT
 from diloco_jax.config.schema import SHARDINGS
 from diloco_jax.config.schema import TOKEN_DTYPES
@@ -30,6 +29,7 @@ from diloco_jax.config.schema import flatten
 from diloco_jax.config.schema import get_default_config
 from diloco_jax.config.schema import unknown_field
 from diloco_jax.errors import ConfigError
+from diloco_jax.modes.names import MODES
 
 
 def _is_number(x) -> bool:

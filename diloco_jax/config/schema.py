@@ -20,12 +20,11 @@ import ml_collections
 
 from diloco_jax.errors import ConfigError
 
-__all__ = ["ConfigError", "MODES", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES",
+__all__ = ["ConfigError", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES",
            "COMPUTE_DTYPES", "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "ATTENTIONS",
            "WANDB_MODES", "RESUMABLE_CHANGES", "get_default_config", "flatten", "from_saved",
            "known_names", "unknown_field", "field_docs", "format_config"]
 
-MODES = ("sync", "delayed", "eager", "streaming", "ddp")
 BALANCES = ("fixed", "speed")
 DATA_SOURCES = ("synthetic", "text", "tokens", "prepared")
 SHARDINGS = ("iid", "non_iid")
