@@ -13,9 +13,11 @@ import pytest
 from diloco_jax import config as config_lib
 from diloco_jax.algo import diloco
 from diloco_jax.device import inner
+from diloco_jax.errors import ConfigError
 from diloco_jax.modes import base
 from diloco_jax.modes import ddp
 from diloco_jax.modes import host
+from diloco_jax.modes import names
 from diloco_jax.modes import outer
 from diloco_jax.modes import registry
 from diloco_jax.modes import skips
@@ -25,13 +27,23 @@ MEMBERS = sorted({name for name in vars(base.Driver) if not name.startswith("_")
                  | set(base.Driver.__annotations__))
 
 
-def test_every_mode_has_a_driver():
-  assert set(registry.DRIVERS) == set(config_lib.MODES)
+def test_every_mode_has_a_driver_and_the_config_accepts_every_mode():
+  """The mode list is `names.DRIVER_PATHS`: the registry loads each driver, in its order,
+  and the config accepts those modes and no other."""
+  assert tuple(registry.DRIVERS) == names.MODES
+  assert all(isinstance(d, type) for d in registry.DRIVERS.values())
+  config = config_lib.get_default_config()
+  for mode in names.MODES:
+    config.mode = mode
+    config_lib.validate(config)
+  config.mode = "nope"
+  with pytest.raises(ConfigError, match=re.escape(f"must be one of {names.MODES}")):
+    config_lib.validate(config)
   with pytest.raises(KeyError, match="mode 'nope': one of"):
     registry.driver("nope")
 
 
-@pytest.mark.parametrize("mode", config_lib.MODES)
+@pytest.mark.parametrize("mode", names.MODES)
 def test_every_driver_has_every_member_of_the_protocol(mode):
   driver = registry.driver(mode)
   assert {"init", "end_round", "join", "trained_params", "param_sets"} <= set(MEMBERS)
@@ -40,8 +52,8 @@ def test_every_driver_has_every_member_of_the_protocol(mode):
 
 
 def test_no_mode_is_named_outside_modes():
-  """The mode list is the registry's: only modes/ and the config's schema (the accepted
-  values and the defaults) name a mode; the rest asks a driver for its traits."""
+  """The mode list is `modes.names`: only modes/ and the config's schema (the default and
+  its doc) name a mode; the rest asks a driver for its traits."""
   package = pathlib.Path(registry.__file__).parent.parent
   quoted = re.compile("[\"'](" + "|".join(registry.DRIVERS) + ")[\"']")
   named = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py"))

@@ -15,8 +15,9 @@ from jax.profiler import ProfileData
 from tensorboard.backend.event_processing import event_accumulator
 
 from diloco_jax import config as config_lib
-from diloco_jax.reporting import metrics
 from diloco_jax.reporting import profiling
+from diloco_jax.reporting import progress
+from diloco_jax.reporting import roundlog
 from diloco_jax.loop import trainer
 from diloco_jax.reporting import writers
 from tests.multihost import small_config
@@ -101,11 +102,11 @@ def test_eta_counts_steady_rounds_only(observed_run):
   # round 1 compiles and rounds 2-3 are profiled: round 4 is the first steady one
   assert ["eta" in r for r in result.records] == [False, False, False, True]
   clock = [0.0]
-  log = metrics.RoundLog(writers.MetricsWriter("", enabled=False),
-                         metrics.ProgressBar(40, enabled=False), num_rounds=10, inner_steps=4,
-                         num_replicas=1, printing=False, tokens_per_round=100,
-                         finish_estimate=lambda: 0.5,  # the last checkpoint's write
-                         clock=lambda: clock[0])
+  log = roundlog.RoundLog(writers.MetricsWriter("", enabled=False),
+                          progress.ProgressBar(40, enabled=False), num_rounds=10, inner_steps=4,
+                          num_replicas=1, printing=False, tokens_per_round=100,
+                          finish_estimate=lambda: 0.5,  # the last checkpoint's write
+                          clock=lambda: clock[0])
   # (round, its own time, when it ended): 1 compiles, 4 is profiled; from one round's end
   # to the next are 2, 4, (100), 3 seconds (saves included)
   for r, seconds, end in ((1, 29.0, 30.0), (2, 1.5, 32.0), (3, 3.5, 36.0), (4, 99.0, 136.0),
@@ -135,7 +136,7 @@ def test_progress_bar_draws_on_a_terminal_only():
 
   terminal, pipe = Terminal(), io.StringIO()
   for stream in (terminal, pipe):
-    bar = metrics.ProgressBar(40, stream=stream)
+    bar = progress.ProgressBar(40, stream=stream)
     bar.update(10, "round 1/4")
     bar.close()
   assert "10/40" in terminal.getvalue() and "round 1/4" in terminal.getvalue()
@@ -176,6 +177,6 @@ def test_local_launcher_help_shows_where_the_trainer_flags_go():
 
 def test_round_line_shows_the_slowest_and_fastest_hosts_steps_when_they_differ():
   record = dict(round=3, inner_step=75, train_loss=1.0, tokens_per_sec=1e3, outer_time=0.01)
-  assert "steps/host" not in metrics.round_line({**record, "hosts_steps": [25, 25]}, 10, 250)
-  line = metrics.round_line({**record, "hosts_steps": [50, 25, 47]}, 10, 250)
+  assert "steps/host" not in roundlog.round_line({**record, "hosts_steps": [25, 25]}, 10, 250)
+  line = roundlog.round_line({**record, "hosts_steps": [50, 25, 47]}, 10, 250)
   assert "| steps/host 25-50 |" in line

@@ -14,7 +14,8 @@ import pytest
 
 from diloco_jax.algo import optim
 from diloco_jax.device import mesh as mesh_lib
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import progress
+from diloco_jax.reporting import roundlog
 from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
 from diloco_jax.checkpoints import store
@@ -324,14 +325,14 @@ def test_round_line_reports_mfu_against_the_peak_table():
   assert mesh_lib.peak_flops(Device("NVIDIA H200")) == 989e12
   assert mesh_lib.peak_flops(Device("NVIDIA A100-SXM4-80GB")) == 312e12
   assert mesh_lib.peak_flops(Device("cpu")) is None
-  log = metrics.RoundLog(writers.MetricsWriter("", enabled=False),
-                         metrics.ProgressBar(10, enabled=False), num_rounds=1, inner_steps=10,
-                         num_replicas=1, printing=False, tokens_per_round=1000,
-                         flops_per_token=1e9, peak_flops=4e12)
+  log = roundlog.RoundLog(writers.MetricsWriter("", enabled=False),
+                          progress.ProgressBar(10, enabled=False), num_rounds=1, inner_steps=10,
+                          num_replicas=1, printing=False, tokens_per_round=1000,
+                          flops_per_token=1e9, peak_flops=4e12)
   log.open(1, inner_step=10, tokens=1000, train_loss=1.0, outer_time=0.01)
   log.timed(1, 0.5)  # 2,000 tokens/s x 1 GFLOP = 2 TFLOP/s of a 4 TFLOP/s peak
   record = log.figures(1)  # the record as it will be written
   assert record["mfu"] == pytest.approx(0.5)
-  assert "2.0k tok/s (MFU 50.0%)" in metrics.round_line(record, 1, 10)
+  assert "2.0k tok/s (MFU 50.0%)" in roundlog.round_line(record, 1, 10)
   del record["mfu"]
-  assert "2.0k tok/s (2.0TFLOP/s)" in metrics.round_line(record, 1, 10)
+  assert "2.0k tok/s (2.0TFLOP/s)" in roundlog.round_line(record, 1, 10)

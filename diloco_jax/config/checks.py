@@ -21,7 +21,6 @@ from diloco_jax.config.schema import COMPUTE_DTYPES
 from diloco_jax.config.schema import DATA_SOURCES
 from diloco_jax.config.schema import INNER_OPTIMIZERS
 from diloco_jax.config.schema import MODEL_FAMILIES
-from diloco_jax.config.schema import MODES
 from diloco_jax.config.schema import REMAT
 from diloco_jax.config.schema import SHARDINGS
 from diloco_jax.config.schema import TOKEN_DTYPES
@@ -30,6 +29,7 @@ from diloco_jax.config.schema import flatten
 from diloco_jax.config.schema import get_default_config
 from diloco_jax.config.schema import unknown_field
 from diloco_jax.errors import ConfigError
+from diloco_jax.modes.names import MODES
 
 
 def _is_number(x) -> bool:
@@ -39,6 +39,35 @@ def _is_number(x) -> bool:
 def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
              num_hosts: int = 1) -> None:
   """Raises one ConfigError listing every invalid field, before anything compiles."""
+  values = _typed_values(config)  # the range checks below assume the right types
+  errors: list[str] = []
+
+  def check(name: str, ok: bool, rule: str) -> None:
+    if not ok:
+      errors.append(f"{name} = {values[name]!r}: {rule}")
+
+  c = config
+  check("config.mode", c.mode in MODES, f"must be one of {MODES}")
+  mode = _driver(c.mode)
+  # In this order, the order of the error lines (a section's checks may read another's).
+  _check_counts(c, check)
+  _check_layout(c, check, mode, num_local_devices)
+  _check_model(c, check, errors)
+  _check_data(c, check)
+  _check_optimizers(c, check)
+  _check_checkpoint(c, check)
+  _check_streaming(c, check, mode)
+  _check_reporting(c, check)
+  _check_wire(c, check, mode, num_replicas=num_hosts * c.replicas_per_host)
+  _check_balance(c, check, mode)
+  check("config.wire_timeout", c.wire_timeout >= 1, "must be >= 1")
+  if errors:
+    raise ConfigError("\n".join(errors))
+
+
+def _typed_values(config: ml_collections.ConfigDict) -> dict:
+  """{"config.a.b": value} of every field; a ConfigError, sorted, for every unknown,
+  missing or mistyped one."""
   errors: list[str] = []
   values = flatten(config)
   schema = flatten(get_default_config())
@@ -55,23 +84,24 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
           _is_number(v) if isinstance(default, float) else isinstance(v, type(default)))
     if not ok:
       errors.append(f"{name} = {v!r}: must be a finite {type(default).__name__}")
-  if errors:  # Range checks below assume the right types.
+  if errors:
     raise ConfigError("\n".join(sorted(errors)))
+  return values
 
-  def check(name: str, ok: bool, rule: str) -> None:
-    if not ok:
-      errors.append(f"{name} = {values[name]!r}: {rule}")
 
-  c, m, d, i, o = config, config.model, config.data, config.inner, config.outer
-  check("config.mode", c.mode in MODES, f"must be one of {MODES}")
-  mode = _driver(c.mode)
+def _check_counts(c: ml_collections.ConfigDict, check) -> None:
+  """The run's and the model's sizes, which the later checks divide by."""
   check("config.num_rounds", c.num_rounds >= 0, "must be >= 0 (0: the initial model only)")
   for key in ("inner_steps", "replicas_per_host", "batch_size",
               "grad_accum_steps", "eval_every", "eval_batches"):
     check(f"config.{key}", c[key] >= 1, "must be >= 1")
   check("config.anchor_check_every", c.anchor_check_every >= 0, "must be >= 0 (0: off)")
   for key in ("num_layers", "d_model", "num_heads", "mlp_dim", "seq_len"):
-    check(f"config.model.{key}", m[key] >= 1, "must be >= 1")
+    check(f"config.model.{key}", c.model[key] >= 1, "must be >= 1")
+
+
+def _check_layout(c: ml_collections.ConfigDict, check, mode, num_local_devices: int) -> None:
+  """config.mesh and the batch: the device groups and the micro-batches fit the devices."""
   mesh = c.mesh
   for key in ("replicas", "fsdp"):
     check(f"config.mesh.{key}", mesh[key] >= 1, "must be >= 1")
@@ -92,6 +122,11 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
           f"must be divisible by grad_accum_steps ({c.grad_accum_steps}) x a replica's "
           f"devices ({group}: local devices / mesh.replicas) = {split}, so every device "
           f"gets whole micro-batches")
+
+
+def _check_model(c: ml_collections.ConfigDict, check, errors: list[str]) -> None:
+  """config.model beyond its sizes: its shape, family and tables."""
+  m, d = c.model, c.data
   if m.num_heads >= 1:
     check("config.model.d_model", m.d_model % m.num_heads == 0,
           f"must be divisible by config.model.num_heads = {m.num_heads}")
@@ -104,6 +139,10 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
         f"smaller than config.model.seq_len = {m.seq_len}: the model takes no longer "
         "sequences (0: seq_len)")
 
+
+def _check_data(c: ml_collections.ConfigDict, check) -> None:
+  """config.data: the source, and what that source needs."""
+  d = c.data
   check("config.data.source", d.source in DATA_SOURCES, f"must be one of {DATA_SOURCES}")
   check("config.data.sharding", d.sharding in SHARDINGS, f"must be one of {SHARDINGS}")
   check("config.data.sharding", d.sharding == "iid" or d.source == "synthetic",
@@ -126,19 +165,29 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
     check("config.data.path", bool(d.path),
           "must be a directory written by python -m diloco_jax.prepare")
   elif d.source == "synthetic":
-    check("config.data.markov_order", d.markov_order >= 1, "must be >= 1")
-    check("config.data.branching", 1 <= d.branching <= d.vocab_size,
-          f"must be in [1, config.data.vocab_size = {d.vocab_size}]")
-    if d.markov_order >= 1 and d.vocab_size >= 2:
-      check("config.data.markov_order", d.vocab_size ** d.markov_order <= 2 ** 20,
-            f"vocab_size ** markov_order = {d.vocab_size}**{d.markov_order} contexts; "
-            "must be <= 2**20")
-    check("config.data.num_sequences", d.num_sequences >= c.replicas_per_host * c.batch_size,
-          f"must be >= replicas_per_host x batch_size = {c.replicas_per_host * c.batch_size}")
-    check("config.data.num_eval_sequences",
-          d.num_eval_sequences >= c.eval_batches * c.batch_size,
-          f"must be >= eval_batches x batch_size = {c.eval_batches * c.batch_size}")
+    _check_synthetic(c, check)
 
+
+def _check_synthetic(c: ml_collections.ConfigDict, check) -> None:
+  """config.data of the synthetic source: a chain small enough, sequences enough."""
+  d = c.data
+  check("config.data.markov_order", d.markov_order >= 1, "must be >= 1")
+  check("config.data.branching", 1 <= d.branching <= d.vocab_size,
+        f"must be in [1, config.data.vocab_size = {d.vocab_size}]")
+  if d.markov_order >= 1 and d.vocab_size >= 2:
+    check("config.data.markov_order", d.vocab_size ** d.markov_order <= 2 ** 20,
+          f"vocab_size ** markov_order = {d.vocab_size}**{d.markov_order} contexts; "
+          "must be <= 2**20")
+  check("config.data.num_sequences", d.num_sequences >= c.replicas_per_host * c.batch_size,
+        f"must be >= replicas_per_host x batch_size = {c.replicas_per_host * c.batch_size}")
+  check("config.data.num_eval_sequences",
+        d.num_eval_sequences >= c.eval_batches * c.batch_size,
+        f"must be >= eval_batches x batch_size = {c.eval_batches * c.batch_size}")
+
+
+def _check_optimizers(c: ml_collections.ConfigDict, check) -> None:
+  """config.inner (the replicas' optimizer and its schedule) and the outer step's own."""
+  i, o = c.inner, c.outer
   total = c.num_rounds * c.inner_steps
   check("config.inner.lr", i.lr > 0, "must be > 0")
   check("config.inner.warmup_steps", 0 <= i.warmup_steps < total or total == 0,
@@ -157,17 +206,13 @@ def validate(config: ml_collections.ConfigDict, *, num_local_devices: int = 1,
   check("config.outer.lr", o.lr > 0, "must be > 0")
   check("config.outer.momentum", 0 <= o.momentum < 1, "must be in [0, 1)")
   check("config.outer.max_skipped_rounds", o.max_skipped_rounds >= 1, "must be >= 1")
+
+
+def _check_checkpoint(c: ml_collections.ConfigDict, check) -> None:
   check("config.checkpoint.every", c.checkpoint.every >= 0,
         "must be >= 0 (0: checkpoints only at preemption and at the end)")
   check("config.checkpoint.keep", c.checkpoint.keep >= 1, "must be >= 1")
   check("config.checkpoint.timeout", c.checkpoint.timeout >= 1, "must be >= 1")
-  _check_streaming(c, check, mode)
-  _check_reporting(c, check)
-  _check_wire(c, check, mode, num_replicas=num_hosts * c.replicas_per_host)
-  _check_balance(c, check, mode)
-  check("config.wire_timeout", c.wire_timeout >= 1, "must be >= 1")
-  if errors:
-    raise ConfigError("\n".join(errors))
 
 
 def _driver(mode: str):

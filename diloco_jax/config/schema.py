@@ -1,8 +1,9 @@
 """The config schema: every field, with its default and meaning.
 
-`get_default_config()` is the one place where every field is declared, and the trailing
-comment on each of its lines is that field's documentation (`field_docs`, printed by
-`--print_config`); the files in `configs/` start from it and change a few fields.
+`get_default_config()` builds every field, one function per section (`_SECTIONS`), the one
+place where each is declared; the trailing comment on each of their lines is that field's
+documentation (`field_docs`, printed by `--print_config`); the files in `configs/` start
+from it and change a few fields.
 `checks.validate` rejects every bad value (see there).
 """
 
@@ -19,12 +20,11 @@ import ml_collections
 
 from diloco_jax.errors import ConfigError
 
-__all__ = ["ConfigError", "MODES", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES",
+__all__ = ["ConfigError", "BALANCES", "DATA_SOURCES", "SHARDINGS", "TOKEN_DTYPES",
            "COMPUTE_DTYPES", "INNER_OPTIMIZERS", "MODEL_FAMILIES", "REMAT", "ATTENTIONS",
            "WANDB_MODES", "RESUMABLE_CHANGES", "get_default_config", "flatten", "from_saved",
            "known_names", "unknown_field", "field_docs", "format_config"]
 
-MODES = ("sync", "delayed", "eager", "streaming", "ddp")
 BALANCES = ("fixed", "speed")
 DATA_SOURCES = ("synthetic", "text", "tokens", "prepared")
 SHARDINGS = ("iid", "non_iid")
@@ -40,6 +40,13 @@ WANDB_MODES = ("offline", "online")
 def get_default_config() -> ml_collections.ConfigDict:
   """Every config field with its default. Config files start from this."""
   c = ml_collections.ConfigDict()
+  for section in _SECTIONS:
+    section(c)
+  return c
+
+
+def _run(c: ml_collections.ConfigDict) -> None:
+  """The run: what it trains for, how often it evaluates and checks itself."""
   c.seed = 0  # Seeds parameter init; data seeds live in `data`.
   c.mode = "sync"  # 'sync', 'delayed', 'eager', 'streaming' DiLoCo, or 'ddp'.
   c.num_rounds = 20  # Rounds T: each is H inner steps plus one outer step (0: checkpoint 0).
@@ -52,6 +59,9 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.debug_checks = False  # Extra invariant checks after every round (slower).
   c.anchor_check_every = 10  # Rounds between cross-host compares of the outer state's hash; 0: off.
 
+
+def _model(c: ml_collections.ConfigDict) -> None:
+  """config.model: the network."""
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2  # Transformer blocks.
   c.model.d_model = 128  # Residual stream width.
@@ -73,6 +83,9 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.model.remat = "none"  # 'none', or 'block': recompute blocks in the backward pass.
   c.model.attention = "auto"  # 'xla'; 'cudnn' (fused, GPU); 'auto': cudnn where it can run.
 
+
+def _data(c: ml_collections.ConfigDict) -> None:
+  """config.data: what it trains on."""
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"  # 'synthetic', 'text', 'tokens' or 'prepared' (docs: data).
   c.data.path = ""  # 'text': file or dir; 'tokens': flat token file; 'prepared': its directory.
@@ -86,6 +99,9 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.data.num_sequences = 32768  # Synthetic: training sequences generated (repeated after).
   c.data.num_eval_sequences = 1024  # Synthetic: held-out sequences generated.
 
+
+def _inner(c: ml_collections.ConfigDict) -> None:
+  """config.inner: each replica's own optimizer."""
   c.inner = ml_collections.ConfigDict()
   c.inner.lr = 3e-3  # Peak AdamW learning rate.
   c.inner.warmup_steps = 50  # Linear warmup from 0 over this many inner steps.
@@ -100,6 +116,9 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.inner.muon_momentum = 0.95  # 'muon': Nesterov momentum of the Muon matrices.
   c.inner.muon_ns_steps = 5  # 'muon': Newton-Schulz iterations per update.
 
+
+def _outer(c: ml_collections.ConfigDict) -> None:
+  """config.outer: the outer step, streaming, and what crosses the wire."""
   c.outer = ml_collections.ConfigDict()
   c.outer.lr = 0.7  # Outer SGD learning rate (DiLoCo paper: 0.7).
   c.outer.momentum = 0.9  # Outer momentum (DiLoCo paper: 0.9); 0 is plain SGD.
@@ -120,16 +139,26 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.outer.aggregation = "mean"  # Over the K replicas: 'mean', 'trimmed_mean' or 'median'.
   c.outer.trim = 0.2  # 'trimmed_mean': fraction of the K values dropped at each end.
 
+
+def _mesh(c: ml_collections.ConfigDict) -> None:
+  """config.mesh: how replicas and their state lie on this host's devices."""
   # How the inner step uses this host's devices (docs/layout.md): mesh.replicas x mesh.fsdp
   # must divide the local devices; the rest are data-parallel within a replica.
   c.mesh = ml_collections.ConfigDict()
   c.mesh.replicas = 1  # Device groups training replicas side by side (1: one after another).
   c.mesh.fsdp = 1  # Devices a replica's params and AdamW state are sharded over (1: copies).
 
+
+def _checkpoint(c: ml_collections.ConfigDict) -> None:
+  """config.checkpoint: when and how many."""
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 1  # Rounds between checkpoints; 0: only at preemption and the end.
   c.checkpoint.keep = 3  # Newest checkpoints kept in workdir/checkpoints.
   c.checkpoint.timeout = 900  # Seconds a save may take (every host's part) before the run stops.
+
+
+def _reporting(c: ml_collections.ConfigDict) -> None:
+  """config.log and config.profile: W&B and traces."""
   c.log = ml_collections.ConfigDict()
   c.log.wandb_project = ""  # W&B project to log each round to (extra [wandb]); "": off.
   c.log.wandb_mode = "offline"  # offline (files in workdir/wandb, for `wandb sync`) or online.
@@ -137,13 +166,21 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_round = 0  # First round traced by jax.profiler into workdir/profile; 0: none.
   c.profile.num_rounds = 2  # Rounds the trace covers.
+
+
+def _hosts(c: ml_collections.ConfigDict) -> None:
+  """Several hosts: unequal speeds, silent peers."""
   # Hosts of unequal speed (docs: multi-host; the update rule: docs/algorithms.md §9):
   c.balance = "fixed"  # 'fixed': every host H steps a round; 'speed': steps by host speed.
   c.balance_every = 4  # 'speed': rounds between decisions, each from that window's timings.
   c.balance_tolerance = 0.1  # 'speed': hosts within it of the slowest train H; steps move by more.
   c.balance_max_factor = 4  # 'speed': no host trains more than this many times H per round.
   c.wire_timeout = 60  # Several hosts: seconds an op waits on a silent peer still in the epoch.
-  return c
+
+
+# In the order the fields are declared: `field_docs` reads them in it, and
+# `--print_config` and the reference page list them so.
+_SECTIONS = (_run, _model, _data, _inner, _outer, _mesh, _checkpoint, _reporting, _hosts)
 
 
 # Fields a resumed run may change; every other field must equal the checkpoint's, since it
@@ -214,7 +251,7 @@ def field_docs() -> dict[str, tuple[str, tuple[str, ...]]]:
   """{"config.a.b": (doc, notes)} for every field set in `get_default_config()`: doc is
   the comment at the end of the line that sets it, notes the comment lines just above it
   (a section's heading). Read from the source, so the comments stay the only copy."""
-  source = textwrap.dedent(inspect.getsource(get_default_config))
+  source = "\n".join(textwrap.dedent(inspect.getsource(f)) for f in _SECTIONS)
   docs: dict[str, tuple[str, tuple[str, ...]]] = {}
   code: list[tokenize.TokenInfo] = []
   trailing, notes = "", []

@@ -37,7 +37,8 @@ from diloco_jax.models import layers
 from diloco_jax.models import model as model_lib
 from diloco_jax.modes import base as modes_base
 from diloco_jax.modes import registry
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import progress
+from diloco_jax.reporting import roundlog
 from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import preemption as preemption_lib
@@ -264,10 +265,10 @@ def _reporting(config: ml_collections.ConfigDict, workdir: str, world: world_lib
   """The round log (its writer opens once the loop knows the first round), the bar, the
   profile window."""
   num_rounds, h, host = config.num_rounds, config.inner_steps, world.host
-  bar = metrics.ProgressBar(num_rounds * h, enabled=host == 0)
+  bar = progress.ProgressBar(num_rounds * h, enabled=host == 0)
   num_replicas = config.replicas_per_host * world.num_hosts
   tokens_per_step = num_replicas * config.batch_size * config.model.seq_len
-  log = metrics.RoundLog(
+  log = roundlog.RoundLog(
       writers.MetricsWriter(workdir, enabled=membership.writes(host),
                             wandb=dict(project=config.log.wandb_project,
                                        mode=config.log.wandb_mode, config=config.to_dict())),

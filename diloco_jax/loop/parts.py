@@ -28,8 +28,9 @@ from diloco_jax.membership import manager as membership_lib
 from diloco_jax.membership import world as world_lib
 from diloco_jax.models import family
 from diloco_jax.modes import base as modes_base
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import progress
 from diloco_jax.reporting import profiling
+from diloco_jax.reporting import roundlog
 from diloco_jax.runtime import preemption as preemption_lib
 from diloco_jax.runtime import workdir as workdir_lib
 from diloco_jax.wire import collective as collective_lib
@@ -112,8 +113,8 @@ class Reporting:
     profile: the profile window.
     start_phases: where this host's start went, by phase (`runinfo.Phases`).
   """
-  log: metrics.RoundLog
-  bar: metrics.ProgressBar
+  log: roundlog.RoundLog
+  bar: progress.ProgressBar
   profile: profiling.ProfileWindow
   start_phases: runinfo.Phases
 

@@ -21,7 +21,7 @@ from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import pretrained
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import lines
 
 
 def resume(parts: parts_lib.Parts, state: state_lib.RunState) -> state_lib.RunState:
@@ -60,9 +60,9 @@ def resume(parts: parts_lib.Parts, state: state_lib.RunState) -> state_lib.RunSt
     print(change.message(r, replicas_per_host=parts.replicas_per_host,
                         inflight=bool(snap.meta["inflight"])), flush=True)
   if parts.prints:
-    metrics.print_resumed(r, parts.storage.store.directory, replicas=parts.num_replicas,
-                          inflight=bool(outer.inflight), finished=state.finished_before,
-                          num_rounds=parts.num_rounds)
+    lines.print_resumed(r, parts.storage.store.directory, replicas=parts.num_replicas,
+                        inflight=bool(outer.inflight), finished=state.finished_before,
+                        num_rounds=parts.num_rounds)
     if config.model.init_from:
       print(f"config.model.init_from = {config.model.init_from}: its weights are not "
             f"used (the checkpoint's params win)", flush=True)

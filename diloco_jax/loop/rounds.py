@@ -4,7 +4,7 @@ A round is H inner steps of every local replica (one jitted call per step, dispa
 without waiting), then the mode's outer step. Every mode's driver comes from
 `modes.registry` and is used only through `modes.base.Driver`, so nothing here depends on
 the mode. What a round reports travels back as values into the round log
-(`reporting.metrics.RoundLog`), which writes each record one round late so the devices
+(`reporting.roundlog.RoundLog`), which writes each record one round late so the devices
 never wait for logging.
 """
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import jax
 
 from diloco_jax.loop import state as state_lib
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import lines
+from diloco_jax.reporting import runjson
 
 if TYPE_CHECKING:  # (parts.py holds a `Phases`)
   from diloco_jax.loop import parts as parts_lib
@@ -17,7 +18,7 @@ if TYPE_CHECKING:  # (parts.py holds a `Phases`)
 
 def announce(parts: parts_lib.Parts) -> None:
   """The start-up lines (every host prints its own)."""
-  metrics.print_startup(
+  lines.print_startup(
       host=parts.host, num_hosts=parts.num_hosts, mode=parts.config.mode,
       devices=[f"{d.platform}:{jax.local_devices().index(d)}"  # this host's own numbering
                for d in parts.model.mesh.devices.flat],
@@ -32,9 +33,9 @@ def announce(parts: parts_lib.Parts) -> None:
 
 def write_run_json(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
   """Host 0: the step's memory line and run.json."""
-  metrics.print_memory(parts.model.step_memory, parts.model.mesh)
+  lines.print_memory(parts.model.step_memory, parts.model.mesh)
   model, phases = parts.model, parts.reporting.start_phases
-  metrics.write_run_json(parts.workdir, parts.config, hosts=parts.num_hosts,
+  runjson.write_run_json(parts.workdir, parts.config, hosts=parts.num_hosts,
                          devices=model.mesh.devices.flat, num_params=model.num_params,
                          flops_per_token=model.flops_per_token,
                          tokens_per_step=parts.tokens_per_step, peak_flops=model.peak_flops,

@@ -31,7 +31,7 @@ from diloco_jax.loop import runinfo
 from diloco_jax.loop import state as state_lib
 from diloco_jax.membership import lease as lease_lib
 from diloco_jax.modes import base as modes_base
-from diloco_jax.reporting import metrics
+from diloco_jax.reporting import lines
 from diloco_jax.reporting import plots
 from diloco_jax.reporting import profiling
 from diloco_jax.runtime import hostmem
@@ -179,9 +179,9 @@ class Trainer:
                f"replicas, H={parts.h}")
       records, spec = log.writer.records, parts.spec
       if final_eval is not None:
-        metrics.report(records, parts.workdir, final_eval=float(final_eval), floor=spec.floor,
-                       unigram=spec.unigram_loss, elapsed=log.elapsed,
-                       num_rounds=parts.num_rounds, title=title)
+        lines.report(records, parts.workdir, final_eval=float(final_eval), floor=spec.floor,
+                     unigram=spec.unigram_loss, elapsed=log.elapsed,
+                     num_rounds=parts.num_rounds, title=title)
       else:  # a live job's other hosts: the plot in their own workdir, no line
         plots.plot_losses(records, os.path.join(parts.workdir, "loss.png"),
                           floor=spec.floor, unigram=spec.unigram_loss, title=title)

@@ -1,32 +1,32 @@
 """Every mode by name: `config.mode` -> its driver (`base.Driver`), and the modes that have
 a trait.
 
-The mode list is this registry's: whatever must know a mode (config validation, the
-planner, `simulate`, the resume) asks its driver's traits here rather than naming it, and
-builds the names its messages list from `names`. Adding a mode: its driver in one module of
-this folder, one line in `DRIVERS`, and its name in `config.MODES` (the config's accepted
-values, which tests/test_modes.py keeps equal to these).
+The mode list is `names.DRIVER_PATHS`, whose drivers this module imports: whatever must
+know a mode (config validation, the planner, `simulate`, the resume) asks its driver's
+traits here rather than naming it, and builds the names its messages list from `names()`.
+Adding a mode: its driver in one module of this folder, and one line in `names.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 from diloco_jax.modes import base
-from diloco_jax.modes import ddp
+from diloco_jax.modes import names as names_lib
 from diloco_jax.modes import outer
-from diloco_jax.modes import streaming
+
+
+def _load(path: str) -> type[base.Driver]:
+  """The driver class at "module:Class" of this folder."""
+  module, _, cls = path.partition(":")
+  return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
 
 DRIVERS: dict[str, type[base.Driver]] = {
-    "sync": outer.SyncStep,
-    "delayed": outer.DelayedStep,
-    "eager": outer.EagerStep,
-    "streaming": streaming.StreamingOuterStep,
-    "ddp": ddp.DDPRound,
-}
-PLAIN = "sync"  # plain DiLoCo: the reference every other mode departs from
+    mode: _load(path) for mode, path in names_lib.DRIVER_PATHS.items()}
 
 
 def driver(mode: str) -> type[base.Driver]:

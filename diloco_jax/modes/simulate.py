@@ -22,6 +22,7 @@ from diloco_jax.algo import diloco
 from diloco_jax.algo import fragments
 from diloco_jax.algo import state as state_lib
 from diloco_jax.algo import step as step_lib
+from diloco_jax.modes import names
 from diloco_jax.modes import registry
 
 Params = Any
@@ -43,7 +44,7 @@ class SimulateResult(NamedTuple):
 def simulate(loss_fn: Callable[[Params, Any], jax.Array], init_params: Params, batches: Any,
              *, inner_optimizer: optax.GradientTransformation,
              outer_optimizer: optax.GradientTransformation,
-             mode: str = "sync", fragment_ids: Params | None = None,
+             mode: str = names.PLAIN, fragment_ids: Params | None = None,
              overlap_steps: int = 0, merge_alpha: float = 0.0,
              steps: Any = None) -> SimulateResult:
   """Trains K replicas of `loss_fn` from `init_params` with DiLoCo for T rounds of H steps.

@@ -42,6 +42,7 @@ import numpy as np
 from diloco_jax import errors
 from diloco_jax.algo import balance as balance_lib
 from diloco_jax.algo import compress
+from diloco_jax.modes import names
 from diloco_jax.modes import registry
 
 BALANCES = ("fixed", "speed")
@@ -75,7 +76,7 @@ class Setting:
   up_mbit: float
   down_mbit: float
   rtt_ms: float = 0.0
-  mode: str = registry.PLAIN
+  mode: str = names.PLAIN
   inner_steps: int = 25
   compression: str = "none"
   fragments: int = 1

@@ -1,38 +1,25 @@
-"""What a run reports: run.json, the start-up lines, each round's record (written by
-`writers.py`: metrics.jsonl, TensorBoard, W&B), the progress line and bar, the ETA and the
-final report (with the loss plot: `plots.py`).
-
-Host 0 writes the files and prints (live membership: every host its own workdir's files,
-the lowest live host prints). A round's record is assembled from what the loop hands over
-(`RoundLog`): its own figures when it ends, its sums' figures when they arrive (a round
-later in the async modes); it is written once complete, one round late, so reading its
-device values (the eval loss) never stalls the devices.
+"""Each round's record and its line: the loop hands a round's figures to `RoundLog` (its own
+when it ends, its sums' when they arrive, a round later in the async modes), which writes
+the record once complete (`writers.py`: metrics.jsonl, TensorBoard, W&B) and prints its
+line (`round_line`), one round late, so reading its device values (the eval loss) never
+stalls the devices. Host 0 writes and prints (live membership: every host its own
+workdir's files, the lowest live host prints).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import json
 import math
-import os
-import sys
 import time
-from typing import Callable
 from typing import Any
+from typing import Callable
 from typing import Iterable
 from typing import Mapping
 
-import flax
-import jax
 import numpy as np
-import optax
 
-from diloco_jax._version import __version__
+from diloco_jax.reporting import progress
 from diloco_jax.reporting import writers
-from diloco_jax.reporting.plots import plot_losses
-from diloco_jax.runtime import hostmem
-from diloco_jax.units import format_bytes
 from diloco_jax.units import format_count
 from diloco_jax.units import format_duration
 
@@ -79,38 +66,6 @@ def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
   return nats_per_token / (math.log(2) * bytes_per_token)
 
 
-class ProgressBar:
-  """A bar of inner steps below the round lines (rich), on a terminal only: nothing when
-  stdout is not one (CI, SLURM logs, launch/local.py's pipes). While it runs, what the
-  process prints goes above it; `close()` removes it."""
-
-  def __init__(self, total: int, enabled: bool = True, stream=None):
-    self.stream = stream or sys.stdout
-    self.total = total
-    self.enabled = enabled and self.stream.isatty()
-    self._progress = None
-
-  def update(self, step: int, note: str = "") -> None:
-    if not self.enabled:
-      return
-    if self._progress is None:  # started at the first step, after the start-up lines
-      from rich import progress
-      from rich.console import Console
-      self._progress = progress.Progress(
-          progress.BarColumn(), progress.MofNCompleteColumn(),
-          progress.TextColumn("{task.description}"),
-          console=Console(file=self.stream, force_terminal=True), transient=True,
-          refresh_per_second=4)
-      self._task = self._progress.add_task(note, total=self.total)
-      self._progress.start()
-    self._progress.update(self._task, completed=step, description=note)
-
-  def close(self) -> None:
-    if self._progress is not None:
-      self._progress.stop()
-      self._progress = None
-
-
 @dataclasses.dataclass
 class OpenRound:
   """A round whose record is not written yet.
@@ -134,8 +89,8 @@ class RoundLog:
   """The open records of rounds not yet written; `write_through(r)` writes, in order, every
   record up to round r whose figures are all in (fragment 0's sum, with the loss, arrived)."""
 
-  def __init__(self, writer: writers.MetricsWriter, bar: ProgressBar, *, num_rounds: int,
-               inner_steps: int, num_replicas: int,
+  def __init__(self, writer: writers.MetricsWriter, bar: progress.ProgressBar, *,
+               num_rounds: int, inner_steps: int, num_replicas: int,
                printing: bool | Callable[[], bool], tokens_per_round: int,
                bytes_per_token: Mapping[str, float] | None = None,
                flops_per_token: float | None = None, peak_flops: float | None = None,
@@ -279,90 +234,3 @@ class RoundLog:
     if self._printing():
       print(round_line(record, self.num_rounds, self.num_rounds * self.h), flush=True)
     self.writer.write(record)
-
-
-def write_run_json(workdir: str, config, *, hosts: int, devices: Iterable[Any],
-                   num_params: int, flops_per_token: float, tokens_per_step: int,
-                   peak_flops: float | None = None, memory: Mapping[str, int] | None = None,
-                   layout: Mapping[str, Any] | None = None,
-                   start: Mapping[str, Any] | None = None,
-                   balance: Mapping[str, Any] | None = None, attention: str = "xla",
-                   init_from: Mapping[str, Any] | None = None) -> str:
-  """workdir/run.json: what this run is (the resolved config, the world, the model size,
-  the software), written at start so a workdir always says how it was made."""
-  run = {"config": config.to_dict(), "mode": config.mode, "hosts": hosts,
-         "replicas_per_host": config.replicas_per_host,
-         "replicas": hosts * config.replicas_per_host,
-         "local_devices": [str(d) for d in devices], "num_params": num_params,
-         "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
-         "peak_flops": peak_flops,  # all hosts' devices together (bf16 table); None: CPU
-         # XLA's plan for the compiled inner step on one device (None: the backend has none)
-         "memory_per_device_bytes": memory and memory["total"], "memory_per_device": memory,
-         "layout": layout,
-         "attention": attention,  # what causal attention runs: 'xla', 'cudnn' or 'own'
-         "start": start,  # how this start resumed: round, storage, healed hosts, world change
-         "balance": balance,  # balance 'speed': the steps per host decided so far (None: fixed)
-         "init_from": init_from,  # the pretrained weights of round 1: directory, files' sha256
-         "huge_pages": hostmem.huge_pages(),  # for big host buffers (runtime/hostmem.py)
-         "versions": {"diloco_jax": __version__, "jax": jax.__version__,
-                      "jaxlib": jax.lib.__version__, "flax": flax.__version__,
-                      "optax": optax.__version__,  # orbax: not imported before a save
-                      "orbax_checkpoint": importlib.metadata.version("orbax-checkpoint"),
-                      "numpy": np.__version__},
-         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-  path = os.path.join(workdir, "run.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(run, f, indent=2, sort_keys=True, default=str)
-  os.replace(path + ".tmp", path)
-  return path
-
-
-def print_memory(memory: Mapping[str, int] | None, mesh) -> None:
-  """The compiled inner step's memory on one device, as XLA planned it."""
-  if memory is None:
-    return
-  print(f"inner step: {format_bytes(memory['total'])} per device (XLA's plan: arguments "
-        f"{format_bytes(memory['arguments'])}, temporaries {format_bytes(memory['temporaries'])}"
-        f", outputs {format_bytes(memory['outputs'])} of which {format_bytes(memory['aliased'])}"
-        f" in donated buffers) on {mesh.devices.size} local device(s), mesh "
-        + " x ".join(f"{n} {axis}" for axis, n in mesh.shape.items()), flush=True)
-
-
-def print_startup(*, host: int, num_hosts: int, devices: list[str], replicas_per_host: int,
-                  mode: str, model: str, num_params: int, flops_per_token: float,
-                  num_rounds: int, inner_steps: int, tokens: int, floor: float | None,
-                  unigram: float, storage: str | None = None, attention: str = "xla") -> None:
-  print(f"host {host}/{num_hosts}: {len(devices)} local device(s) {devices}, "
-        f"{replicas_per_host} replica(s), mode {mode}"
-        + (f", checkpoints in {storage}" if storage and host == 0 else ""), flush=True)
-  if host == 0:
-    floor_text = f"{floor:.4f}" if floor is not None else "unknown (not synthetic)"
-    print(f"model {model} ({attention} attention): {num_params / 1e6:.2f}M params, "
-          f"{flops_per_token / 1e6:,.1f} "
-          f"MFLOPs per token; {num_hosts * replicas_per_host} replicas "
-          f"({num_hosts} host(s) x {replicas_per_host}); {num_rounds} rounds x "
-          f"{inner_steps} inner steps; {tokens:,} tokens; loss floor {floor_text}, best "
-          f"unigram loss {unigram:.4f}", flush=True)
-
-
-def print_resumed(r: int, directory: str, *, replicas: int, inflight: bool, finished: bool,
-                  num_rounds: int) -> None:
-  print(f"resumed from checkpoint {r} ({directory}/{r}): outer state, {replicas} replicas' "
-        f"inner state and data iterators"
-        + (", the pseudo-gradients in flight" if inflight else "")
-        + ("; the run had finished" if finished
-           else f"; continuing at round {r + 1} of {num_rounds}"), flush=True)
-
-
-def report(records: list[Mapping[str, Any]], workdir: str, *, final_eval: float,
-           floor: float | None, unigram: float, elapsed: float, num_rounds: int,
-           title: str) -> None:
-  """The final line (eval loss beside the floor and the unigram loss) and loss.png."""
-  floor_text = f"{floor:.4f}" if floor is not None else "unknown"
-  bpb = next((f" ({r['eval_bpb']:.4f} bits/byte)" for r in reversed(records)
-              if "eval_bpb" in r), "")
-  print(f"final eval loss {final_eval:.4f}{bpb} | loss floor {floor_text} | best unigram loss "
-        f"{unigram:.4f} | {num_rounds} rounds in {format_duration(elapsed)}", flush=True)
-  plot_losses(records, os.path.join(workdir, "loss.png"), floor=floor, unigram=unigram,
-              title=title)
-
