@@ -30,16 +30,16 @@ from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.membership import manager as membership_lib
 from diloco_jax.loop import pacing
 from diloco_jax.loop import parts as parts_lib
-from diloco_jax.loop import runinfo
 from diloco_jax.loop import state as state_lib
 from diloco_jax.models import family
 from diloco_jax.models import layers
 from diloco_jax.models import model as model_lib
 from diloco_jax.modes import base as modes_base
 from diloco_jax.modes import registry
+from diloco_jax.reporting import phases as phases_lib
+from diloco_jax.reporting import profiling
 from diloco_jax.reporting import progress
 from diloco_jax.reporting import roundlog
-from diloco_jax.reporting import profiling
 from diloco_jax.reporting import writers
 from diloco_jax.runtime import preemption as preemption_lib
 from diloco_jax.membership import world as world_lib
@@ -57,7 +57,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   """This host's parts, and the state before any checkpoint is read (the anchor from the
   seed; init_from: zeros until `resume.resume` knows no checkpoint holds the state; a
   joiner: zeros until `join.receive` has the members' state)."""
-  phases = runinfo.Phases()  # "process": the interpreter, imports, jax.distributed
+  phases = phases_lib.Phases()  # "process": the interpreter, imports, jax.distributed
   config, driver, attention = _checked(config, world.host, world.num_hosts)
   phases.done("checks")  # the config's, and the memory check (the model's shapes)
   data = data_lib.make_host_data(
@@ -219,7 +219,7 @@ def _sync(config: ml_collections.ConfigDict, world: world_lib.World,
 def _model(config: ml_collections.ConfigDict, world: world_lib.World,
            model_cfg: family.ModelConfig, attention: str, mesh: jax.sharding.Mesh,
            loss_fn: Any, train_step: inner.Step, inner_optimizer: Any, sync: parts_lib.Sync,
-           eval_batches: np.ndarray, phases: runinfo.Phases) -> tuple[parts_lib.Model, Any]:
+           eval_batches: np.ndarray, phases: phases_lib.Phases) -> tuple[parts_lib.Model, Any]:
   """The model's group (its inner step compiled before the state exists) and the anchor
   the run starts from (a placeholder until a resume or a join replaces it)."""
   param_shapes = family.param_shapes(model_cfg)
@@ -261,7 +261,7 @@ def _model(config: ml_collections.ConfigDict, world: world_lib.World,
 def _reporting(config: ml_collections.ConfigDict, workdir: str, world: world_lib.World,
                data: data_lib.HostData, model: parts_lib.Model,
                membership: membership_lib.Membership, store: store_lib.Store,
-               phases: runinfo.Phases) -> parts_lib.Reporting:
+               phases: phases_lib.Phases) -> parts_lib.Reporting:
   """The round log (its writer opens once the loop knows the first round), the bar, the
   profile window."""
   num_rounds, h, host = config.num_rounds, config.inner_steps, world.host

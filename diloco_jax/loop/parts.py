@@ -23,13 +23,13 @@ from diloco_jax.checkpoints import store as store_lib
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.device import inner
 from diloco_jax.loop import pacing
-from diloco_jax.loop import runinfo
 from diloco_jax.membership import manager as membership_lib
 from diloco_jax.membership import world as world_lib
 from diloco_jax.models import family
 from diloco_jax.modes import base as modes_base
-from diloco_jax.reporting import progress
+from diloco_jax.reporting import phases as phases_lib
 from diloco_jax.reporting import profiling
+from diloco_jax.reporting import progress
 from diloco_jax.reporting import roundlog
 from diloco_jax.runtime import preemption as preemption_lib
 from diloco_jax.runtime import workdir as workdir_lib
@@ -111,12 +111,12 @@ class Reporting:
     log, bar: the round log (its writer opened by the loop, once it knows the first round)
       and the progress bar.
     profile: the profile window.
-    start_phases: where this host's start went, by phase (`runinfo.Phases`).
+    start_phases: where this host's start went, by phase (`reporting.phases.Phases`).
   """
   log: roundlog.RoundLog
   bar: progress.ProgressBar
   profile: profiling.ProfileWindow
-  start_phases: runinfo.Phases
+  start_phases: phases_lib.Phases
 
 
 @dataclasses.dataclass(frozen=True)
