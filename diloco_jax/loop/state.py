@@ -78,7 +78,8 @@ def snapshot_like(parts: parts_lib.Parts, state: RunState, meta: dict) -> store.
   return _snapshot(parts, state, 0, shared, own, False, meta["inflight"])
 
 
-def _snapshot(parts: parts_lib.Parts, state, r, shared, own, finished, inflight) -> store.Snapshot:
+def _snapshot(parts: parts_lib.Parts, state, r, shared, own, finished,
+              inflight) -> store.Snapshot:
   own = {"replicas": state.replicas, "data": store.encode_json(state.data), **own}
   meta = {"round": r, "finished": finished, "inflight": inflight, "mode": parts.config.mode,
           "num_hosts": parts.num_hosts, "replicas_per_host": parts.replicas_per_host,
