@@ -159,7 +159,8 @@ def rehearse(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
     outer, replicas = state.outer, state.replicas
     # an inner step on a batch of zeros: its first run is slower than the next (on CPU,
     # 3x a steady round's steps), and the members would wait for it at its first sum
-    replicas, _ = parts.model.inner(replicas, np.zeros(parts.model.inner.batch_shape, np.int32))
+    step = parts.model.inner
+    replicas, _ = step(replicas, np.zeros(step.batch_shape, np.int32))
     for r in (1, 2) if driver.asynchronous else (1,):
       for i in range(h - 1):
         update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)
