@@ -1,9 +1,9 @@
 """The package's failures: one base, `DilocoError`, below every layer that raises one.
 
-An entry point catches `DilocoError` alone and prints `describe(e)`: one line, `<prefix>:
-<message>`, then exits with `e.exit_code`. A new failure needs only a subclass with its
-prefix; no entry point has a list to keep up to date, and none ends in a traceback for an
-error the package raised on purpose.
+An entry point runs its work in `cli.exits.run`, which catches `DilocoError` and prints
+`describe(e)`: one line, `<prefix>: <message>`, then exits with `e.exit_code`. A new
+failure needs only a subclass with its prefix; no entry point has a list to keep up to
+date, and none ends in a traceback for an error the package raised on purpose.
 """
 
 

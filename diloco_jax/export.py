@@ -7,6 +7,7 @@ What it writes (the safetensors file, config.json, the tokenizer) and the tensor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,29 +17,42 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from diloco_jax import errors
+from diloco_jax.cli import command_line
+from diloco_jax.cli import exits
 
 # The checkpoint reader and the model (jax, orbax) are imported where they are used, so
 # that --help answers at once.
 
+# Every failure's message names the flag or file at fault: it is printed alone.
+EXPORT = exits.Command(prefix="")
+
 
 def define_flags() -> None:
   """The command's flags, defined when it runs as a command (not on import: sample and
-  export share flag names, and a process may import both)."""
-  global _WORKDIR, _OUTPUT, _STEP, _OVERWRITE, _DTYPE, _MAX_SHARD_SIZE
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Required: the training run's --workdir.")
-  _OUTPUT = flags.DEFINE_string(
+  export share flag names, and a process may import both); `Options` reads them."""
+  flags.DEFINE_string("workdir", None, "Required: the training run's --workdir.")
+  flags.DEFINE_string(
       "output", None, "Required: the file to write, ending in .safetensors (name it "
       "model.safetensors for Hugging Face's from_pretrained); config.json goes beside it.")
-  _STEP = flags.DEFINE_integer("step", None, "The checkpoint (round) to export; default: the "
-                               "newest.")
-  _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace files that exist already.")
-  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                             "The tensors' dtype in the file (training keeps float32).")
-  _MAX_SHARD_SIZE = flags.DEFINE_string(
+  flags.DEFINE_integer("step", None, "The checkpoint (round) to export; default: the newest.")
+  flags.DEFINE_bool("overwrite", False, "Replace files that exist already.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                    "The tensors' dtype in the file (training keeps float32).")
+  flags.DEFINE_string(
       "max_shard_size", "5GB", "Above this, the tensors are cut into files of at most this "
       "size with an index (Hugging Face's layout): bytes, or a number with KB, MB, GB (powers "
       "of 1000) or KiB, MiB, GiB.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The command's flags, parsed (each field is the flag of its name)."""
+  workdir: str | None
+  output: str | None
+  step: int | None
+  overwrite: bool
+  dtype: str
+  max_shard_size: str
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -46,16 +60,17 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(text: str) -> int:
-  """Bytes of '5GB', '500MiB' or '1000000'; a ValueError naming the flag otherwise."""
+  """Bytes of '5GB', '500MiB' or '1000000'; a FlagError (a ValueError) naming the flag
+  otherwise."""
   number = text.strip().upper().rstrip("BIKMGT")
   unit = text.strip().upper()[len(number):]
   try:
     size = float(number) * _UNITS[unit]
   except (ValueError, KeyError):
-    raise ValueError(f"--max_shard_size={text}: a size such as 5GB, 500MB or 1000000 "
-                     "(bytes)") from None
+    raise command_line.FlagError(f"--max_shard_size={text}: a size such as 5GB, 500MB or "
+                                 "1000000 (bytes)") from None
   if size < 1:
-    raise ValueError(f"--max_shard_size={text}: must be at least 1 byte")
+    raise command_line.FlagError(f"--max_shard_size={text}: must be at least 1 byte")
   return int(size)
 
 
@@ -99,40 +114,20 @@ def export(workdir: str, output: str, step: int | None = None,
                         max_shard_bytes=max_shard_bytes)
 
 
-def _parse(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with --help exiting 0 (absl exits 1) and a bad flag in one line."""
-  try:
-    return flags.FLAGS(argv)
-  except SystemExit as e:
-    helps = ("help", "helpshort", "helpfull", "?")
-    if e.code == 1 and any(a.lstrip("-").split("=")[0] in helps for a in argv[1:]):
-      sys.exit(0)
-    raise
-  except flags.Error as e:
-    sys.exit(f"Invalid flags: {' '.join(str(e).split())} (see --help)")
-
-
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    sys.exit(f"Unexpected arguments: {argv[1:]} (flags are --name=value; see --help)")
-  for flag in (_WORKDIR, _OUTPUT):
-    if not flag.value:
-      sys.exit(f"Missing --{flag.name} (see --help)")
+  command_line.no_arguments(argv)
+  options = command_line.read(Options)
+  for name in ("workdir", "output"):
+    if not getattr(options, name):
+      sys.exit(f"Missing --{name} (see --help)")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every read, and warns that it is
     logging.set_verbosity(logging.ERROR)    # read-only: nothing the user needs
-  try:
-    max_shard_bytes = parse_size(_MAX_SHARD_SIZE.value)
-  except ValueError as e:
-    sys.exit(str(e))
-  try:
-    paths = export(_WORKDIR.value, _OUTPUT.value, _STEP.value, _OVERWRITE.value,
-                   _DTYPE.value, max_shard_bytes)
-  except errors.DilocoError as e:  # the message alone: it names the flag or file at fault
-    sys.stderr.write(errors.describe(e, prefix="") + "\n")
-    sys.exit(e.exit_code)
+  paths = exits.run(lambda: export(options.workdir, options.output, options.step,
+                                   options.overwrite, options.dtype,
+                                   parse_size(options.max_shard_size)), EXPORT)
   print("Wrote " + ", ".join(paths))
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=_parse)
+  app.run(main, flags_parser=command_line.parse)

@@ -26,63 +26,89 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from diloco_jax import errors
+from diloco_jax.cli import command_line
+from diloco_jax.cli import exits
+
+# A PlanError, a ConfigError, a bad flag: each message names what is wrong, printed alone.
+PLAN = exits.Command(prefix="")
 
 
 def define_flags() -> None:
   """The command's flags, defined when it runs as a command (not on import: `train` also
-  defines --config, and a process may import both)."""
-  global _CONFIG, _HOSTS, _PARAMS, _STEP_TIME, _MEASURE, _TFLOPS, _DEVICES, _MFU, _TOKENS
-  global _BANDWIDTH, _UP, _DOWN, _RTT, _SWEEP, _SWEEP_H, _SWEEP_FORMATS, _SWEEP_MODES, _TARGET
-  global _JSON, _PNG, _SMOKE, _ROUND_OVERHEAD, _OUTER
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
-  _HOSTS = flags.DEFINE_string("hosts", "2", "Hosts; with --sweep, a comma list (8,16,64).")
-  _PARAMS = flags.DEFINE_float("params", None, "The model's params (1e9), instead of the "
-                               "config's model.")
-  _STEP_TIME = flags.DEFINE_string("step_time", None, "Seconds per inner step of a host's "
-                                   "replicas: one value, or one per host (unequal speeds).")
-  _MEASURE = flags.DEFINE_bool("measure", False, "Measure the step time with a short run of "
-                               "the config on this machine (one host).")
-  _TFLOPS = flags.DEFINE_float("device_tflops", None, "Step time from FLOPs: each device's "
-                               "peak TFLOP/s (H100 bf16 dense: 989).")
-  _DEVICES = flags.DEFINE_integer("devices_per_host", 8, "With --device_tflops.")
-  _MFU = flags.DEFINE_float("mfu", 0.4, "With --device_tflops: the share of peak reached.")
-  _TOKENS = flags.DEFINE_float("tokens_per_step", None, "With --device_tflops: tokens per "
-                               "inner step of a host (default: the config's replicas x "
-                               "batch x seq_len).")
-  _BANDWIDTH = flags.DEFINE_float("bandwidth_mbit", None, "Each host's link, both ways, Mbit/s.")
-  _UP = flags.DEFINE_float("up_mbit", None, "Upload, Mbit/s (default: --bandwidth_mbit).")
-  _DOWN = flags.DEFINE_float("down_mbit", None, "Download, Mbit/s (default: --bandwidth_mbit).")
-  _RTT = flags.DEFINE_float("rtt_ms", 0.0, "Round-trip time between hosts, ms.")
-  _SWEEP = flags.DEFINE_bool("sweep", False, "Try H, formats, modes and --hosts values.")
-  _SWEEP_H = flags.DEFINE_string("sweep_inner_steps", "25,50,100,250,500", "H values to try.")
-  _SWEEP_FORMATS = flags.DEFINE_string("sweep_formats", "none,bf16,int8,4bit,2bit,chunk_topk",
-                                       "Compression formats to try.")
-  _SWEEP_MODES = flags.DEFINE_string("sweep_modes", "sync,streaming,eager", "Modes to try.")
-  _TARGET = flags.DEFINE_float("target", 0.9, "--sweep: the compute utilization to reach.")
-  _JSON = flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
-  _PNG = flags.DEFINE_string("png", None, "Also plot utilization here (--sweep: against H).")
-  _ROUND_OVERHEAD = flags.DEFINE_float(
+  defines --config, and a process may import both); `Options` reads them."""
+  config_flags.DEFINE_config_file("config", None, "The run's config file.")
+  flags.DEFINE_string("hosts", "2", "Hosts; with --sweep, a comma list (8,16,64).")
+  flags.DEFINE_float("params", None, "The model's params (1e9), instead of the config's "
+                     "model.")
+  flags.DEFINE_string("step_time", None, "Seconds per inner step of a host's replicas: one "
+                      "value, or one per host (unequal speeds).")
+  flags.DEFINE_bool("measure", False, "Measure the step time with a short run of the config "
+                    "on this machine (one host).")
+  flags.DEFINE_float("device_tflops", None, "Step time from FLOPs: each device's peak "
+                     "TFLOP/s (H100 bf16 dense: 989).")
+  flags.DEFINE_integer("devices_per_host", 8, "With --device_tflops.")
+  flags.DEFINE_float("mfu", 0.4, "With --device_tflops: the share of peak reached.")
+  flags.DEFINE_float("tokens_per_step", None, "With --device_tflops: tokens per inner step "
+                     "of a host (default: the config's replicas x batch x seq_len).")
+  flags.DEFINE_float("bandwidth_mbit", None, "Each host's link, both ways, Mbit/s.")
+  flags.DEFINE_float("up_mbit", None, "Upload, Mbit/s (default: --bandwidth_mbit).")
+  flags.DEFINE_float("down_mbit", None, "Download, Mbit/s (default: --bandwidth_mbit).")
+  flags.DEFINE_float("rtt_ms", 0.0, "Round-trip time between hosts, ms.")
+  flags.DEFINE_bool("sweep", False, "Try H, formats, modes and --hosts values.")
+  flags.DEFINE_string("sweep_inner_steps", "25,50,100,250,500", "H values to try.")
+  flags.DEFINE_string("sweep_formats", "none,bf16,int8,4bit,2bit,chunk_topk",
+                      "Compression formats to try.")
+  flags.DEFINE_string("sweep_modes", "sync,streaming,eager", "Modes to try.")
+  flags.DEFINE_float("target", 0.9, "--sweep: the compute utilization to reach.")
+  flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
+  flags.DEFINE_string("png", None, "Also plot utilization here (--sweep: against H).")
+  flags.DEFINE_float(
       "round_overhead_s", None, "Seconds per round besides the steps and the sync "
       "(evaluation, checkpoints); default: the calibration's, measured on a tiny model.")
-  _OUTER = flags.DEFINE_float(
+  flags.DEFINE_float(
       "outer_s_per_param", None, "The outer step's host time per param (copies and update); "
       "default: the calibration's, measured on a 2-core CPU host (a GPU host: about 5e-10).")
-  _SMOKE = flags.DEFINE_bool("smoke", False, "A quick sweep of configs/tiny.py into a "
-                             "temporary directory (for the test suite).")
+  flags.DEFINE_bool("smoke", False, "A quick sweep of configs/tiny.py into a temporary "
+                    "directory (for the test suite).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The command's flags but --config, parsed (each field is the flag of its name)."""
+  hosts: str
+  params: float | None
+  step_time: str | None
+  measure: bool
+  device_tflops: float | None
+  devices_per_host: int
+  mfu: float
+  tokens_per_step: float | None
+  bandwidth_mbit: float | None
+  up_mbit: float | None
+  down_mbit: float | None
+  rtt_ms: float
+  sweep: bool
+  sweep_inner_steps: str
+  sweep_formats: str
+  sweep_modes: str
+  target: float
+  json: str | None
+  png: str | None
+  round_overhead_s: float | None
+  outer_s_per_param: float | None
 
 
 def _floats(text: str, name: str) -> tuple[float, ...]:
   try:
     return tuple(float(v) for v in text.split(","))
   except ValueError:
-    raise ValueError(f"--{name}={text}: comma-separated numbers") from None
+    raise command_line.FlagError(f"--{name}={text}: comma-separated numbers") from None
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
   values = _floats(text, name)
   if any(v != int(v) for v in values):
-    raise ValueError(f"--{name}={text}: whole numbers")
+    raise command_line.FlagError(f"--{name}={text}: whole numbers")
   return tuple(int(v) for v in values)
 
 
@@ -107,22 +133,23 @@ def measure_step_time(config_path: str, overrides: list[str]) -> float:
          "--config.eval_every=1000", "--config.checkpoint.every=0", f"--workdir={workdir}"],
         capture_output=True, text=True, check=False)
     if result.returncode != 0:
-      raise ValueError(f"--measure: the run failed: {result.stderr.strip()[-300:]}")
+      raise command_line.FlagError(f"--measure: the run failed: {result.stderr.strip()[-300:]}")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f][1:3]
   h = records[1]["inner_step"] - records[0]["inner_step"]  # a round's steps
   return sum(r["round_time"] for r in records) / (2 * h)
 
 
-def step_time(config, n: int) -> tuple[float, ...]:
-  if _STEP_TIME.value:
-    return _floats(_STEP_TIME.value, "step_time")
-  tokens = _TOKENS.value or config.replicas_per_host * config.batch_size * config.model.seq_len
-  if _TFLOPS.value:
-    if not (_TFLOPS.value > 0 and _DEVICES.value >= 1 and 0 < _MFU.value <= 1):
-      raise ValueError("--device_tflops > 0, --devices_per_host >= 1, 0 < --mfu <= 1")
-    return (6 * n * tokens / (_DEVICES.value * _TFLOPS.value * 1e12 * _MFU.value),)
-  raise ValueError("the step time: give --step_time, --device_tflops or --measure")
+def step_time(config, n: int, opts: Options) -> tuple[float, ...]:
+  if opts.step_time:
+    return _floats(opts.step_time, "step_time")
+  tokens = (opts.tokens_per_step
+            or config.replicas_per_host * config.batch_size * config.model.seq_len)
+  if opts.device_tflops:
+    if not (opts.device_tflops > 0 and opts.devices_per_host >= 1 and 0 < opts.mfu <= 1):
+      raise command_line.FlagError("--device_tflops > 0, --devices_per_host >= 1, 0 < --mfu <= 1")
+    return (6 * n * tokens / (opts.devices_per_host * opts.device_tflops * 1e12 * opts.mfu),)
+  raise command_line.FlagError("the step time: give --step_time, --device_tflops or --measure")
 
 
 def _syncs_fragments(mode: str) -> bool:
@@ -133,16 +160,17 @@ def _syncs_fragments(mode: str) -> bool:
   return bool(driver and driver.fragments)
 
 
-def setting_of(config, n: int, hosts: int, times: tuple[float, ...]):
+def setting_of(config, n: int, hosts: int, times: tuple[float, ...], opts: Options):
   from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
-  up = _UP.value or _BANDWIDTH.value
-  down = _DOWN.value or _BANDWIDTH.value
+  up = opts.up_mbit or opts.bandwidth_mbit
+  down = opts.down_mbit or opts.bandwidth_mbit
   if up is None or down is None:
-    raise ValueError("the link: give --bandwidth_mbit (or --up_mbit and --down_mbit)")
+    raise command_line.FlagError("the link: give --bandwidth_mbit (or --up_mbit and "
+                                 "--down_mbit)")
   o = config.outer
   return plan_model.Setting(
       num_params=n, hosts=hosts, step_time=times, up_mbit=up, down_mbit=down,
-      rtt_ms=_RTT.value, mode=config.mode, inner_steps=config.inner_steps,
+      rtt_ms=opts.rtt_ms, mode=config.mode, inner_steps=config.inner_steps,
       compression=o.compression, fragments=o.fragments if _syncs_fragments(config.mode) else 1,
       overlap_steps=o.get("overlap_steps", 0), replicas_per_host=config.replicas_per_host,
       balance=config.balance, balance_tolerance=config.balance_tolerance,
@@ -151,22 +179,22 @@ def setting_of(config, n: int, hosts: int, times: tuple[float, ...]):
       topk_value_bits=o.topk_value_bits)
 
 
-def sweep(base, constants) -> list[tuple]:
+def sweep(base, constants, opts: Options) -> list[tuple]:
   """(setting, prediction) for every valid combination of the sweep flags."""
   # pylint: disable=import-outside-toplevel
   from diloco_jax.modes import registry
   from diloco_jax.planning import model as plan_model
   # pylint: enable=import-outside-toplevel
   rows = []
-  hs = sorted(set(_ints(_SWEEP_H.value, "sweep_inner_steps")) | {base.inner_steps})
-  for name, values, known in (("sweep_modes", _SWEEP_MODES.value, registry.names()),
-                              ("sweep_formats", _SWEEP_FORMATS.value, plan_model.FORMAT_RANK)):
+  hs = sorted(set(_ints(opts.sweep_inner_steps, "sweep_inner_steps")) | {base.inner_steps})
+  for name, values, known in (("sweep_modes", opts.sweep_modes, registry.names()),
+                              ("sweep_formats", opts.sweep_formats, plan_model.FORMAT_RANK)):
     unknown = [v for v in values.split(",") if v not in known]
     if unknown:
-      raise ValueError(f"--{name}: unknown {unknown}; one of {', '.join(known)}")
-  for hosts in _ints(_HOSTS.value, "hosts"):
-    for mode in _SWEEP_MODES.value.split(","):
-      for fmt in _SWEEP_FORMATS.value.split(","):
+      raise command_line.FlagError(f"--{name}: unknown {unknown}; one of {', '.join(known)}")
+  for hosts in _ints(opts.hosts, "hosts"):
+    for mode in opts.sweep_modes.split(","):
+      for fmt in opts.sweep_formats.split(","):
         for h in hs:
           s = dataclasses.replace(base, hosts=hosts, mode=mode, compression=fmt,
                                   inner_steps=h, fragments=2 if _syncs_fragments(mode) else 1,
@@ -226,84 +254,77 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    sys.exit(f"Unexpected arguments: {argv[1:]} (flags are --name=value; see --help)")
+  command_line.no_arguments(argv)
   if not flags.FLAGS["verbosity"].present:  # jax's backend search logs at INFO
     logging.set_verbosity(logging.ERROR)
-  from diloco_jax.planning import calibration  # pylint: disable=import-outside-toplevel
-  from diloco_jax.planning import model as plan_model  # pylint: disable=import-outside-toplevel
-  config = _CONFIG.value
-  if config is None:
-    sys.exit("Missing --config: the run's config file, e.g. --config=configs/tiny.py")
-  try:
-    n = int(_PARAMS.value) if _PARAMS.value else num_params(config)
-    if _MEASURE.value:
-      path = config_flags.get_config_filename(flags.FLAGS["config"])
-      overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
-      times = (measure_step_time(path, overrides),)
-      print(f"measured: {times[0]:.4g} s per inner step of {config.replicas_per_host} "
-            f"replica(s) on this machine")
-    else:
-      times = step_time(config, n)
-    hosts = _ints(_HOSTS.value, "hosts")
-    base = setting_of(config, n, hosts[0], times)
-    constants = dataclasses.replace(calibration.CONSTANTS, **{
-        name: flag.value for name, flag in (("round_overhead_s", _ROUND_OVERHEAD),
-                                            ("outer_s_per_param", _OUTER))
-        if flag.value is not None})
-    if constants.round_overhead_s < 0 or constants.outer_s_per_param < 0:
-      raise ValueError("--round_overhead_s and --outer_s_per_param: must be >= 0")
-    if _SWEEP.value:
-      rows = sweep(base, constants)
-    else:
-      if len(hosts) > 1:
-        raise ValueError(f"--hosts={_HOSTS.value}: one number (a list needs --sweep)")
-      rows = [(base, plan_model.predict(base, constants))]
-    if not 0 < _TARGET.value <= 1:
-      raise ValueError(f"--target={_TARGET.value:g}: a utilization in (0, 1]")
-  except errors.DilocoError as e:  # a PlanError, a ConfigError: the message alone
-    sys.stderr.write(errors.describe(e, prefix="") + "\n")
-    sys.exit(e.exit_code)
-  except ValueError as e:  # this command's own flags: a number that is not one, or out of range
-    sys.exit(str(e))
+  config = command_line.loaded_config(
+      "Missing --config: the run's config file, e.g. --config=configs/tiny.py")
+  opts = command_line.read(Options)
+  n, times, base, constants, rows = exits.run(lambda: _predict(config, opts), PLAN)
   link = f"{base.up_mbit:g}/{base.down_mbit:g} Mbit/s up/down, rtt {base.rtt_ms:g} ms"
   print(f"{n / 1e6:,.2f}M params; step {', '.join(f'{t:.4g}' for t in times)} s; {link}; "
         f"{base.num_rounds} rounds")
   print(table(rows))
   result = {"params": n, "link": link, "constants": dataclasses.asdict(constants),
             "rows": [row_json(s, p) for s, p in rows]}
-  if _SWEEP.value:
+  if opts.sweep:
     result["recommendation"] = {}
-    for hosts, (s, p, reaches) in recommend(rows, _TARGET.value).items():
+    for hosts, (s, p, reaches) in recommend(rows, opts.target).items():
       text = (f"{describe(s)}: {100 * p.utilization:.1f}% utilization, "
               f"{p.bytes_per_host / 1e6:,.4g} MB/host/round")
-      print(f"recommended for {hosts} hosts at {100 * _TARGET.value:g}% utilization: {text}"
+      print(f"recommended for {hosts} hosts at {100 * opts.target:g}% utilization: {text}"
             + ("" if reaches else " (no setting tried reaches it: the closest)"))
       result["recommendation"][hosts] = {**row_json(s, p), "reaches": reaches}
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  if opts.json:
+    with open(opts.json, "w") as f:
       json.dump(result, f, indent=2)
-  if _PNG.value:
-    plot(rows, _PNG.value, f"{n / 1e6:,.1f}M params, {link}")
+  if opts.png:
+    plot(rows, opts.png, f"{n / 1e6:,.1f}M params, {link}")
+
+
+def _predict(config, opts: Options) -> tuple:
+  """(params, step times, the base setting, the constants, the rows of (setting,
+  prediction)) of the flags; a FlagError, PlanError or ConfigError names what is wrong."""
+  # pylint: disable=import-outside-toplevel
+  from diloco_jax.planning import calibration
+  from diloco_jax.planning import model as plan_model
+  # pylint: enable=import-outside-toplevel
+  n = int(opts.params) if opts.params else num_params(config)
+  if opts.measure:
+    path = config_flags.get_config_filename(flags.FLAGS["config"])
+    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+    times = (measure_step_time(path, overrides),)
+    print(f"measured: {times[0]:.4g} s per inner step of {config.replicas_per_host} "
+          f"replica(s) on this machine")
+  else:
+    times = step_time(config, n, opts)
+  hosts = _ints(opts.hosts, "hosts")
+  base = setting_of(config, n, hosts[0], times, opts)
+  constants = dataclasses.replace(calibration.CONSTANTS, **{
+      name: getattr(opts, name) for name in ("round_overhead_s", "outer_s_per_param")
+      if getattr(opts, name) is not None})
+  if constants.round_overhead_s < 0 or constants.outer_s_per_param < 0:
+    raise command_line.FlagError("--round_overhead_s and --outer_s_per_param: must be >= 0")
+  if opts.sweep:
+    rows = sweep(base, constants, opts)
+  else:
+    if len(hosts) > 1:
+      raise command_line.FlagError(f"--hosts={opts.hosts}: one number (a list needs --sweep)")
+    rows = [(base, plan_model.predict(base, constants))]
+  if not 0 < opts.target <= 1:
+    raise command_line.FlagError(f"--target={opts.target:g}: a utilization in (0, 1]")
+  return n, times, base, constants, rows
 
 
 def _parse(argv: list[str]) -> list[str]:
-  """absl's parsing; --help exits 0, a bad flag or --smoke's defaults in one place."""
+  """command_line.parse, with --smoke's defaults in place of --smoke."""
   if "--smoke" in argv[1:]:
     out = tempfile.mkdtemp(prefix="plan_smoke_")
     argv = [argv[0], "--config=configs/tiny.py", "--step_time=0.02", "--bandwidth_mbit=8",
             "--hosts=2,4", "--sweep", "--sweep_inner_steps=25,100",
             "--sweep_formats=none,4bit", f"--json={out}/plan.json", f"--png={out}/plan.png",
             *[a for a in argv[1:] if a != "--smoke"]]
-  try:
-    return flags.FLAGS(argv)
-  except SystemExit as e:
-    if e.code == 1 and any(a.lstrip("-").split("=")[0] in ("help", "helpfull", "helpshort")
-                           for a in argv[1:]):
-      sys.exit(0)
-    raise
-  except Exception as e:  # noqa: BLE001 -- any bad flag or config file: one line
-    sys.exit(f"Invalid flags: {' '.join(str(e).split())[:300]} (see --help)")
+  return command_line.parse(argv)
 
 
 if __name__ == "__main__":

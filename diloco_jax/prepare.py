@@ -12,12 +12,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-from diloco_jax import errors
+from diloco_jax.cli import exits
 from diloco_jax.corpus import build
 from diloco_jax.corpus import format as corpus_format
 from diloco_jax.corpus import sources as sources_lib
 from diloco_jax.corpus import tokenizer as tokenizer_lib
 from diloco_jax.corpus.sources import InputError
+
+
+# Every failure is the command's input, or the disk's (an OSError: full, not writable, ...).
+PREPARE = exits.Command(prefix="prepare", also=(OSError,), exits=False,
+                        interrupted="prepare: interrupted; nothing was written to --output")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,19 +93,14 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """The command; returns its exit status (tests call it)."""
+  return exits.run(lambda: _prepare(sys.argv[1:] if argv is None else argv), PREPARE)
+
+
+def _prepare(argv: Sequence[str]) -> int:
   start = time.monotonic()
-  try:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    done = build.prepare(args)
-  except errors.DilocoError as e:
-    print(errors.describe(e, "prepare"), file=sys.stderr)
-    return e.exit_code
-  except OSError as e:  # a full disk, a directory not writable, ...
-    print(f"prepare: {e}", file=sys.stderr)
-    return 1
-  except KeyboardInterrupt:
-    print("prepare: interrupted; nothing was written to --output", file=sys.stderr)
-    return 130
+  args = parse_args(argv)
+  done = build.prepare(args)
   if done is None:
     print(f"prepare: {args.output} is up to date")
     return 0

@@ -24,6 +24,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "diloco_jax"
 # module) and from any unit of a lower layer; units of one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("diloco_jax", "train", "prepare", "sample", "export", "plan"),  # entry points, the root
+    ("cli",),  # what the entry points share: the command line's errors, how a command ends
     ("loop", "readback"),
     ("checkpoints", "reporting"),
     ("membership",),  # who trains together: coordinator, leases, the epoch's collective
