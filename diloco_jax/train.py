@@ -26,7 +26,6 @@ from ml_collections import config_flags
 # second or more to import, and `main` imports them once it knows it will train.
 from diloco_jax import config as config_lib
 from diloco_jax import errors
-from diloco_jax.runtime import compile_cache
 from diloco_jax.runtime import hostmem
 from diloco_jax.runtime import quiet
 
@@ -256,6 +255,7 @@ def main(argv):
   # pylint: disable=import-outside-toplevel
   import jax
 
+  from diloco_jax import compile_cache
   from diloco_jax.checkpoints import shared_dir
   from diloco_jax.checkpoints import store
   from diloco_jax.loop import trainer
