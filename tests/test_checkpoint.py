@@ -3,15 +3,16 @@
 refused clearly. Several hosts through the launcher (SIGKILL of any host, a workdir per
 host): tests/test_checkpoint_hosts.py."""
 
-import gc
 import json
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 
+from diloco_jax.checkpoints import shared_dir
 from diloco_jax.checkpoints import store
 from diloco_jax.readback import trained
 from diloco_jax.loop import trainer
@@ -91,10 +92,7 @@ def test_finished_run_is_not_trained_again(tmp_path, capsys):
   assert losses(again) == losses(first)
 
 
-# Orbax's failed read of the truncated file leaves its other reads' coroutines to the
-# garbage collector, which reports them as unraisable exceptions (whichever test runs then).
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd):
   config = multihost.small_config(num_rounds=3)
   reference = trainer.train_and_evaluate(config, str(tmp_path / "ref"))
@@ -111,7 +109,32 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capfd)
   assert (tmp_path / "run" / store.UNREADABLE).is_dir()  # set aside, not deleted
   for a, b in zip(final_leaves(resumed), final_leaves(reference), strict=True):
     np.testing.assert_array_equal(a, b)
-  gc.collect()  # here, under this test's filter
+
+
+def test_a_failed_read_leaves_no_read_to_end_in_a_closed_event_loop(tmp_path, monkeypatch):
+  """Orbax closes its event loop once the first read of a restore fails; the reads still
+  out end afterwards on tensorstore's threads and find the loop closed: an unraisable
+  "Event loop is closed" each, which pytest reported in whatever test ran then (47 in one
+  run of the suite, none in another). The store's orbax waits for them first."""
+  ocp = shared_dir._ocp()  # pylint: disable=protected-access
+  tree = {f"a{i}": np.arange(2000 * (i + 1), dtype=np.float32) for i in range(40)}
+  manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=True))
+  manager.save(1, args=ocp.args.Composite(shared=ocp.args.StandardSave(tree)))
+  manager.wait_until_finished()
+  biggest = max((p for p in (tmp_path / "1").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  with open(biggest, "r+b") as f:
+    f.truncate(biggest.stat().st_size // 2)
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(
+      f"{u.err_msg or 'Exception ignored in'}: {u.exc_type.__name__}: {u.exc_value}"))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  for _ in range(3):
+    with pytest.raises(Exception):  # tensorstore's, whichever read fails first
+      manager.restore(1, args=ocp.args.Composite(shared=ocp.args.StandardRestore(abstract)))
+  time.sleep(1)  # without the wait, the reads left out would have ended by now
+  assert unraisable == []
+  manager.close()
 
 
 def test_every_checkpoint_unreadable_is_an_error(tmp_path):
