@@ -25,7 +25,6 @@ from ml_collections import config_flags
 from diloco_jax import config as config_lib
 from diloco_jax.cli import command_line
 from diloco_jax.cli import exits
-from diloco_jax.runtime import compile_cache
 from diloco_jax.runtime import hostmem
 from diloco_jax.runtime import quiet
 
@@ -134,6 +133,7 @@ def _start(config: ml_collections.ConfigDict):
   if not flags.FLAGS["verbosity"].present:
     quiet.quiet_preemption_logs()
   # pylint: disable=import-outside-toplevel
+  from diloco_jax import compile_cache
   from diloco_jax.checkpoints import shared_dir
   from diloco_jax.checkpoints import store
   # Before the hosts meet, as `_train` needs it: its import takes a second or more, which

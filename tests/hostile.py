@@ -1,6 +1,7 @@
 """What a stranger who reaches a job's ports sends, for the tests: random bytes, a frame far
-over any size limit, and a message whose last part never comes; and where a process listens
-and how much memory it holds, read from /proc."""
+over any size limit, and a message whose last part never comes; where a process listens
+and how much memory it holds, read from /proc; and two hosts of one epoch on loopback, the
+stranger's target in tests/test_hostile.py and tests/test_hostile_wire.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import threading
 import time
 
 import numpy as np
+
+from diloco_jax.runtime import security
+from diloco_jax.wire.epoch import Epoch
+from diloco_jax.wire.peers import Peers
 
 GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
 
@@ -136,3 +141,31 @@ class Stranger(threading.Thread):
     self.join(30)
     for s in self._open:
       s.close()
+
+
+TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def connected_pair(**host0_options):
+  """Hosts 0 and 1 of one epoch on loopback, their connections open (host 0's Peers takes
+  `host0_options`); yields (epoch, host 0's Peers, host 1's)."""
+  epoch = Epoch.of(1, (0, 1), tuple(f"127.0.0.1:{free_port()}" for _ in range(2)))
+  p0 = Peers(epoch, 0, token=TOKEN, **{"timeout_s": 5, **host0_options})
+  p1 = Peers(epoch, 1, token=TOKEN, timeout_s=5)
+  try:
+    threads = [threading.Thread(target=p.connect) for p in (p0, p1)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(10)
+    yield epoch, p0, p1
+  finally:
+    p0.close()
+    p1.close()

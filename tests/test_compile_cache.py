@@ -1,4 +1,4 @@
-"""runtime/compile_cache: every host keeps its own compiled programs, not host 0 alone."""
+"""compile_cache: every host keeps its own compiled programs, not host 0 alone."""
 
 import json
 import os
@@ -15,12 +15,11 @@ SCRIPT = """
 import json, os, sys
 import jax, jax.numpy as jnp
 from jax._src import distributed
-from diloco_jax import executables
-from diloco_jax.runtime import compile_cache
+from diloco_jax import compile_cache
 distributed.global_state.process_id = 1
 used = compile_cache.use(sys.argv[1], "unused", int(sys.argv[2]) if sys.argv[2] != "-" else None)
 jax.jit(lambda x: jnp.sin(x) * 3.0)(jnp.arange(4.0)).block_until_ready()
-print(json.dumps({"dir": used, "executables": executables.directory(), "entries": {d: sorted(os.listdir(d)) for d, _, _ in os.walk(sys.argv[1])}}))
+print(json.dumps({"dir": used, "executables": compile_cache.directory(), "entries": {d: sorted(os.listdir(d)) for d, _, _ in os.walk(sys.argv[1])}}))
 """
 
 
@@ -38,7 +37,7 @@ def test_a_host_other_than_0_writes_its_programs_to_a_directory_of_its_own(tmp_p
   writes from process 0 only. Unknown host index: JAX's default, nothing written."""
   cache = str(tmp_path / "cache")
   result = run(cache, host_id)
-  # The programs kept whole (executables.py) go with JAX's, in the host's own
+  # The programs kept whole go with JAX's, in the host's own
   assert result["executables"] == os.path.join(result["dir"], "executables")
   if host_id == "1":
     assert result["dir"] == os.path.join(cache, "host1")
@@ -53,9 +52,8 @@ def test_a_host_other_than_0_writes_its_programs_to_a_directory_of_its_own(tmp_p
 def test_off_and_the_environment_win(tmp_path, monkeypatch):
   """...and the environment's directory, which processes whose code differs in ways no
   file shows may share (this session's tests patch functions), keeps no program whole."""
-  from diloco_jax.runtime import compile_cache
-  from diloco_jax import executables
+  from diloco_jax import compile_cache
   assert compile_cache.use("none", str(tmp_path), 1) is None
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
   assert compile_cache.use(None, str(tmp_path), 1) is None
-  assert executables.directory() is None
+  assert compile_cache.directory() is None

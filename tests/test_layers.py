@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("wire", "data", "device"),
     ("runtime",),
     ("algo", "models", "corpus"),
-    ("errors", "units", "digest", "_version", "executables"),
+    ("errors", "units", "digest", "_version", "compile_cache"),
 )
 MAX_LINES = 400
 

@@ -17,8 +17,8 @@ from diloco_jax.models import model as model_lib
 from diloco_jax.readback import sampling
 from diloco_jax.readback import trained
 from tests.multihost import small_config
-from tests.test_prepared_data import corpus_documents
-from tests.test_prepared_data import write_prepared
+from tests.prepared_dirs import corpus_documents
+from tests.prepared_dirs import write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=32, seq_len=32, num_layers=2, d_model=32, num_heads=4, mlp_dim=64)

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from diloco_jax import executables
+from diloco_jax import compile_cache
 from diloco_jax.algo import state as state_lib
 from diloco_jax.algo.step import LossFn
 from diloco_jax.algo.step import Params
@@ -148,7 +148,7 @@ class Step:
 
     `spec`: what this step's function was built from (the caller's config: the loss, the
     optimizer, accumulation). With it the executable is kept whole and a start that
-    finds it runs it without a trace (executables.py), keyed by `spec`, this
+    finds it runs it without a trace (compile_cache.py), keyed by `spec`, this
     step's kind and mesh, and the arguments' shapes and shardings."""
     self.batch_shape = batch_shape  # what a batch of this run is (a rehearsal's zeros)
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
@@ -159,10 +159,10 @@ class Step:
            "arguments": repr(jax.tree.map(
                lambda s: (s.shape, s.dtype, s.sharding),
                (state, batch), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))}
-    found = executables.compiled("inner_step", key,
-                                 lambda: self._jit(state).lower(state, batch),
-                                 devices=list(self.layout.mesh.devices.flat),
-                                 facts=memory_per_device)
+    found = compile_cache.compiled("inner_step", key,
+                                   lambda: self._jit(state).lower(state, batch),
+                                   devices=list(self.layout.mesh.devices.flat),
+                                   facts=memory_per_device)
     self._compiled = found.program
     return found.facts
 

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from diloco_jax import compile_cache
 from diloco_jax import errors
-from diloco_jax import executables
 from diloco_jax.models import gpt
 from diloco_jax.models import llama
 
@@ -126,11 +126,11 @@ def default_device() -> jax.Device:
 @functools.lru_cache(maxsize=8)
 def init_program(cfg: ModelConfig, device: jax.Device) -> jax.stages.Traced | jax.stages.Compiled:
   """The module's init (variables from a PRNG key and a batch of tokens) on `device`:
-  compiled, where a start before this one kept it whole (executables.py: no
+  compiled, where a start before this one kept it whole (compile_cache.py: no
   trace, no compile), else traced, once per config. The params' shapes (`param_shapes`)
   and the program that draws them (`compiled_init`) both come from it: each trace of a
   Flax init took about 0.05 s of a start, and a start asked for three."""
-  found = executables.load("init", _init_spec(cfg, device), devices=[device])
+  found = compile_cache.load("init", _init_spec(cfg, device), devices=[device])
   if found is not None:
     return found.program
   tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
@@ -144,7 +144,7 @@ def compiled_init(cfg: ModelConfig, device: jax.Device) -> jax.stages.Compiled:
     return program
   with jax.default_device(device):
     program = program.lower().compile()
-  executables.store("init", _init_spec(cfg, device), program)
+  compile_cache.store("init", _init_spec(cfg, device), program)
   return program
 
 

@@ -38,6 +38,7 @@ _ENV = {"coordinator_address": "DILOCO_COORDINATOR_ADDRESS", "num_hosts": "DILOC
         "coordinator_grace": "DILOCO_COORDINATOR_GRACE"}
 _LEFT = "diloco_jax/end/left/"  # a host's key once it is leaving (leave_together)
 JAX_HEARTBEAT_S = 100  # jax.distributed's heartbeat timeout, unless --heartbeat_timeout
+# Per process, as jax.distributed is: `initialize` starts it, `leave_together` stops it.
 _watchdog: watchdog.LinkWatchdog | None = None  # this host's, when one runs
 
 

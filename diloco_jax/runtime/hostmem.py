@@ -88,6 +88,8 @@ def trim() -> None:
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's, per XLA compile
+# Per process: jax's monitoring listener, registered once per process, has nowhere else to
+# say that XLA compiled.
 _compiled = True  # since the last release (the process's first trim releases)
 
 

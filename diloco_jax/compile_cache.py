@@ -1,11 +1,23 @@
-"""Compiled programs kept whole on disk, so that a host that starts again runs its inner
-step and its init without tracing, lowering or compiling them.
+"""The compilation cache: JAX's persistent cache on every host, and the inner step and init
+kept whole beside it, so that a host that starts again loads its compiled programs rather
+than compiling them: that is most of its time to the first step.
 
-JAX's persistent compilation cache (compile_cache.py) spares a start XLA's compile, but
-not the trace and the lowering that find its entry: with configs/peer.py, 0.35 s of the
-inner step's 0.54 s to load, and 0.1 s of init's 0.33 s. An entry here is the executable
-itself (`jax.experimental.serialize_executable`), found without a trace by what the
-program is built from:
+JAX's cache, on every host. JAX keys an entry by the program *and its devices*, and writes
+entries from process 0 only (so that a shared filesystem never sees two processes write
+one entry). A host's own programs (its inner step, init, eval) run on its own device, so
+the other hosts' entries are never host 0's, and without more than JAX's defaults every
+host but 0 compiles them again at every start (measured: configs/peer.py's hosts wait on
+host 1's 4 s of compiling at every cached start). So on host i > 0 the cache is
+`DIR/host<i>`, a directory only that host writes, and JAX's write of an entry there is
+allowed (`use`). Host 0 keeps `DIR` itself. Programs that span the hosts (the cross-host
+sums) are then written by every host, each to its own directory: no entry is ever written
+by two processes.
+
+Programs kept whole. JAX's cache spares a start XLA's compile, but not the trace and the
+lowering that find its entry: with configs/peer.py, 0.35 s of the inner step's 0.54 s to
+load, and 0.1 s of init's 0.33 s. An entry in `executables/` under JAX's directory is the
+executable itself (`jax.experimental.serialize_executable`), found without a trace by what
+the program is built from:
 
   key      the caller's spec (everything the program's function and arguments come from:
            the config, the model's shape, the arguments' shapes and shardings) and the
@@ -22,9 +34,11 @@ program is built from:
 
 An entry that fails any test, or does not load, is compiled as before and written again.
 A file is written whole (to a temporary name, then renamed), and by one host: each host
-keeps its own directory (compile_cache.py), whose entries name its own devices. Like
-JAX's cache, the directory holds machine code this process runs: it is trusted as the
-workdir is.
+keeps its own directory, whose entries name its own devices. Like JAX's cache, the
+directory holds machine code this process runs: it is trusted as the workdir is.
+
+Where the directory is: JAX's own setting, `jax_compilation_cache_dir`, which the entry
+point sets once per process (`use`); nothing else carries it (`directory`).
 """
 
 from __future__ import annotations
@@ -52,8 +66,6 @@ FORMAT = 1  # bump when an entry's layout changes: older entries then miss
 KEEP = 4  # entries kept per program name, the newest: one config's is rewritten in place
 SUFFIX = ".executable"
 
-_directory: str | None = None
-
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
@@ -61,14 +73,68 @@ class Loaded:
   facts: Any  # what the writer computed from the program and asked to keep (`store`)
 
 
-def use(directory: str | None) -> None:
-  """Keeps and finds entries in `directory` from now on (None: off, the default)."""
-  global _directory  # pylint: disable=global-statement  # like jax.config's cache dir
-  _directory = directory
+def use(path: str | None, workdir: str, host_id: int | None) -> str | None:
+  """Turns JAX's cache on for every program, whatever its compile time, in `path` (None:
+  `workdir/compilation_cache`; "none": off), in `host<i>/` under it for host i > 0, and
+  returns the directory used (None when off); the programs kept whole go in its
+  `executables/`. The environment's JAX_COMPILATION_CACHE_DIR wins, as JAX reads it
+  itself. `host_id`: this host's index where it is known before jax.distributed starts
+  (--host_id); else every host shares `path` and host 0 writes, JAX's default."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR") or path == "none":
+    return None
+  cache = path or os.path.join(workdir, "compilation_cache")
+  if host_id:
+    cache = os.path.join(cache, f"host{host_id}")
+    _write_from_this_host()
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return cache
+
+
+def _write_from_this_host() -> None:
+  """Makes JAX's cache write, which returns at once on any process but 0, store this
+  process's entries too (as its body does for process 0: our minimum compile time is 0,
+  and a program with host callbacks is left to JAX, which never stores one). Where JAX's
+  internals differ from these (another version), nothing changes: this host compiles as
+  before."""
+  try:
+    from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
+    from jax._src import compiler  # pylint: disable=import-outside-toplevel
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return
+  write = getattr(compiler, "_cache_write", None)
+  put = getattr(compilation_cache, "put_executable_and_time", None)
+  if write is None or put is None or getattr(write, "every_host", False):
+    return
+
+  @functools.wraps(write)
+  def every_host(cache_key, compile_time_secs, module_name, backend, executable,
+                 host_callbacks):
+    if distributed.global_state.process_id == 0 or host_callbacks:
+      return write(cache_key, compile_time_secs, module_name, backend, executable,
+                   host_callbacks)
+    try:
+      put(cache_key, module_name, executable, backend, int(compile_time_secs))
+    except Exception as e:  # pylint: disable=broad-except  # as JAX's own write: a warning
+      warnings.warn(f"Error writing persistent compilation cache entry for "
+                    f"{module_name!r}: {type(e).__name__}: {e}")
+    return None
+
+  every_host.every_host = True
+  compiler._cache_write = every_host  # pylint: disable=protected-access
 
 
 def directory() -> str | None:
-  return _directory
+  """Where programs are kept whole: `executables/` in JAX's cache directory, read from JAX's
+  own per-process setting (None: off). Off where the environment names JAX's directory
+  (JAX_COMPILATION_CACHE_DIR): that one may be shared by processes whose code differs in
+  ways no file shows (tests that patch functions), so only a directory this process set
+  (`use`) keeps programs whole."""
+  cache = jax.config.jax_compilation_cache_dir
+  if not cache or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return None
+  return os.path.join(cache, "executables")
 
 
 def load(name: str, spec: Any, devices: Sequence[jax.Device] | None = None) -> Loaded | None:
@@ -154,10 +220,11 @@ def compiled(name: str, spec: Any, lower: Callable[[], jax.stages.Lowered], *,
 
 
 def _path(name: str, spec: Any) -> str | None:
-  if _directory is None:
+  kept = directory()
+  if kept is None:
     return None
   key = json.dumps([FORMAT, name, spec, _machine()], sort_keys=True, default=repr)
-  return os.path.join(_directory, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:40]}"
+  return os.path.join(kept, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:40]}"
                       f"{SUFFIX}")
 
 
