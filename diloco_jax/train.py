@@ -134,7 +134,6 @@ def _start(config: ml_collections.ConfigDict):
     quiet.quiet_preemption_logs()
   # pylint: disable=import-outside-toplevel
   from diloco_jax import compile_cache
-  from diloco_jax.checkpoints import shared_dir
   from diloco_jax.checkpoints import store
   # Before the hosts meet, as `_train` needs it: its import takes a second or more, which
   # a host would otherwise spend after it has joined the others.
@@ -159,9 +158,6 @@ def _start(config: ml_collections.ConfigDict):
       membership=_MEMBERSHIP.value or os.environ.get("DILOCO_MEMBERSHIP") or None,
       wire_address=_WIRE_ADDRESS.value, min_hosts=_MIN_HOSTS.value,
       last_epoch=store.last_epoch(_WORKDIR.value, host_id) if host_id is not None else 0)
-  # A save waiting for a host at a barrier gives up with the save's own timeout (orbax,
-  # on the shared workdir of a single host or of ddp's hosts).
-  shared_dir.set_barrier_timeout(config.checkpoint.timeout)
   # Before validation: hosts that disagree must all stop, not wait for each other.
   return start_lib.start(config, spec, options)
 

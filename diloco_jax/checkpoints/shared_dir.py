@@ -51,27 +51,17 @@ from diloco_jax.checkpoints import store
 from diloco_jax.wire import collective as collective_lib
 
 
-_barrier_timeout: int | None = None  # set_barrier_timeout's, applied when orbax is imported
-
-
-def set_barrier_timeout(seconds: int) -> None:
-  """How long orbax's coordination-service barriers wait for a host (default 300 s).
-  Private: orbax has no option for it; a barrier timeout in `MultiprocessingOptions` would
-  replace this module constant."""
-  global _barrier_timeout
-  _barrier_timeout = seconds
-  if "orbax.checkpoint" in sys.modules:
-    _ocp()
-
-
-def _ocp():
+def _ocp(barrier_timeout: int | None = None):
   """orbax.checkpoint, imported on first use: a run that starts in an empty directory
   needs it only at its first save, which runs on the dispatch thread while round 1
-  trains. Its import took 0.13 s of every host's start (orbax-checkpoint 0.12, 2 CPU cores)."""
+  trains. Its import took 0.13 s of every host's start (orbax-checkpoint 0.12, 2 CPU cores).
+  `barrier_timeout`: how long orbax's coordination-service barriers wait for a host (its
+  default 300 s). Private: orbax has no option for it; a barrier timeout in
+  `MultiprocessingOptions` would replace this module constant."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  if _barrier_timeout is not None:
+  if barrier_timeout is not None:
     from orbax.checkpoint._src.multihost import multihost  # pylint: disable=import-outside-toplevel
-    multihost._DEFAULT_BARRIER_TIMEOUT = _barrier_timeout
+    multihost._DEFAULT_BARRIER_TIMEOUT = barrier_timeout
   _settle_failed_reads()
   return ocp
 
@@ -178,7 +168,8 @@ class SharedDirStore:
     return self._manager
 
   def _new_manager(self):
-    ocp = _ocp()
+    # a save waiting for a host at a barrier gives up with the save's own timeout
+    ocp = _ocp(barrier_timeout=self.timeout)
     hosts = self.hosts
     # An explicit set of processes makes orbax use coordination-service barriers, not
     # collective ones that could interleave with a sum on the dispatch thread.
