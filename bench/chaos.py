@@ -1,8 +1,8 @@
 """Chaos: a run on hosts with disks of their own, through random failures, beside an
 uninterrupted one.
 
-  python bench/chaos.py [--hosts=4] [--rounds=60] [--events=6] [--seed=0]
-  python bench/chaos.py --smoke  # 3 hosts, 50 short rounds, three fixed events: on 2
+  python -m bench.chaos [--hosts=4] [--rounds=60] [--events=6] [--seed=0]
+  python -m bench.chaos --smoke  # 3 hosts, 50 short rounds, three fixed events: on 2
                                  # hosts, kill+wipe one, on 4 hosts (the uninterrupted
                                  # run: 5 rounds, for its round time)
 
@@ -48,11 +48,9 @@ import tempfile
 import threading
 import time
 
+from bench import harness
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from bench import _smoke  # noqa: E402
-
 KINDS = ("kill", "kill_wipe", "sigterm", "fewer", "more")
 SMOKE_EVENTS = ("fewer", "kill_wipe", "more")
 SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
@@ -99,45 +97,10 @@ class Job:
     return "".join(line for _, line in self.lines)
 
   def host_pid(self, host: int) -> int:
-    pid = host_pid(self.proc.pid, host)
+    pid = harness.host_pid(self.proc.pid, host)
     if pid is None:
       raise RuntimeError(f"host {host} is not running")
     return pid
-
-
-def trainer(pid: int | str) -> tuple[int, list[str]] | None:
-  """(host id, command line) of process `pid` if it is a trainer started with --host_id,
-  else None (gone, or another process)."""
-  try:
-    with open(f"/proc/{pid}/cmdline") as f:
-      cmd = f.read().split("\0")
-  except OSError:
-    return None
-  if "diloco_jax.train" not in cmd:
-    return None
-  host = next((a.split("=", 1)[1] for a in cmd if a.startswith("--host_id=")), "")
-  return (int(host), cmd) if host.isdigit() else None
-
-
-def host_pid(root: int, host: int) -> int | None:
-  """The trainer process of `host` below process `root` (a launcher), or None."""
-  for pid in os.listdir("/proc"):
-    if pid.isdigit() and (found := trainer(pid)) and found[0] == host and parent_chain_has(
-        int(pid), root):
-      return int(pid)
-  return None
-
-
-def parent_chain_has(pid: int, ancestor: int) -> bool:
-  while pid > 1:
-    if pid == ancestor:
-      return True
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        pid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-      return False
-  return False
 
 
 def start_info(workdir: str) -> dict:
@@ -211,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--inner_steps", type=int, default=5, help="inner steps per round")
   parser.add_argument("--events", type=int, default=6, help="random events (--smoke: 3 fixed)")
   parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
-  args = _smoke.parse_args(parser, "chaos", dict(hosts=3, rounds=50, inner_steps=2), argv)
+  args = harness.parse_args(parser, "chaos", dict(hosts=3, rounds=50, inner_steps=2), argv)
   if args.hosts < 2:
     parser.error(f"--hosts={args.hosts}: at least 2")
   rng = random.Random(args.seed)
@@ -256,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
       "wall_s": chaos["wall_s"], "final_eval_loss": chaos["final_eval_loss"],
       "uninterrupted": {"wall_s": reference["wall_s"], "round_s": round_s,
                         "final_eval_loss": reference["final_eval_loss"]},
-      "log": log_path, **_smoke.provenance("chaos", argv)}
+      "log": log_path, **harness.provenance("chaos", argv)}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

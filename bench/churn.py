@@ -1,7 +1,7 @@
 """Goodput under churn: the same events on a live job and on a job that restarts.
 
-  python bench/churn.py [--hosts=4] [--rounds=240] [--events=10] [--seed=0]
-  python bench/churn.py --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, join_new) per path
+  python -m bench.churn [--hosts=4] [--rounds=240] [--events=10] [--seed=0]
+  python -m bench.churn --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, join_new) per path
 
 Two paths train configs/tiny.py on hosts with a workdir each (`launch/local.py
 --workdir_per_host`, the outer state compared across hosts every round), each first
@@ -61,13 +61,10 @@ import tempfile
 import threading
 import time
 
+from bench import cpushare
+from bench import harness
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from bench import _smoke  # noqa: E402
-from bench import chaos  # noqa: E402
-from bench import cpushare  # noqa: E402
-
 KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer", "join_new")
 ONCE = ("join_new",)  # one spare host id
 SMOKE_EVENTS = ("kill_wipe", "join_new")
@@ -131,7 +128,7 @@ class Quotas:
         first = self._seen.setdefault(pid, now)
         if not pid.isdigit() or now - first > 2.0:
           continue  # decided: not a host (a host is moved on its first sight as one)
-        found = chaos.trainer(pid)
+        found = harness.trainer(pid)
         if found and any(self.marker in a for a in found[1]):
           try:
             self.placement.place(found[0], int(pid))
@@ -163,21 +160,6 @@ def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
          "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
   return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env=env)
-
-
-def alive(pid: int) -> bool:
-  """Whether process `pid` still runs (not gone, not a zombie whose files are closed)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
-def wait_dead(pid: int, timeout: float = 30.0) -> None:
-  deadline = time.monotonic() + timeout
-  while alive(pid) and time.monotonic() < deadline:
-    time.sleep(0.05)
 
 
 def records(workdir: str, hosts: int, besides: int | None = None) -> dict[int, dict]:
@@ -237,7 +219,7 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       break
     r, writer = out.last_round()
     victim = {"kill_writer": writer, "join_new": hosts}.get(kind, victim)
-    pid = chaos.host_pid(job.pid, victim) if kind != "join_new" else job.pid
+    pid = harness.host_pid(job.pid, victim) if kind != "join_new" else job.pid
     if pid is None:
       break
     t_event = time.monotonic()
@@ -246,7 +228,7 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       job.send_signal(signal.SIGUSR1 if live else signal.SIGTERM)
     elif kind in ("kill", "kill_wipe", "kill_writer"):
       os.kill(pid, signal.SIGKILL)
-      wait_dead(pid)
+      harness.wait_dead(pid)
     elif kind == "leave" and not live:  # a fixed job stops whole, every host with its
       job.send_signal(signal.SIGTERM)  # checkpoint, and starts again
     elif kind == "leave":
@@ -377,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="each host id an equal CPU quota (bench/cpushare.py; root and the "
                            "cgroup cpu controller) where the ids outnumber the cores; "
                            "--no-quota: every host on every core (never in --smoke)")
-  args = _smoke.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
+  args = harness.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
   paths = [p for p in args.paths.split(",") if p]
   if args.hosts < 2 or not paths or set(paths) - {"live", "restart", "base"}:
     parser.error("--hosts must be >= 2 and --paths a list of live, restart, base")
@@ -437,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     if quotas is not None:
       quotas.close()
     shutil.rmtree(root, ignore_errors=True)
-  result.update(_smoke.provenance("churn", argv))
+  result.update(harness.provenance("churn", argv))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
