@@ -24,7 +24,7 @@ BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "hosts", 
            "leave", "linkdrop", "memory", "models",
            "outer_step", "overhead", "peer", "peer_wan", "plan", "poison", "quality", "restart",
            "sizes", "startup", "stragglers", "wan", "wire")
-HELPERS = {"cpushare", "harness", "netns", "report"}  # bench/ modules that are not
+HELPERS = {"cpushare", "harness", "jobs", "netns", "report"}  # bench/ modules that are not
 # benches (as _*.py): the benches' helpers, and report.py, which renders their results as
 # docs/performance.md
 MULTIHOST = {"chaos", "sizes", "churn", "gpu_check", "hosts", "leave",
