@@ -105,7 +105,7 @@ from diloco_jax.models import model as model_lib  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Width 64 rather than 32: at 32 the elementwise ops XLA's FLOP count adds to the matmuls'
-# are 22% of them, at 64 7% (tests/test_bench.py holds the two counts within 10%).
+# are 22% of them, at 64 7% (tests/test_bench_speed.py holds the two counts within 10%).
 SMOKE = {"d_model": 64, "num_layers": 1, "num_heads": 2, "mlp_dim": 256, "seq_len": 32,
          "batch_size": 4, "steps": 2, "warmup": 1, "profile_steps": 1, "component_reps": 2,
          "matmul_reps": 2, "sizes": "64,128"}
