@@ -4,8 +4,10 @@ repository on the path; and the benches' own helpers where a smoke run cannot re
 """
 
 import argparse
+import fnmatch
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -44,6 +46,25 @@ def test_gpu_check_runs_by_its_path_in_an_install_of_the_package_alone():
   done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--help"], cwd=REPO,
                         capture_output=True, text=True, timeout=benches.TIMEOUT_S)
   assert done.returncode == 0 and "--smoke" in done.stdout, done.stderr[-5000:]
+
+
+def test_the_readme_lists_every_bench_and_results_file():
+  """bench/README.md's table: a row per bench, every results file under one (`*` stands
+  for several), and each page section it links an anchor of docs/performance.md."""
+  with open(os.path.join(REPO, "bench", "README.md"), encoding="utf-8") as f:
+    table = {cells[0][2:]: cells for line in f if line.startswith("| ")
+             and len(cells := line.rstrip("\n").split(" | ")) == 5}
+  assert set(BENCHES) <= set(table), sorted(set(BENCHES) - set(table))
+  named = re.findall(r"`([\w*]+\.json)`", " ".join(row[3] for row in table.values()))
+  files = [os.path.basename(p)
+           for p in glob.glob(os.path.join(REPO, "bench", "results", "*.json"))]
+  unlisted = [f for f in files if not any(fnmatch.fnmatch(f, n) for n in named)]
+  assert not unlisted, unlisted
+  with open(os.path.join(REPO, "docs", "performance.md"), encoding="utf-8") as f:
+    slugs = {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", line.lstrip("#")).strip().lower())
+             for line in f if line.startswith("#")}
+  anchors = re.findall(r"performance\.md#([\w-]+)", " ".join(row[4] for row in table.values()))
+  assert anchors and set(anchors) <= slugs, sorted(set(anchors) - slugs)
 
 
 def test_peer_torch_model_gives_diloco_jax_logits():
