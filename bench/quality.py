@@ -24,9 +24,9 @@ bytes x 8 / rate seconds; sync, int8, SparseLoCo, MuLoCo, streaming (tau = 0) an
 (every step) wait for them, eager hides them behind the next inner phase up to its length:
 utilization = inner / (inner + comm), eager inner / max(inner, comm). Writes
 bench/results/quality.json (again after every method; `complete`: all of them ran) and
-quality.png (eval loss against total bytes, log x). On one machine the link is loopback:
-this measures what each method learns per byte, not how long the bytes take
-(bench/wan.py shapes a link for that).
+quality.png beside it (eval loss against total bytes, log x; git ignores the plot). On one
+machine the link is loopback: this measures what each method learns per byte, not how long
+the bytes take (bench/wan.py shapes a link for that).
 """
 
 from __future__ import annotations

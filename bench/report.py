@@ -12,8 +12,8 @@ cannot drift from the results. Each results file must say where it came from (`c
 one that no section renders, stops the report with an error naming the file. A run the
 page must no longer show carries `"withdrawn": "reason"` in its file. After a bench
 writes new results, run --write: tests/test_performance_page.py fails while the page is
-stale. The page has tables only; the benches' plots stay beside their JSON in
-bench/results/.
+stale. The page has tables only: the plots some benches write beside their JSON are for
+whoever ran them, and git ignores them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Reports per run: wall time, compute utilization (tokens/s over the reference's; 
 may be listed twice, before and after the others, and the mean is used), tokens/s, bytes
 each host put on the wire (the veth's own counter), the most bytes one sync sent
 (streaming: one fragment; the peak in flight) and the final eval loss.
-Writes bench/results/wan.json and wan.png (eval loss against wall-clock time).
+Writes bench/results/wan.json and wan.png beside it (eval loss against wall-clock time; no
+page shows the plot, and git ignores it).
 
 Choice of rate: the tiny model's pseudo-gradient is 0.43 MB; a host's inner phase (H=25
 steps of 32 x 64 tokens) takes about half a second here, and at 8 Mbit/s a 2-host
