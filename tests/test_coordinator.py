@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import types
 import pytest
 import zmq
 
+from bench.harness import free_port
 from diloco_jax.membership import coordinator as co
 from diloco_jax.membership import lease as lease_lib
 from diloco_jax.membership import ledger as ledger_lib
@@ -29,12 +29,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
 OTHER = security.JoinToken("another-token-of-another-job", "the test")
 LEASE_S = 0.4
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @contextlib.contextmanager

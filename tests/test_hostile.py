@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.harness import free_port
 from diloco_jax.checkpoints import store
 from diloco_jax.membership import client as client_lib
 from diloco_jax.membership import collective as collective_lib
@@ -39,12 +40,6 @@ from tests.hostile import unfinished_message
 
 LEASE_S = 2.0
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @contextlib.contextmanager
