@@ -201,6 +201,11 @@ def trainer(pid: int | str) -> tuple[int, list[str]] | None:
   return (int(host), cmd) if host.isdigit() else None
 
 
+def host_pids(launcher: int) -> dict[int, int]:
+  """Host id -> pid of the trainers that process `launcher` has started so far."""
+  return {found[0]: pid for pid in children(launcher) if (found := trainer(pid))}
+
+
 def host_pid(root: int, host: int) -> int | None:
   """The trainer process of `host` below process `root` (a launcher), or None."""
   for pid in os.listdir("/proc"):

@@ -33,12 +33,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTRA = {"streaming": ["--config.outer.fragments=2", "--config.inner_steps=6"]}
 
 
-def host_pids(launcher: int) -> dict[int, int]:
-  """Host id -> pid of the trainers the launcher has started so far."""
-  return {found[0]: pid for pid in harness.children(launcher)
-          if (found := harness.trainer(pid))}
-
-
 def run(mode: str, hosts: int, rounds: int, kills: dict[int, int], workdir: str) -> dict:
   """One live run; `kills`: round -> host to SIGKILL once that round's line is out."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -55,7 +49,7 @@ def run(mode: str, hosts: int, rounds: int, kills: dict[int, int], workdir: str)
   for line in launcher.stdout:
     tail = (tail + [line])[-40:]
     if len(pids) < hosts:
-      pids.update(host_pids(launcher.pid))
+      pids.update(harness.host_pids(launcher.pid))
     m = re.search(r"\] round +(\d+)/", line)
     if not m:
       continue

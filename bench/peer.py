@@ -156,27 +156,6 @@ class Watcher(threading.Thread):
       pass  # exited (or a thread did) between the listing and the call
 
 
-def host_pids(launcher_pid: int, num_hosts: int) -> dict[int, int]:
-  """{host id: pid} of the launcher's children found so far (`--host_id=i` in argv)."""
-  found = {}
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-      if ppid != launcher_pid:
-        continue
-      with open(f"/proc/{entry}/cmdline", "rb") as f:
-        argv = f.read().decode(errors="replace").split("\0")
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-      continue
-    for i in range(num_hosts):
-      if f"--host_id={i}" in argv:
-        found[i] = int(entry)
-  return found
-
-
 def steady(values: list[float]) -> list[float]:
   """The rounds after the first (the whole list when there is only one)."""
   return values[1:] or values
@@ -204,7 +183,7 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
       proc = subprocess.Popen(shim(cmd), cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
       while len(pids) < 2 and proc.poll() is None and time.time() - t0 < 60:
-        for host, pid in host_pids(proc.pid, 2).items():
+        for host, pid in harness.host_pids(proc.pid).items():
           if host not in pids:
             pids[host] = pid
             watcher.watch(pid, cpus[host])
