@@ -175,7 +175,7 @@ def main() -> None:
       json.dump(check_logits(s, args.check), f)
     return
 
-  # torchft only here: --check runs with torch alone (the test suite's, tests/test_bench.py).
+  # torchft only here: --check runs with torch alone (the test suite's, tests/test_bench_cli.py).
   from torchft import Manager  # noqa: PLC0415
   from torchft import ProcessGroupGloo  # noqa: PLC0415
   from torchft.local_sgd import DiLoCo  # noqa: PLC0415

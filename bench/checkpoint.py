@@ -1,7 +1,7 @@
 """What a checkpoint costs next to a round: ≈25M-param model, one host, sync, H=50.
 
-  python bench/checkpoint.py [--batch_size=8] [--rounds=3] [--overlap_rounds=3] [--out=...]
-  python bench/checkpoint.py --smoke  # seconds: configs/tiny.py's model, 4 rounds of 2 steps
+  python -m bench.checkpoint [--batch_size=8] [--rounds=3] [--overlap_rounds=3] [--out=...]
+  python -m bench.checkpoint --smoke  # seconds: configs/tiny.py's model, 4 rounds of 2 steps
 
 Runs the real trainer (`Trainer.run_round`, one replica, one process, no
 jax.distributed) on bench/outer_step.py's "25m" model (configs/tiny.py with 8 blocks of
@@ -32,24 +32,21 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[0] = REPO  # not bench/: this file would shadow any module named `checkpoint`
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 
-import diloco_jax  # noqa: E402
-from bench import _smoke  # noqa: E402
-from bench.outer_step import MODELS  # noqa: E402
-from configs import tiny  # noqa: E402
-from diloco_jax.loop import trainer as trainer_lib  # noqa: E402
-from diloco_jax.wire import dispatch  # noqa: E402
+import diloco_jax
+from bench import harness
+from bench.outer_step import MODELS
+from configs import tiny
+from diloco_jax.loop import trainer as trainer_lib
+from diloco_jax.wire import dispatch
 
 
 def bench_config(args, total_rounds: int):
@@ -114,7 +111,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each then saved")
   parser.add_argument("--overlap_rounds", type=int, default=3)
   parser.add_argument("--workdir", default=None, help="default: a temporary directory")
-  args = _smoke.parse_args(parser, "checkpoint", dict(
+  args = harness.parse_args(parser, "checkpoint", dict(
       model="tiny", batch_size=2, inner_steps=2, rounds=1, overlap_rounds=2))
   start = time.perf_counter()
   workdir = args.workdir or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -190,7 +187,7 @@ def main():
       "jax": jax.__version__, "orbax_checkpoint": ocp.__version__,
       "diloco_jax": diloco_jax.__version__,
       "total_seconds": time.perf_counter() - start, "smoke": args.smoke,
-      **_smoke.provenance("checkpoint"),
+      **harness.provenance("checkpoint"),
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

@@ -1,7 +1,7 @@
 """Goodput under churn: the same events on a live job and on a job that restarts.
 
-  python bench/churn.py [--hosts=4] [--rounds=240] [--events=10] [--seed=0]
-  python bench/churn.py --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, join_new) per path
+  python -m bench.churn [--hosts=4] [--rounds=240] [--events=10] [--seed=0]
+  python -m bench.churn --smoke   # 3 hosts, 120 rounds, two events (kill_wipe, join_new) per path
 
 Two paths train configs/tiny.py on hosts with a workdir each (`launch/local.py
 --workdir_per_host`, the outer state compared across hosts every round), each first
@@ -48,66 +48,28 @@ Writes bench/results/churn.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from bench import _smoke  # noqa: E402
-from bench import chaos  # noqa: E402
-from bench import cpushare  # noqa: E402
+from bench import cpushare
+from bench import harness
+from bench import jobs
 
 KINDS = ("kill", "kill_wipe", "leave", "freeze", "kill_writer", "join_new")
 ONCE = ("join_new",)  # one spare host id
 SMOKE_EVENTS = ("kill_wipe", "join_new")
-SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
-               "--config.model.mlp_dim=64", "--config.model.num_heads=2"]
-ROUND = re.compile(r"^\[host (\d+)\] round +(\d+)/")
 JOINED = re.compile(r"^\[host (\d+)\] host \d+ joined at round (\d+): state ([0-9.]+) (\w+) "
                     r"from host (\d+) in ([0-9.]+) s")
-FINAL = re.compile(r"final eval loss ([0-9.]+)")
 UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-class Output:
-  """Lines of several processes, each with its arrival time, into one list and the log."""
-
-  def __init__(self, log):
-    self.lines: list[tuple[float, str]] = []
-    self._log, self._lock = log, threading.Lock()
-
-  def follow(self, proc: subprocess.Popen, prefix: str = "") -> threading.Thread:
-    def read():
-      for line in proc.stdout:
-        with self._lock:
-          self.lines.append((time.monotonic(), prefix + line))
-          self._log.write(prefix + line)
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-  def since(self, t: float) -> list[tuple[float, str]]:
-    with self._lock:
-      return [(when, line) for when, line in self.lines if when >= t]
-
-  def last_round(self) -> tuple[int, int]:
-    """(round, printing host) of the newest round line; (0, 0) before the first."""
-    with self._lock:
-      for _, line in reversed(self.lines):
-        if m := ROUND.match(line):
-          return int(m.group(2)), int(m.group(1))
-    return 0, 0
 
 
 class Quotas:
@@ -131,7 +93,7 @@ class Quotas:
         first = self._seen.setdefault(pid, now)
         if not pid.isdigit() or now - first > 2.0:
           continue  # decided: not a host (a host is moved on its first sight as one)
-        found = chaos.trainer(pid)
+        found = harness.trainer(pid)
         if found and any(self.marker in a for a in found[1]):
           try:
             self.placement.place(found[0], int(pid))
@@ -153,31 +115,11 @@ def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
   extra = (["--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
             *([f"--max_hosts={hosts + 1}", "--join_later=-1"] if spare else [])] if live
            else ["--shared_fate"])  # the restart path: a host lost stops the job
-  repo, env = REPO, {**os.environ, "JAX_PLATFORMS": "cpu"}
-  if baseline:
-    repo, extra = baseline, []
-    env["PYTHONPATH"] = baseline
-    # 0.1 named the wire's timeout after its elastic switch
-    flags = [f.replace("--config.wire_timeout=", "--config.elastic_timeout=") for f in flags]
-  cmd = [sys.executable, os.path.join(repo, "launch", "local.py"), f"--hosts={hosts}",
-         "--workdir_per_host", *extra, "--", f"--workdir={workdir}", *flags]
-  return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=env)
-
-
-def alive(pid: int) -> bool:
-  """Whether process `pid` still runs (not gone, not a zombie whose files are closed)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
-def wait_dead(pid: int, timeout: float = 30.0) -> None:
-  deadline = time.monotonic() + timeout
-  while alive(pid) and time.monotonic() < deadline:
-    time.sleep(0.05)
+  if not baseline:
+    return jobs.launch(workdir, hosts, flags, extra)
+  # 0.1 named the wire's timeout after its elastic switch
+  flags = [f.replace("--config.wire_timeout=", "--config.elastic_timeout=") for f in flags]
+  return jobs.launch(workdir, hosts, flags, [], repo=baseline, env={"PYTHONPATH": baseline})
 
 
 def records(workdir: str, hosts: int, besides: int | None = None) -> dict[int, dict]:
@@ -213,50 +155,30 @@ def kept_tokens(recs: dict[int, dict], num_hosts: int, hosts_from: list[tuple[in
   return sum(rec.get("replicas", fixed(r)) * per_replica for r, rec in recs.items())
 
 
-def wait_round(out: Output, job: subprocess.Popen, target: int) -> bool:
-  while out.last_round()[0] < target:
-    if job.poll() is not None:
-      return False
-    time.sleep(0.05)
-  return True
-
-
 def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[str, int]],
         log, freeze_s: float, rng: random.Random, spare: bool = False,
         baseline: str | None = None) -> dict:
   """Trains on `path` ('live' or 'restart'; 'base': the --baseline checkout's default,
   uninterrupted) through `plan`; what happened. `spare` (live): the job has one host id
   more, which only a join_new starts."""
-  live, out = path == "live", Output(log)
+  live, out = path == "live", jobs.Output(log)
   t0 = time.monotonic()
   job = launcher(workdir, hosts, flags, live, spare, baseline if path == "base" else None)
-  readers, events, added = [out.follow(job)], [], []  # added: when each join_new came
+  out.follow(job)
+  events, added = [], []  # added: when each join_new came
   back_round, now_hosts, hosts_from = 0, hosts, [(1, hosts)]
   for kind, victim in plan:
-    if not wait_round(out, job, back_round + rng.randint(2, 5)):
+    if not jobs.wait_round(out, job, back_round + rng.randint(2, 5)):
       break
     r, writer = out.last_round()
     victim = {"kill_writer": writer, "join_new": hosts}.get(kind, victim)
-    pid = chaos.host_pid(job.pid, victim) if kind != "join_new" else job.pid
+    pid = harness.host_pid(job.pid, victim) if kind != "join_new" else job.pid
     if pid is None:
       break
     t_event = time.monotonic()
     if kind == "join_new":  # live: the launcher starts the spare id; else all stop
       added.append(t_event)
-      job.send_signal(signal.SIGUSR1 if live else signal.SIGTERM)
-    elif kind in ("kill", "kill_wipe", "kill_writer"):
-      os.kill(pid, signal.SIGKILL)
-      wait_dead(pid)
-    elif kind == "leave" and not live:  # a fixed job stops whole, every host with its
-      job.send_signal(signal.SIGTERM)  # checkpoint, and starts again
-    elif kind == "leave":
-      os.kill(pid, signal.SIGTERM)
-    elif kind == "freeze":
-      os.kill(pid, signal.SIGSTOP)
-      time.sleep(freeze_s)
-      os.kill(pid, signal.SIGCONT)
-    if kind == "kill_wipe":
-      shutil.rmtree(os.path.join(workdir, f"host{victim}"), ignore_errors=True)
+    jobs.strike(kind, job, pid, workdir, victim, live, freeze_s)
     event = {"kind": kind, "host": victim, "round": r}
     if live:  # the launcher starts the host again (a host that left, too) and it joins
       joined = _wait_joined(out, job, victim, t_event)
@@ -270,15 +192,11 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
     else:
       back = None
       if kind == "freeze":  # the others waited for it, or dropped it (frozen past its
-        back = _next_round(out, job, t_event + freeze_s)  # lease) and it joins again
-      if back is None:
-        code = job.wait()
-        if kind not in ("leave", "freeze", "join_new") and code == 0:
-          raise RuntimeError(f"{kind}: the launcher exited 0")
-        now_hosts += kind == "join_new"
-        job = launcher(workdir, now_hosts, flags, live=False)
-        readers.append(out.follow(job))
-        back = _next_round(out, job, time.monotonic())
+        back = jobs.next_round(out, job, t_event + freeze_s)  # lease) and it joins again
+      if back is None:  # the job stopped whole, every host with its checkpoint (a kill:
+        now_hosts += kind == "join_new"  # but the victim's), and starts again
+        job, back, _ = jobs.restart(out, job, kind, functools.partial(
+            launcher, workdir, now_hosts, flags, live=False))
       if back is None:
         events.append(event)
         break
@@ -289,14 +207,10 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
     events.append(event)
     print(f"{path}: {kind} host {victim} after round {r}; whole again in "
           f"{event['back_s']:.1f} s", flush=True)
-  code = job.wait()
-  for thread in readers:
-    thread.join(timeout=10)
+  code = out.finish(job, timeout=10)
   end = time.monotonic()
   wall = end - t0
   recs = records(workdir, hosts + 1)
-  text = "".join(line for _, line in out.lines)
-  final = FINAL.findall(text)
   for event in events:  # the members' rounds while the host was away (not the first: it
     away = range(event["round"] + 2, event.get("joined_at", 0) + 1)  # waited for the lost)
     members = records(workdir, hosts + 1, besides=event["host"])
@@ -316,10 +230,10 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
           "kept_tokens": kept_tokens(recs, hosts + (live and spare), hosts_from),
           "host_seconds": hosts * wall + sum(end - t for t in added),
           "round_s": statistics.median(steady) if steady else None, "events": events,
-          "final_eval_loss": float(final[-1]) if final else None}
+          "final_eval_loss": out.final_eval_loss()}
 
 
-def _wait_joined(out: Output, job, host: int, since: float):
+def _wait_joined(out: jobs.Output, job, host: int, since: float):
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and job.poll() is None:
     for when, line in out.since(since):
@@ -328,21 +242,6 @@ def _wait_joined(out: Output, job, host: int, since: float):
         size = float(m.group(3)) * UNITS.get(m.group(4), 1)
         return when, int(m.group(2)), int(size), int(m.group(5)), float(m.group(6))
     time.sleep(0.1)
-  return None
-
-
-def _next_round(out: Output, job, since: float):
-  """(time, round) of the first round line after `since`; None if the job ends first."""
-  deadline = time.monotonic() + 300
-  while time.monotonic() < deadline:
-    for when, line in out.since(since):
-      if m := ROUND.match(line):
-        return when, int(m.group(2))
-    if job.poll() is not None:
-      time.sleep(0.5)  # its last lines
-      return next(((when, int(m.group(2))) for when, line in out.since(since)
-                   if (m := ROUND.match(line))), None)
-    time.sleep(0.05)
   return None
 
 
@@ -377,29 +276,20 @@ def main(argv: list[str] | None = None) -> None:
                       help="each host id an equal CPU quota (bench/cpushare.py; root and the "
                            "cgroup cpu controller) where the ids outnumber the cores; "
                            "--no-quota: every host on every core (never in --smoke)")
-  args = _smoke.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
+  args = harness.parse_args(parser, "churn", dict(hosts=3, rounds=120, inner_steps=5), argv)
   paths = [p for p in args.paths.split(",") if p]
   if args.hosts < 2 or not paths or set(paths) - {"live", "restart", "base"}:
     parser.error("--hosts must be >= 2 and --paths a list of live, restart, base")
   if "base" in paths and not args.baseline:
     parser.error("--paths=...,base needs --baseline=DIR, a checkout of diloco_jax")
   rng = random.Random(args.seed)
-  again = [k for k in KINDS if k not in ONCE]
-  kinds = (list(SMOKE_EVENTS) if args.smoke else
-           rng.sample(KINDS, min(args.events, len(KINDS)))
-           + [rng.choice(again) for _ in range(args.events - len(KINDS))])
+  kinds = list(SMOKE_EVENTS) if args.smoke else jobs.draw(KINDS, args.events, rng, ONCE)
   plan = [(kind, rng.randrange(args.hosts)) for kind in kinds]
-  flags = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
-           f"--config.num_rounds={args.rounds}", f"--config.inner_steps={args.inner_steps}",
-           "--config.inner.warmup_steps=2", "--config.debug_checks=True",
-           "--config.wire_timeout=120", "--heartbeat_timeout=20",
-           *(SMOKE_FLAGS if args.smoke else [])]
+  flags = jobs.flags(args, "--config.wire_timeout=120")
   root = tempfile.mkdtemp(prefix="bench_churn_")
   spare_id = any(kind in ONCE for kind, _ in plan)
   placement = cpushare.Placement(args.hosts + spare_id, args.quota and not args.smoke)
-  log_dir = (os.path.dirname(args.out) if args.smoke
-             else tempfile.mkdtemp(prefix="bench_churn_log_"))
-  log_path = os.path.join(log_dir, "churn.log")
+  log_path = jobs.log_path(args, "churn")
   result = {"smoke": args.smoke, "hosts": args.hosts, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "seed": args.seed, "freeze_s": args.freeze_s,
             "cpu_count": os.cpu_count(), "plan": [list(p) for p in plan], "paths": {},
@@ -437,10 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     if quotas is not None:
       quotas.close()
     shutil.rmtree(root, ignore_errors=True)
-  result.update(_smoke.provenance("churn", argv))
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  result.update(harness.provenance("churn", argv))
+  harness.write(args.out, result, indent=2)
   print(f"wrote {args.out}")
 
 

@@ -1,7 +1,7 @@
 """How fast a corpus is prepared and read, next to what configs/gpt_150m.py consumes.
 
-  python bench/data.py [--input=DIR] [--max_mb=40] [--tokenizers=bytes,train] [--out=...]
-  python bench/data.py --smoke  # seconds: 1 MB of text, bytes tokenizer, a few batches
+  python -m bench.data [--input=DIR] [--max_mb=40] [--tokenizers=bytes,train] [--out=...]
+  python -m bench.data --smoke  # seconds: 1 MB of text, bytes tokenizer, a few batches
 
   prepare  `python -m diloco_jax.prepare` (a subprocess, as a user runs it) on the first
            `--max_mb` MB of the text files under `--input` (default: the Python standard
@@ -34,14 +34,14 @@ import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[0] = REPO  # not bench/: this file would shadow any module named `data`
 
-from bench import _smoke  # noqa: E402
-from configs import gpt_150m  # noqa: E402
-from diloco_jax.data import pipeline as data_lib  # noqa: E402
-from diloco_jax.models import family  # noqa: E402
-from diloco_jax.models import model as model_lib  # noqa: E402
+from bench import harness
+from configs import gpt_150m
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.models import family
+from diloco_jax.models import model as model_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 H100_BF16_FLOPS = 989e12  # dense bf16 peak (SXM)
 MFU = 0.4
@@ -141,7 +141,7 @@ def main():
   parser.add_argument("--seq_len", type=int, default=1024, help="loader: tokens per window")
   parser.add_argument("--batch_size", type=int, default=512, help="loader: windows per batch")
   parser.add_argument("--batches", type=int, default=100, help="loader: batches timed")
-  args = _smoke.parse_args(parser, "data", dict(max_mb=1, tokenizers="bytes", batch_size=16,
+  args = harness.parse_args(parser, "data", dict(max_mb=1, tokenizers="bytes", batch_size=16,
                                                 batches=5, eval_fraction=0.3))
   with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
     text_dir = os.path.join(tmp, "text")
@@ -159,7 +159,7 @@ def main():
   result = {"prepare": rows, "loader": read, "demand": need,
             "ratio": read["tokens_per_sec"] / need["tokens_per_sec"],
             "input": {"path": args.input, "files": files, "max_mb": args.max_mb},
-            "cpu_count": os.cpu_count(), "smoke": args.smoke, **_smoke.provenance("data")}
+            "cpu_count": os.cpu_count(), "smoke": args.smoke, **harness.provenance("data")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

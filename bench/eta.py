@@ -1,7 +1,7 @@
 """How right the ETA on the progress line is: printed against the true time left.
 
-  python bench/eta.py [--config=configs/tiny.py] [--preempt_after=12]
-  python bench/eta.py --smoke  # seconds: 6 rounds of 5 steps, preempted after round 3
+  python -m bench.eta [--config=configs/tiny.py] [--preempt_after=12]
+  python -m bench.eta --smoke  # seconds: 6 rounds of 5 steps, preempted after round 3
 
 Runs the job twice from an empty workdir, as a user would (`python -m diloco_jax.train`):
 once to the end, and once preempted (SIGTERM once round `preempt_after`'s line is out)
@@ -25,10 +25,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMOKE_FLAGS = ["--config.num_rounds=6", "--config.inner_steps=5",
                "--config.inner.warmup_steps=1"]
@@ -83,7 +82,7 @@ def main():
   parser.add_argument("--config", default="configs/tiny.py")
   parser.add_argument("--preempt_after", type=int, default=12,
                       help="the round after whose line the second run is preempted")
-  args = _smoke.parse_args(parser, "eta", dict(preempt_after=3))
+  args = harness.parse_args(parser, "eta", dict(preempt_after=3))
   runs = []
   with tempfile.TemporaryDirectory() as tmp:
     fresh = os.path.join(tmp, "fresh")
@@ -100,7 +99,7 @@ def main():
     runs.append(summary(f"resumed after round {max(before)}", errors(later, done["end"])))
 
   result = {"config": args.config, "smoke": args.smoke, "runs": runs,
-            "cpu_count": os.cpu_count(), **_smoke.provenance("eta")}
+            "cpu_count": os.cpu_count(), **harness.provenance("eta")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

@@ -40,10 +40,12 @@ import tempfile
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+if __package__:  # python -m bench.gpu_check, or imported (tests/test_docs.py)
+  from bench import harness
+else:  # python bench/gpu_check.py: this file's folder is on the path, maybe not the root
+  import harness  # (an install of the package alone: docs/devices.md)
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # What part a needs beyond `pip install -e .`: pytest (the `check` extra). The command that
 # adds it, run in the repository (docs/devices.md gives it with the install).
@@ -88,7 +90,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> str:
 
 
 def records(workdir: str) -> list[dict]:
-  with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
+  with open(os.path.join(harness.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -140,7 +142,7 @@ def part_c(args, tmp: str) -> dict:
               "--config.data.vocab_size=64", "--config.batch_size=4",
               "--config.inner_steps=2", "--config.data.num_sequences=64"]
   _, recs = train(workdir, flags, {"JAX_PLATFORMS": ""})
-  with open(os.path.join(_smoke.host_dir(workdir), "run.json")) as f:
+  with open(os.path.join(harness.host_dir(workdir), "run.json")) as f:
     run_json = json.load(f)
   steady = recs[1:] or recs
   median = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
@@ -265,13 +267,13 @@ def main(argv: list[str] | None = None) -> None:
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--parts", default="abcde", help="which parts to run (letters a-e)")
-  args = _smoke.parse_args(parser, "gpu_check", {}, argv)
+  args = harness.parse_args(parser, "gpu_check", {}, argv)
   if set(args.parts) - set(PARTS):
     parser.error(f"--parts={args.parts}: letters from {''.join(PARTS)}")
   import jax  # pylint: disable=import-outside-toplevel
   device = str(jax.devices()[0].device_kind)
   result = {"smoke": args.smoke, "device": device, "jax": jax.__version__,
-            **_smoke.provenance("gpu_check", argv, accelerator=device), "parts": {}}
+            **harness.provenance("gpu_check", argv, accelerator=device), "parts": {}}
   tmp = tempfile.mkdtemp(prefix="gpu_check_")
   failed = []
   try:

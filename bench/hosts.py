@@ -1,8 +1,8 @@
 """Many hosts: the live-membership coordinator and the epoch wire with N host processes.
 
-  python bench/hosts.py [--hosts=16,32] [--rounds=12] [--mb=4] [--lease_s=10]
+  python -m bench.hosts [--hosts=16,32] [--rounds=12] [--mb=4] [--lease_s=10]
                         [--out=bench/results/hosts.json]
-  python bench/hosts.py --smoke  # 4 and 6 hosts, 6 rounds of 0.5 MB
+  python -m bench.hosts --smoke  # 4 and 6 hosts, 6 rounds of 0.5 MB
 
 No JAX and no model: per N, a coordinator process (`python -m
 diloco_jax.membership.coordinator`, loopback, no join token) and N host processes, each of
@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,10 +43,9 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AFTER = 3  # rounds the hosts run after the joiner's admission
 
@@ -166,12 +164,6 @@ def sockets() -> int:
   return count
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def cpu_seconds(pid: int) -> float:
   with open(f"/proc/{pid}/stat") as f:
     fields = f.read().rsplit(")", 1)[1].split()
@@ -191,7 +183,7 @@ def frames_formula(n: int, size: int, rank: int = 0) -> int:
 def run(n: int, args, work: str, procs: list) -> dict:
   """One run of n hosts (and a joiner): the figures of the JSON's row for n."""
   size = int(args.mb * (1 << 20)) // 4
-  port, t_start = free_port(), time.monotonic()
+  port, t_start = harness.free_port(), time.monotonic()
   coord = subprocess.Popen(
       [sys.executable, "-m", "diloco_jax.membership.coordinator", f"--port={port}",
        f"--max_hosts={n + 1}", f"--lease_s={args.lease_s}"], cwd=REPO,
@@ -206,7 +198,7 @@ def run(n: int, args, work: str, procs: list) -> dict:
   for h, role in enumerate(roles):
     spec = json.dumps({**base, "host": h, "role": role})
     log = open(os.path.join(work, f"host{h}.log"), "w")
-    hosts.append(subprocess.Popen([sys.executable, __file__, "--worker", spec], cwd=REPO,
+    hosts.append(subprocess.Popen([sys.executable, "-m", "bench.hosts", "--worker", spec], cwd=REPO,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                   preexec_fn=die_with_parent))
     procs.append(hosts[-1])
@@ -303,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
                            "heartbeat every quarter of it")
   parser.add_argument("--timeout_s", type=float, default=300.0,
                       help="per N: the run's deadline, the wire's and the registration's")
-  args = _smoke.parse_args(parser, "hosts", {"hosts": "4,6", "rounds": 6, "mb": 0.5}, argv)
+  args = harness.parse_args(parser, "hosts", {"hosts": "4,6", "rounds": 6, "mb": 0.5}, argv)
   counts = [int(h) for h in args.hosts.split(",")]
   if min(counts) < 3 or args.rounds < 6:
     parser.error("needs 3 or more hosts (one leaves) and 6 or more rounds")
@@ -330,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
   result = {"rows": rows, "rounds": args.rounds, "mb": args.mb, "lease_s": args.lease_s,
             "sums_exact": all(r["sums_exact"] for r in rows),
             "jax_imported": any(r["jax_imported"] for r in rows),
-            "cpu_count": os.cpu_count(), "smoke": args.smoke, **_smoke.provenance("hosts", argv)}
-  _smoke.write(args.out, result, indent=2)
+            "cpu_count": os.cpu_count(), "smoke": args.smoke, **harness.provenance("hosts", argv)}
+  harness.write(args.out, result, indent=2)
   print(f"wrote {args.out}")
 
 

@@ -1,7 +1,7 @@
 """diloco_jax's inner step against PyTorch's on one CPU core: time, share of matmul peak, parts.
 
-  python bench/inner_step.py [--steps=50] [--venv=~/.cache/diloco_jax/peer_venv]
-  python bench/inner_step.py --smoke  # seconds: a one-block width-64 model, 2 timed steps
+  python -m bench.inner_step [--steps=50] [--venv=~/.cache/diloco_jax/peer_venv]
+  python -m bench.inner_step --smoke  # seconds: a one-block width-64 model, 2 timed steps
 
 The step: configs/peer.py's 3.3M-param byte-level GPT (vocab 256, width 256, 4 blocks of 4
 heads, MLP 1024 with tanh GELU, 128 tokens, batch 8, learned positions, pre-norm LayerNorm,
@@ -84,16 +84,13 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
 CPU = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {CPU})
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from bench import _smoke  # noqa: E402
+from bench import harness  # noqa: E402
 from bench import peer  # noqa: E402
 from configs import peer as peer_config  # noqa: E402
 from diloco_jax.algo import optim  # noqa: E402
@@ -105,8 +102,10 @@ from diloco_jax.models import gpt  # noqa: E402
 from diloco_jax.models import layers  # noqa: E402
 from diloco_jax.models import model as model_lib  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # Width 64 rather than 32: at 32 the elementwise ops XLA's FLOP count adds to the matmuls'
-# are 22% of them, at 64 7% (tests/test_bench.py holds the two counts within 10%).
+# are 22% of them, at 64 7% (tests/test_bench_speed.py holds the two counts within 10%).
 SMOKE = {"d_model": 64, "num_layers": 1, "num_heads": 2, "mlp_dim": 256, "seq_len": 32,
          "batch_size": 4, "steps": 2, "warmup": 1, "profile_steps": 1, "component_reps": 2,
          "matmul_reps": 2, "sizes": "64,128"}
@@ -477,7 +476,7 @@ def main(argv=None):
                       help="the virtualenv torch runs in (bench/peer.py's: created if missing, "
                            "but not by --smoke, which then skips torch)")
   parser.add_argument("--skip_torch", action="store_true", help="diloco_jax only")
-  args = _smoke.parse_args(parser, "inner_step", SMOKE, argv)
+  args = harness.parse_args(parser, "inner_step", SMOKE, argv)
   python = torch_python(args)
   for key in peer.SHAPE:
     config.model[key] = getattr(args, key)
@@ -611,8 +610,8 @@ def main(argv=None):
       "torch": torch_result and {k: torch_result[k] for k in ("torch", "threads", "affinity")},
       "jax": jax.__version__, "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
       "python": sys.version.split()[0], "smoke": args.smoke,
-      **_smoke.provenance("inner_step", argv)}
-  _smoke.write(args.out, result, indent=1)
+      **harness.provenance("inner_step", argv)}
+  harness.write(args.out, result, indent=1)
   print(f"\nparams {num_params:,}; on core {CPU}, one thread each\n")
   print(table(result))
   print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
 """Hosts that leave a live job: the final loss beside an uninterrupted run of the same hosts.
 
-  python bench/leave.py [--modes=sync,delayed,eager,streaming] [--hosts=3] [--rounds=20]
+  python -m bench.leave [--modes=sync,delayed,eager,streaming] [--hosts=3] [--rounds=20]
                         [--kills=6:2,12:0] [--out=bench/results/leave.json]
-  python bench/leave.py --smoke  # 2 hosts, sync, 4 rounds, host 1 killed after round 2
+  python -m bench.leave --smoke  # 2 hosts, sync, 4 rounds, host 1 killed after round 2
 
 For each mode, two runs of `configs/tiny.py` (one replica per host) under live membership
 (`launch/local.py`, a membership coordinator beside the hosts): one uninterrupted, one
@@ -26,38 +26,11 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 EXTRA = {"streaming": ["--config.outer.fragments=2", "--config.inner_steps=6"]}
-
-
-def children(pid: int) -> list[int]:
-  kids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/stat") as f:
-          if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-            kids.append(int(entry))
-      except (OSError, IndexError, ValueError):
-        continue
-  return kids
-
-
-def host_pids(launcher: int) -> dict[int, int]:
-  pids = {}
-  for pid in children(launcher):
-    try:
-      cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
-    except OSError:
-      continue
-    m = re.search(r"diloco_jax\.train .*--host_id=(\d+)", cmd)
-    if m:
-      pids[int(m.group(1))] = pid
-  return pids
 
 
 def run(mode: str, hosts: int, rounds: int, kills: dict[int, int], workdir: str) -> dict:
@@ -76,7 +49,7 @@ def run(mode: str, hosts: int, rounds: int, kills: dict[int, int], workdir: str)
   for line in launcher.stdout:
     tail = (tail + [line])[-40:]
     if len(pids) < hosts:
-      pids.update(host_pids(launcher.pid))
+      pids.update(harness.host_pids(launcher.pid))
     m = re.search(r"\] round +(\d+)/", line)
     if not m:
       continue
@@ -108,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--kills", default="6:2,12:0",
                       help="round:host pairs: host is SIGKILLed once round's line is out")
-  args = _smoke.parse_args(parser, "leave", {"modes": "sync", "hosts": 2, "rounds": 4,
+  args = harness.parse_args(parser, "leave", {"modes": "sync", "hosts": 2, "rounds": 4,
                                              "kills": "2:1"}, argv)
   try:
     kills = {int(r): int(h) for r, h in (p.split(":") for p in args.kills.split(","))}
@@ -133,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"{s:.1f} s" for s in left["seconds_to_next_round"])
           + " after each kill", flush=True)
   result = {"hosts": args.hosts, "rounds": args.rounds, "rows": rows, "smoke": args.smoke,
-            **_smoke.provenance("leave", argv)}
-  _smoke.write(args.out, result, indent=2)
+            **harness.provenance("leave", argv)}
+  harness.write(args.out, result, indent=2)
   print(f"wrote {args.out}")
 
 

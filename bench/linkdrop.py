@@ -1,7 +1,7 @@
 """A network link drop between hosts: does the run survive it, or stop fast and resume exactly?
 
-  sudo python bench/linkdrop.py [--drop_s=20] [--heartbeat_timeout=100] [--rounds=30]
-  python bench/linkdrop.py --smoke  # seconds, no root: 2 hosts on 127.0.0.1, no drop
+  sudo python -m bench.linkdrop [--drop_s=20] [--heartbeat_timeout=100] [--rounds=30]
+  python -m bench.linkdrop --smoke  # seconds, no root: 2 hosts on 127.0.0.1, no drop
 
 Builds a bridge and one network namespace per host (bench/netns.py: veth pairs, private
 10.x addresses, like bench/wan.py but unshaped), starts the trainer on 2 hosts
@@ -40,13 +40,11 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from bench.netns import Localhost
+from bench.netns import Network
 
-from bench import _smoke  # noqa: E402
-from bench.netns import Localhost  # noqa: E402
-from bench.netns import Network  # noqa: E402
-from bench.netns import free_port  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NUM_HOSTS = 2
 ROUND_LINE = re.compile(r"^round (\d+)/(\d+) ")
@@ -128,7 +126,7 @@ class Job:
 
 def read_metrics(workdir: str) -> dict[int, dict]:
   """The last record of every round (a resumed run logs the rounds it repeats again)."""
-  path = os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")
+  path = os.path.join(harness.host_dir(workdir), "metrics.jsonl")
   out = {}
   if os.path.exists(path):
     with open(path) as f:
@@ -167,7 +165,7 @@ def run_trial(net, name: str, args: list[str], env: dict, workdir: str, *, drop:
   trial = {"name": name, "attempts": []}
   logs = os.path.join(workdir, "logs")
   for attempt in range(restarts + 1):
-    job = Job(net, [*args, f"--workdir={workdir}"], env, free_port(),
+    job = Job(net, [*args, f"--workdir={workdir}"], env, harness.free_port(),
               os.path.join(logs, f"{name}.a{attempt}"))
     drop_t = up_t = None
     try:
@@ -262,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--subnet", type=int, default=78, help="10.78.<subnet>.0/24")
   parser.add_argument("--workdir", default="", help="keep workdirs and host logs here")
   parser.add_argument("--tail", type=int, default=6, help="output lines kept per host")
-  args = _smoke.parse_args(parser, "linkdrop",
+  args = harness.parse_args(parser, "linkdrop",
                            dict(rounds=3, drop_s=0.0, drop_after_round=1, restarts=0),
                            argv)
   if not args.smoke and os.geteuid() != 0:
@@ -309,8 +307,8 @@ def main(argv: list[str] | None = None) -> None:
             "rounds": args.rounds, "side": args.side, "smoke": args.smoke,
             "env": parse_env(args.env), "train_args": train_args, "trial": trial,
             "reference_completed": None if ref is None else ref["completed"],
-            **_smoke.provenance("linkdrop", [*argv, *(["--", *extra] if extra else [])])}
-  _smoke.write(args.out, result, indent=2)
+            **harness.provenance("linkdrop", [*argv, *(["--", *extra] if extra else [])])}
+  harness.write(args.out, result, indent=2)
   print(f"\n{args.name}: drop {args.drop_s:g}s ({args.side}), heartbeat timeout "
         f"{args.heartbeat_timeout}s, env {parse_env(args.env) or '-'}")
   print("| attempt | host | exit code | exit s after drop | 'link lost' | last line |\n"

@@ -1,8 +1,8 @@
 """Bytes per device of the inner step under device layouts, for the 150M and 1B configs.
 
-  python bench/memory.py [--configs=configs/llama_150m.py,configs/llama_1b.py]
+  python -m bench.memory [--configs=configs/llama_150m.py,configs/llama_1b.py]
                          [--devices=8] [--layouts=1x8,2x4,8x1]
-  python bench/memory.py --smoke  # seconds: configs/tiny.py on 2 devices
+  python -m bench.memory --smoke  # seconds: configs/tiny.py on 2 devices
 
 A layout GxF is `mesh.replicas = G` device groups with `mesh.fsdp = F`, on a host of
 `--devices` devices emulated on the CPU (--xla_force_host_platform_device_count), with one
@@ -23,12 +23,9 @@ import argparse
 import functools
 import os
 import runpy
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench import _smoke  # noqa: E402
+from bench import harness
 
 SMOKE = {"configs": "configs/tiny.py", "devices": 2, "layouts": "1x2,2x1"}
 
@@ -79,7 +76,7 @@ def main(argv=None):
   parser.add_argument("--devices", type=int, default=8, help="emulated devices on the host")
   parser.add_argument("--layouts", default="1x8,2x4,8x1",
                       help="comma-separated REPLICASxFSDP (mesh.replicas x mesh.fsdp)")
-  args = _smoke.parse_args(parser, "memory", SMOKE, argv)
+  args = harness.parse_args(parser, "memory", SMOKE, argv)
   layouts = [tuple(int(n) for n in text.split("x")) for text in args.layouts.split(",")]
   for g, f in layouts:
     if args.devices % (g * f):
@@ -102,8 +99,8 @@ def main(argv=None):
             f"per device (estimate {format_bytes(row['estimate_bytes'])}; compiled in "
             f"{row['compile_seconds']:.0f} s)", flush=True)
   result = {"devices": args.devices, "rows": rows, "device": str(jax.devices()[0]),
-            "jax": jax.__version__, "smoke": args.smoke, **_smoke.provenance("memory", argv)}
-  _smoke.write(args.out, result, indent=1)
+            "jax": jax.__version__, "smoke": args.smoke, **harness.provenance("memory", argv)}
+  harness.write(args.out, result, indent=1)
   print("\n| config | params | layout (replicas x fsdp) | sequences per device | "
         "XLA: bytes per device | estimate |\n|---|---|---|---|---|---|")
   for row in rows:

@@ -1,7 +1,7 @@
 """Training speed of the model families at equal parameter count, side by side.
 
-  python bench/models.py [--d_model=256] [--num_layers=4] [--gpt_mlp_dim=1024] [--rounds=8]
-  python bench/models.py --smoke  # seconds: a 2-block width-32 model, 2 rounds
+  python -m bench.models [--d_model=256] [--num_layers=4] [--gpt_mlp_dim=1024] [--rounds=8]
+  python -m bench.models --smoke  # seconds: a 2-block width-32 model, 2 rounds
 
 The `gpt` model has the given shape; the `llama` model the same width, depth and heads,
 with its SwiGLU width chosen so that its parameter count is the closest to the gpt's
@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-from bench import _smoke  # noqa: E402
-from diloco_jax.models import family as family_lib  # noqa: E402
-from diloco_jax.models import model as model_lib  # noqa: E402
+from bench import harness
+from diloco_jax.models import family as family_lib
+from diloco_jax.models import model as model_lib
 
 SMOKE = {"d_model": 32, "num_layers": 2, "num_heads": 2, "gpt_mlp_dim": 64, "seq_len": 16,
          "batch_size": 2, "vocab_size": 64, "steps": 2, "rounds": 2}
@@ -85,7 +83,7 @@ def main(argv=None):
   parser.add_argument("--dtype", default="float32")
   parser.add_argument("--steps", type=int, default=5, help="steps per round and family")
   parser.add_argument("--rounds", type=int, default=8, help="rounds, the first not timed")
-  args = _smoke.parse_args(parser, "models", SMOKE, argv)
+  args = harness.parse_args(parser, "models", SMOKE, argv)
 
   cfgs = configs(args)
   batches = jax.random.randint(jax.random.key(1), (args.steps, args.batch_size,
@@ -117,8 +115,8 @@ def main(argv=None):
             "rounds_timed": args.rounds - 1, "rows": rows, "samples": samples,
             "ratio_llama_vs_gpt": by["llama"]["tokens_per_sec"] / by["gpt"]["tokens_per_sec"],
             "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-            "smoke": args.smoke, **_smoke.provenance("models", argv)}
-  _smoke.write(args.out, result, indent=1)
+            "smoke": args.smoke, **harness.provenance("models", argv)}
+  harness.write(args.out, result, indent=1)
   print("\n| family | params | MLP width | MFLOPs/token | tokens/s | GFLOP/s |\n"
         "|---|---|---|---|---|---|")
   for row in rows:

@@ -23,17 +23,13 @@ import signal
 import socket
 import subprocess
 
+from bench import harness
+
 SIDES = ("inside", "outside")
 
 
 def sh(*cmd: str, check: bool = True) -> str:
   return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Network:
@@ -145,7 +141,7 @@ class Localhost:
     return argv
 
   def port(self) -> int:
-    return free_port()
+    return harness.free_port()
 
   def tx_bytes(self, host: int) -> None:
     return None

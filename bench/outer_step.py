@@ -1,7 +1,7 @@
 """What one sync outer step costs across hosts on localhost, part by part.
 
-  python bench/outer_step.py [--hosts=2,4] [--models=tiny,25m] [--rounds=6] [--out=...]
-  python bench/outer_step.py --smoke  # seconds: tiny (one block) on 2 hosts, 2 rounds
+  python -m bench.outer_step [--hosts=2,4] [--models=tiny,25m] [--rounds=6] [--out=...]
+  python -m bench.outer_step --smoke  # seconds: tiny (one block) on 2 hosts, 2 rounds
 
 For each model and number of hosts, runs the real trainer with `launch/local.py` (one
 replica per host, one CPU device each, H=2 so the run is mostly outer steps) and reads
@@ -27,10 +27,9 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {
     # configs/tiny.py's model.
@@ -62,7 +61,7 @@ def run(model: str, hosts: int, rounds: int, extra: tuple[str, ...] = ()) -> dic
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
       raise RuntimeError(f"{model} on {hosts} hosts failed:\n{proc.stdout[-3000:]}")
-    with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
+    with open(os.path.join(harness.host_dir(workdir), "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f][1:]  # round 1 compiles
   params = next(line for line in proc.stdout.splitlines() if "M params" in line)
   row = {"model": model, "hosts": hosts,
@@ -84,7 +83,7 @@ def main():
   parser.add_argument("--hosts", default="2,4", help="numbers of hosts, comma-separated")
   parser.add_argument("--models", default="tiny,25m", help=f"from {', '.join(MODELS)}")
   parser.add_argument("--rounds", type=int, default=6, help="rounds, the first untimed")
-  args = _smoke.parse_args(parser, "outer_step", dict(hosts="2", models="tiny", rounds=2))
+  args = harness.parse_args(parser, "outer_step", dict(hosts="2", models="tiny", rounds=2))
   rows = []
   for model in args.models.split(","):
     for hosts in map(int, args.hosts.split(",")):
@@ -93,7 +92,7 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"rows": rows, "rounds_timed": args.rounds - 1, "smoke": args.smoke,
-               **_smoke.provenance("outer_step")}, f, indent=2)
+               **harness.provenance("outer_step")}, f, indent=2)
   print("\n| model | params | hosts | d2h ms | mean ms | update ms | h2d ms | outer ms "
         f"| hash ms | check ms | check, % of a round (H={H}, every {CHECK_EVERY}) "
         "| MB sent/host/round |\n|---|---|---|---|---|---|---|---|---|---|---|---|")

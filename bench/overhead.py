@@ -1,8 +1,8 @@
 """What DiLoCo costs on top of plain training, measured side by side in one process.
 
-  python bench/overhead.py [--rounds=12] [--inner_steps=50] [--batch_size=16] [--out=...]
-  python bench/overhead.py --config=peer --one_core --rounds=6 --out=bench/results/overhead_peer.json
-  python bench/overhead.py --smoke  # seconds: 2 rounds of 2 steps of 4 sequences, one block
+  python -m bench.overhead [--rounds=12] [--inner_steps=50] [--batch_size=16] [--out=...]
+  python -m bench.overhead --config=peer --one_core --rounds=6 --out=bench/results/overhead_peer.json
+  python -m bench.overhead --smoke  # seconds: 2 rounds of 2 steps of 4 sequences, one block
 
 Loops over the same model (configs/tiny.py's, or with --config=peer configs/peer.py's
 3.3M-param GPT on the standard library's bytes, one replica of 8 x 128 tokens), the same
@@ -36,27 +36,26 @@ import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--one_core" in sys.argv:  # before jax is imported: XLA reads its flags once
   os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
                                                    "--xla_cpu_multi_thread_eigen=false")))
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
-import jax  # noqa: E402
-import optax  # noqa: E402
+import jax
+import optax
 
-from bench import _smoke  # noqa: E402
-from bench import peer  # noqa: E402
-from configs import peer as peer_config  # noqa: E402
-from configs import tiny  # noqa: E402
-from diloco_jax.algo import optim  # noqa: E402
-from diloco_jax.algo import state as state_lib  # noqa: E402
-from diloco_jax.data import pipeline as data_lib  # noqa: E402
-from diloco_jax.device import inner  # noqa: E402
-from diloco_jax.loop import trainer  # noqa: E402
-from diloco_jax.models import family  # noqa: E402
-from diloco_jax.models import model as model_lib  # noqa: E402
-from diloco_jax.wire import dispatch  # noqa: E402
+from bench import harness
+from bench import peer
+from configs import peer as peer_config
+from configs import tiny
+from diloco_jax.algo import optim
+from diloco_jax.algo import state as state_lib
+from diloco_jax.data import pipeline as data_lib
+from diloco_jax.device import inner
+from diloco_jax.loop import trainer
+from diloco_jax.models import family
+from diloco_jax.models import model as model_lib
+from diloco_jax.wire import dispatch
 
 
 def bench_config(args):
@@ -163,7 +162,7 @@ def main():
                       help="configs/tiny.py's model and K=4, or configs/peer.py's and K=1")
   parser.add_argument("--one_core", action="store_true",
                       help="one CPU core, XLA on one thread")
-  args = _smoke.parse_args(parser, "overhead",
+  args = harness.parse_args(parser, "overhead",
                            dict(rounds=2, inner_steps=2, batch_size=4, num_layers=1))
   config = bench_config(args)
   tokens_per_round = (config.inner_steps * config.replicas_per_host * config.batch_size
@@ -199,7 +198,7 @@ def main():
       "ratio_local_vs_plain": median["local"] / median["plain"],
       "ratio_diloco_vs_local": median["diloco"] / median["local"],
       "device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
-      **_smoke.provenance("overhead"),
+      **harness.provenance("overhead"),
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

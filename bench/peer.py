@@ -1,7 +1,7 @@
 """diloco_jax against torchft's DiLoCo: the same model, data and recipe, side by side.
 
-  python bench/peer.py [--pairs=3] [--rounds=4] [--venv=~/.cache/diloco_jax/peer_venv]
-  python bench/peer.py --smoke  # seconds: a one-block width-32 model, 1 pair of 2 rounds
+  python -m bench.peer [--pairs=3] [--rounds=4] [--venv=~/.cache/diloco_jax/peer_venv]
+  python -m bench.peer --smoke  # seconds: a one-block width-32 model, 1 pair of 2 rounds
 
 The setup: 2 replicas, one process each, each process pinned to its own CPU core and
 computing on one thread; H = 50; configs/peer.py's 3.3M-param byte-level GPT (vocab 256,
@@ -66,11 +66,10 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from configs import peer as peer_config
 
-from bench import _smoke  # noqa: E402
-from configs import peer as peer_config  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "diloco_jax", "peer_venv")
 # torch's CPU wheel where the index has one; torchft 0.2.0 ships `torchft_lighthouse`.
@@ -87,12 +86,6 @@ def stdlib_dir() -> str:
   for f in sorted(glob.glob(os.path.join(sysconfig.get_path("stdlib"), "*.py"))):
     os.symlink(f, os.path.join(path, os.path.basename(f)))
   return path
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 # Every process this script starts runs through `python -c _EXEC CPU COMMAND...`: pinned
@@ -163,27 +156,6 @@ class Watcher(threading.Thread):
       pass  # exited (or a thread did) between the listing and the call
 
 
-def host_pids(launcher_pid: int, num_hosts: int) -> dict[int, int]:
-  """{host id: pid} of the launcher's children found so far (`--host_id=i` in argv)."""
-  found = {}
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-      if ppid != launcher_pid:
-        continue
-      with open(f"/proc/{entry}/cmdline", "rb") as f:
-        argv = f.read().decode(errors="replace").split("\0")
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-      continue
-    for i in range(num_hosts):
-      if f"--host_id={i}" in argv:
-        found[i] = int(entry)
-  return found
-
-
 def steady(values: list[float]) -> list[float]:
   """The rounds after the first (the whole list when there is only one)."""
   return values[1:] or values
@@ -211,7 +183,7 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
       proc = subprocess.Popen(shim(cmd), cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
       while len(pids) < 2 and proc.poll() is None and time.time() - t0 < 60:
-        for host, pid in host_pids(proc.pid, 2).items():
+        for host, pid in harness.host_pids(proc.pid).items():
           if host not in pids:
             pids[host] = pid
             watcher.watch(pid, cpus[host])
@@ -225,12 +197,12 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
       with open(log_path) as f:
         raise RuntimeError(f"diloco_jax run failed ({code}; hosts found {pids}):\n"
                            + f.read()[-4000:])
-    with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
+    with open(os.path.join(harness.host_dir(workdir), "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
-    with open(os.path.join(_smoke.host_dir(workdir), "run.json")) as f:
+    with open(os.path.join(harness.host_dir(workdir), "run.json")) as f:
       run = json.load(f)
     params, start_seconds = run["num_params"], run["start"].get("seconds", {})
-    startup = os.path.getmtime(os.path.join(_smoke.host_dir(workdir), "run.json")) - t0
+    startup = os.path.getmtime(os.path.join(harness.host_dir(workdir), "run.json")) - t0
   finally:
     if proc is not None and proc.poll() is None:  # interrupted: its hosts die with it
       os.killpg(proc.pid, signal.SIGKILL)
@@ -340,7 +312,7 @@ def run_torch(args, python: str, data: str, cpus: list[int], watcher: Watcher) -
   env = torch_env()
   procs, logs = [], []
   try:
-    port = free_port()
+    port = harness.free_port()
     lighthouse_log = open(os.path.join(tmp, "lighthouse.log"), "w")
     logs.append(lighthouse_log)
     t = time.time()
@@ -524,7 +496,7 @@ def main(argv=None):
   parser.add_argument("--skip_torchft", action="store_true", help="diloco_jax runs only")
   parser.add_argument("--startup_reps", type=int, default=3,
                       help="start-ups timed apart (fresh, cached, torchft), one round each")
-  args = _smoke.parse_args(parser, "peer", SMOKE, argv)
+  args = harness.parse_args(parser, "peer", SMOKE, argv)
   args.config = config
   cpus = sorted(os.sched_getaffinity(0))
   cpus = [cpus[0], cpus[1 % len(cpus)]]  # one core per replica where there are two
@@ -584,8 +556,8 @@ def main(argv=None):
       "startup": startup,
       "runs": runs, "torchft_skipped": python is None,
       "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "smoke": args.smoke,
-      **_smoke.provenance("peer", argv)}
-  _smoke.write(args.out, result, indent=1)
+      **harness.provenance("peer", argv)}
+  harness.write(args.out, result, indent=1)
   print("\nparams: " + ", ".join(f"{k} {v:,}" for k, v in params.items()))
   print(f"medians over {args.pairs} run(s) each, rounds 2..{args.rounds}:\n")
   print(table(summary, ratio))

@@ -1,7 +1,7 @@
 """diloco_jax against torchft's DiLoCo over the same slow link, each system at its best.
 
-  sudo python bench/peer_wan.py [--rates=8,32] [--rounds=5] [--settings=...] [--venv=...]
-  python bench/peer_wan.py --smoke  # seconds, no root: 127.0.0.1, a tiny model, no torchft
+  sudo python -m bench.peer_wan [--rates=8,32] [--rounds=5] [--settings=...] [--venv=...]
+  python -m bench.peer_wan --smoke  # seconds, no root: 127.0.0.1, a tiny model, no torchft
                                     # unless its venv exists
 
 bench/peer.py's race (configs/peer.py's 3.3M-param byte-level GPT, the same recipe and
@@ -55,14 +55,13 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from bench import peer
+from bench import wan
+from bench.netns import Localhost
+from bench.netns import Network
 
-from bench import _smoke  # noqa: E402
-from bench import peer  # noqa: E402
-from bench import wan  # noqa: E402
-from bench.netns import Localhost  # noqa: E402
-from bench.netns import Network  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (system, trainer flags or torchft's replica flags)
 SETTINGS = {
@@ -282,7 +281,7 @@ def main(argv=None):
   parser.add_argument("--venv", default=peer.DEFAULT_VENV,
                       help="torchft's virtualenv (created if missing, but not by --smoke, "
                            "which then skips torchft)")
-  args = _smoke.parse_args(parser, "peer_wan", SMOKE, argv)
+  args = harness.parse_args(parser, "peer_wan", SMOKE, argv)
   args.config = config
   settings = args.settings.split(",")
   unknown = set(settings) - set(SETTINGS)
@@ -342,8 +341,8 @@ def main(argv=None):
                     **{k: getattr(args, k) for k in peer.SHAPE}, "replicas": 2, "cpus": cpus,
                     "tokens_per_round_per_replica": tokens_per_round},
          "settings": {s: SETTINGS[s] for s in settings}, "torchft_triton": triton,
-         "rates": results, "smoke": args.smoke, **_smoke.provenance("peer_wan", argv)}
-  _smoke.write(args.out, out, indent=1)
+         "rates": results, "smoke": args.smoke, **harness.provenance("peer_wan", argv)}
+  harness.write(args.out, out, indent=1)
   print(f"wrote {args.out}")
 
 

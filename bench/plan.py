@@ -1,8 +1,8 @@
 """Calibrates and validates diloco_jax.plan on runs measured in network namespaces.
 
-  sudo python bench/plan.py --measure   # the runs (bench/wan.py, ~45 min), then the fit
-  python bench/plan.py                  # the fit and validation from the measured files
-  python bench/plan.py --smoke          # the fit on the committed files, into a temp dir
+  sudo python -m bench.plan --measure   # the runs (bench/wan.py, ~45 min), then the fit
+  python -m bench.plan                  # the fit and validation from the measured files
+  python -m bench.plan --smoke          # the fit on the committed files, into a temp dir
 
 The measured runs are bench/wan.py's (configs/tiny.py's model and data, one replica per
 host, `tc tbf`-shaped veths, each host pinned to a core, or with 3 hosts an equal CPU
@@ -32,11 +32,10 @@ import sys
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from bench import wan
 
-from bench import _smoke  # noqa: E402
-from bench import wan  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ROUNDS = 16
 # (hosts, Mbit/s, runs); the first CALIBRATE settings fit the constants, the rest validate.
@@ -68,7 +67,7 @@ def measure(directory: str) -> None:
   for hosts, rate, modes in GRID:
     # relative to the repository where it is inside: the command is recorded with the file
     out = os.path.relpath(os.path.join(directory, measured_name(hosts, rate) + ".json"), REPO)
-    subprocess.run([sys.executable, "bench/wan.py", f"--rounds={ROUNDS}", f"--hosts={hosts}",
+    subprocess.run([sys.executable, "-m", "bench.wan", f"--rounds={ROUNDS}", f"--hosts={hosts}",
                     f"--rate_mbit={rate}", f"--modes={modes}", f"--out={out}",
                     *MEASURE_FLAGS], cwd=REPO, check=True)
 
@@ -262,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--measure", action="store_true", help="run GRID first (root)")
-  parser.add_argument("--results", default=_smoke.RESULTS,
+  parser.add_argument("--results", default=harness.RESULTS,
                       help="where the measured files are (and --measure writes them)")
-  args = _smoke.parse_args(parser, "plan_fit", {}, argv)
+  args = harness.parse_args(parser, "plan_fit", {}, argv)
   if args.measure:
     if args.smoke or os.geteuid() != 0:
       sys.exit("--measure needs root (network namespaces, tc) and no --smoke")
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
   files = [os.path.join(args.results, measured_name(h, r) + ".json") for h, r, _ in GRID]
   missing = [f for f in files if not os.path.exists(f)]
   if missing:
-    sys.exit(f"missing {missing[0]}: run sudo python bench/plan.py --measure")
+    sys.exit(f"missing {missing[0]}: run sudo python -m bench.plan --measure")
   groups = [runs_of(f, n) for f in files]
   calibration = [r for g in groups[:CALIBRATE] for r in g]
   constants = rounded(fit(calibration, outer))
@@ -308,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             "calibration_files": [os.path.basename(f) for f in files[:CALIBRATE]],
             "tolerance": TOLERANCE, "held_out": len(held), "held_out_within": len(within),
             "measured_files": [os.path.basename(f) for f in files], "smoke": args.smoke,
-            **_smoke.provenance("plan")}
+            **harness.provenance("plan")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

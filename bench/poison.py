@@ -1,7 +1,7 @@
 """One poisoned replica against each aggregation: final eval loss, mean vs robust.
 
-  python bench/poison.py [--rounds=16] [--inner_steps=25] [--out=bench/results/poison.json]
-  python bench/poison.py --smoke  # seconds: 4 runs (every attack, every aggregation), 2 x 2 steps
+  python -m bench.poison [--rounds=16] [--inner_steps=25] [--out=bench/results/poison.json]
+  python -m bench.poison --smoke  # seconds: 4 runs (every attack, every aggregation), 2 x 2 steps
 
 configs/tiny.py's model and data with K = 5 replicas on one host. Through the trainer's
 `pseudo_gradient_hook`, replica 4's pseudo-gradient is replaced at every outer step by
@@ -24,17 +24,15 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import tempfile
 
+import jax
+import jax.numpy as jnp
+
+from bench import harness
+from diloco_jax.loop import trainer
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from bench import _smoke  # noqa: E402
-from diloco_jax.loop import trainer  # noqa: E402
 
 ATTACKS = ("none", "scaled", "noise", "nan")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -95,7 +93,7 @@ def main():
   parser.add_argument("--inner_steps", type=int, default=25, help="H")
   parser.add_argument("--runs", default=None,
                       help="attack:aggregation pairs, comma-separated (default: all 12)")
-  args = _smoke.parse_args(parser, "poison",
+  args = harness.parse_args(parser, "poison",
                            dict(rounds=2, inner_steps=2, runs=SMOKE_RUNS))
   runs = ([tuple(run.split(":")) for run in args.runs.split(",")] if args.runs
           else [(a, g) for a in ATTACKS for g in AGGREGATIONS])
@@ -117,7 +115,7 @@ def main():
   with open(args.out, "w") as f:
     json.dump({"rounds": args.rounds, "inner_steps": args.inner_steps, "replicas": 5,
                "poisoned_replica": BAD, "rows": rows, "smoke": args.smoke,
-               **_smoke.provenance("poison")}, f, indent=2)
+               **harness.provenance("poison")}, f, indent=2)
   print(f"\nK = 5, replica {BAD} poisoned, {args.rounds} rounds x H = {args.inner_steps} "
         f"(configs/tiny.py{', smoke sizes' if args.smoke else ''})\n"
         f"| attack | {' | '.join(AGGREGATIONS)} |\n|---|---|---|---|")

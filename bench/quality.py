@@ -1,8 +1,8 @@
 """Loss against bytes sent: every way of training the same model on the same real text.
 
-  python bench/quality.py [--methods=ddp,sync,...] [--rounds=20] [--inner_steps=24] [--out=...]
-  python bench/quality.py --smoke  # a minute: a small corpus, 2 rounds of 2 steps, 2 methods
-  python bench/quality.py --methods=eager --variant=eager_m0.7=eager:--config.outer.momentum=0.7
+  python -m bench.quality [--methods=ddp,sync,...] [--rounds=20] [--inner_steps=24] [--out=...]
+  python -m bench.quality --smoke  # a minute: a small corpus, 2 rounds of 2 steps, 2 methods
+  python -m bench.quality --methods=eager --variant=eager_m0.7=eager:--config.outer.momentum=0.7
 
 Each method trains configs/small_text.py's model (a 2-block GPT, BPE of 4,096 tokens) on
 2 host processes x 2 replicas (K = 4) through launch/local.py, from the same seed, data
@@ -24,9 +24,9 @@ bytes x 8 / rate seconds; sync, int8, SparseLoCo, MuLoCo, streaming (tau = 0) an
 (every step) wait for them, eager hides them behind the next inner phase up to its length:
 utilization = inner / (inner + comm), eager inner / max(inner, comm). Writes
 bench/results/quality.json (again after every method; `complete`: all of them ran) and
-quality.png (eval loss against total bytes, log x). On one machine the link is loopback:
-this measures what each method learns per byte, not how long the bytes take
-(bench/wan.py shapes a link for that).
+quality.png beside it (eval loss against total bytes, log x; git ignores the plot). On one
+machine the link is loopback: this measures what each method learns per byte, not how long
+the bytes take (bench/wan.py shapes a link for that).
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ import sysconfig
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (config file, overrides). configs/eager.py, sparseloco.py and muloco.py are
 # small_text.py's model and corpus with their own mode, wire, optimizers and outer step.
@@ -120,9 +119,9 @@ def run(name: str, corpus: str, args: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t
     if proc.returncode != 0:
       raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
-    with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
+    with open(os.path.join(harness.host_dir(workdir), "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
-    with open(os.path.join(_smoke.host_dir(workdir), "run.json")) as f:
+    with open(os.path.join(harness.host_dir(workdir), "run.json")) as f:
       params = json.load(f)["num_params"]
   last = records[-1]
   steady = records[1:] or records  # round 1 compiles
@@ -193,7 +192,7 @@ def main():
   parser.add_argument("--stdlib", default="modules", choices=sorted(CORPORA),
                       help="the default corpus: the standard library's top-level modules "
                       "(4.7 MB of text) or its whole tree but site-packages (31 MB)")
-  args = _smoke.parse_args(parser, "quality", dict(methods="sparseloco,muloco", rounds=2,
+  args = harness.parse_args(parser, "quality", dict(methods="sparseloco,muloco", rounds=2,
                                                    inner_steps=2))
   args.variants = {}  # name -> (method, its extra flags)
   names = args.methods.split(",") if args.methods else []
@@ -223,7 +222,7 @@ def main():
     result = {"rows": rows, "hosts": args.hosts, "replicas_per_host": args.replicas_per_host,
               "rounds": args.rounds, "inner_steps": args.inner_steps, "corpus": corpus,
               "smoke": args.smoke, "complete": len(rows) == len(names),
-              "outer_steps": outer_steps(rows), **_smoke.provenance("quality")}
+              "outer_steps": outer_steps(rows), **harness.provenance("quality")}
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
     print(f"done: {name} (written to {args.out})", flush=True)

@@ -1,19 +1,19 @@
 """The performance page, docs/performance.md, rendered from bench/results/*.json.
 
-  python bench/report.py          # the page's Markdown, on stdout
-  python bench/report.py --write  # writes it to docs/performance.md
-  python bench/report.py --check  # exit 1 if docs/performance.md is not what it would write
+  python -m bench.report          # the page's Markdown, on stdout
+  python -m bench.report --write  # writes it to docs/performance.md
+  python -m bench.report --check  # exit 1 if docs/performance.md is not what it would write
 
 The page's words are the template bench/performance.md.j2 (Jinja); every figure in it,
 and every ratio or share beside one (DiLoCo / plain, % above sync, a target met or
 missed), comes from bench/figures/, whose functions read the results files. So the page
 cannot drift from the results. Each results file must say where it came from (`command`,
-`date`, `machine`: bench/_smoke.py's `provenance` writes them); a file without them, or
+`date`, `machine`: bench/harness.py's `provenance` writes them); a file without them, or
 one that no section renders, stops the report with an error naming the file. A run the
 page must no longer show carries `"withdrawn": "reason"` in its file. After a bench
 writes new results, run --write: tests/test_performance_page.py fails while the page is
-stale. The page has tables only; the benches' plots stay beside their JSON in
-bench/results/.
+stale. The page has tables only: the plots some benches write beside their JSON are for
+whoever ran them, and git ignores them.
 """
 
 from __future__ import annotations
@@ -24,23 +24,20 @@ import sys
 
 import jinja2
 
+from bench.figures import link
+from bench.figures import live
+from bench.figures import markdown
+from bench.figures import planner
+from bench.figures import quality
+from bench.figures import runs
+from bench.figures import training
+from bench.figures.results import PROVENANCE  # noqa: F401  (the tests read it here)
+from bench.figures.results import RESULTS
+from bench.figures.results import Results
+from bench.figures.results import ResultsError
+from bench.figures.results import shown
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run as a script, this file's folder is on the path, not the root
-  sys.path.insert(0, REPO)
-
-from bench.figures import link  # noqa: E402
-from bench.figures import live  # noqa: E402
-from bench.figures import markdown  # noqa: E402
-from bench.figures import planner  # noqa: E402
-from bench.figures import quality  # noqa: E402
-from bench.figures import runs  # noqa: E402
-from bench.figures import training  # noqa: E402
-from bench.figures.results import PROVENANCE  # noqa: E402,F401  (the tests read it here)
-from bench.figures.results import RESULTS  # noqa: E402
-from bench.figures.results import Results  # noqa: E402
-from bench.figures.results import ResultsError  # noqa: E402
-from bench.figures.results import shown  # noqa: E402
-
 PAGE = os.path.join(REPO, "docs", "performance.md")
 TEMPLATE = "performance.md.j2"  # in bench/
 
@@ -107,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   if args.check:
     if current(PAGE) != page:
-      print(f"{shown(PAGE)} is stale: run python bench/report.py --write", file=sys.stderr)
+      print(f"{shown(PAGE)} is stale: run python -m bench.report --write", file=sys.stderr)
       return 1
   elif args.write:
     with open(PAGE, "w", encoding="utf-8") as f:

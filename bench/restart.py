@@ -1,7 +1,7 @@
 """How fast a preempted run is back to training: resumed with and without the compilation cache.
 
-  python bench/restart.py [--config=peer] [--repeats=3]
-  python bench/restart.py --smoke  # seconds: configs/tiny.py's model shrunk, 1 repeat
+  python -m bench.restart [--config=peer] [--repeats=3]
+  python -m bench.restart --smoke  # seconds: configs/tiny.py's model shrunk, 1 repeat
 
 A user's restart, timed (`python -m diloco_jax.train`, one host, as the README's first
 command runs it; configs/peer.py's 3.3M-param GPT on the standard library's bytes, or
@@ -34,11 +34,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from bench import peer
 
-from bench import _smoke  # noqa: E402
-from bench import peer  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMOKE_FLAGS = ["--config.inner_steps=2", "--config.model.num_layers=1",
                "--config.model.d_model=32", "--config.model.mlp_dim=64",
@@ -98,7 +97,7 @@ def main():
   parser.add_argument("--config", choices=("peer", "tiny"), default="peer",
                       help="configs/peer.py on the standard library's bytes, or configs/tiny.py")
   parser.add_argument("--repeats", type=int, default=3, help="resumes of each kind")
-  args = _smoke.parse_args(parser, "restart", dict(config="tiny", repeats=1))
+  args = harness.parse_args(parser, "restart", dict(config="tiny", repeats=1))
   train_flags = flags(args)
   root = tempfile.mkdtemp(prefix="bench_restart_")
   try:
@@ -132,7 +131,7 @@ def main():
   median = {kind: {key: statistics.median(r[key] for r in rs)
                    for key in ("start_to_first_step_s", "wall_s")} for kind, rs in runs.items()}
   result = {"config": args.config, "repeats": args.repeats, "smoke": args.smoke,
-            "fresh": fresh, "median": median, "runs": runs, **_smoke.provenance("restart")}
+            "fresh": fresh, "median": median, "runs": runs, **harness.provenance("restart")}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

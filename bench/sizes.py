@@ -1,9 +1,9 @@
 """Real sizes on a live job: a late host takes a large state through a slow link, then trains
 three times slower than the others; nobody may be evicted.
 
-  sudo python bench/sizes.py [--rate=100] [--d_model=448] [--layers=6] [--late_s=90]
+  sudo python -m bench.sizes [--rate=100] [--d_model=448] [--layers=6] [--late_s=90]
                              [--slow=3] [--wire_timeout=5] [--rounds_after=3]
-  python bench/sizes.py --smoke  # seconds, no root: a tiny model on 127.0.0.1, unshaped
+  python -m bench.sizes --smoke  # seconds, no root: a tiny model on 127.0.0.1, unshaped
 
 Three hosts, each in its own network namespace behind a veth of --rate Mbit/s each way
 (bench/netns.py), with a membership coordinator beside host 0 and a join token (so the
@@ -41,13 +41,12 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from bench.netns import Localhost
+from bench.netns import Network
+from bench.stragglers import Slowdown
 
-from bench import _smoke  # noqa: E402
-from bench.netns import Localhost  # noqa: E402
-from bench.netns import Network  # noqa: E402
-from bench.stragglers import Slowdown  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TOKEN = "bench-sizes-join-token-0123456789abcdef"
 HOSTS = 3
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--deadline_s", type=float, default=1200.0,
                       help="the most seconds from host 2's start to the job's stop")
   parser.add_argument("--subnet", type=int, default=83, help="10.77.<subnet>.0/24")
-  args = _smoke.parse_args(parser, "sizes", {
+  args = harness.parse_args(parser, "sizes", {
       "d_model": 32, "layers": 1, "inner_steps": 2, "late_s": 5, "rounds_after": 2,
       "wire_timeout": 30, "deadline_s": 240}, argv)
   if args.slow < 1 or not 0 < args.fast_quota <= 1:
@@ -236,8 +235,8 @@ def main(argv: list[str] | None = None) -> None:
       "wire_timeout", "rounds_after")},
       "slowdown": (f"cgroup v1 CPU quotas of {args.fast_quota:g}, {args.fast_quota:g} and "
                    f"{args.fast_quota / args.slow:.2f} of a core" if slowdown else "none (smoke)"),
-      **row, "smoke": args.smoke, **_smoke.provenance("sizes", argv)}
-  _smoke.write(args.out, result, indent=2)
+      **row, "smoke": args.smoke, **harness.provenance("sizes", argv)}
+  harness.write(args.out, result, indent=2)
   print(f"state {row['state_bytes']} bytes to host 2 in {row['transfer_seconds']:.1f} s "
         f"({row['transfer_over_timeout']:.2f}x the {args.wire_timeout:g} s timeout); joined at "
         f"round {row['join_round']}; host 0's round {row['round_seconds_before_join']} s "

@@ -1,7 +1,7 @@
 """Where a cold start's seconds go: from a new process to the trainer's first round.
 
-  python bench/startup.py [--reps=3]
-  python bench/startup.py --smoke   # 1 rep on a one-block width-32 model
+  python -m bench.startup [--reps=3]
+  python -m bench.startup --smoke   # 1 rep on a one-block width-32 model
 
 Each phase is a process of its own, timed from its start (median of --reps):
 
@@ -36,10 +36,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 IMPORTS = "import jax, flax.linen, optax, orbax.checkpoint, grain, ml_collections"
 SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--reps", type=int, default=3, help="repetitions of every phase")
-  args = _smoke.parse_args(parser, "startup", dict(reps=1), argv)
+  args = harness.parse_args(parser, "startup", dict(reps=1), argv)
   if args.reps < 1:
     parser.error(f"--reps={args.reps}: must be >= 1")
   flags = SMOKE_FLAGS if args.smoke else []
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
   result = {"smoke": args.smoke, "reps": reps, "phases": phases(reps),
             "config": {"config": "configs/tiny.py", "hosts": 1, "rounds": 1,
                        "flags": flags}, "cpu_count": os.cpu_count()}
-  result.update(_smoke.provenance("startup", argv))
+  result.update(harness.provenance("startup", argv))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

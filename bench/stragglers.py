@@ -1,7 +1,7 @@
 """Stragglers: hosts of unequal speed under balance 'fixed' and 'speed', the same token budget.
 
-  python bench/stragglers.py [--hosts=3] [--rounds=80] [--fast_quota=0.8] [--slow_quota=0.4]
-  python bench/stragglers.py --smoke  # 2 hosts, a few short rounds of a smaller model
+  python -m bench.stragglers [--hosts=3] [--rounds=80] [--fast_quota=0.8] [--slow_quota=0.4]
+  python -m bench.stragglers --smoke  # 2 hosts, a few short rounds of a smaller model
 
 Host processes (`python -m diloco_jax.train`, configs/tiny.py with one replica per host)
 on this machine's cores, the last host slowed by a real mechanism, not by our code:
@@ -39,23 +39,15 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
 
-from bench import _smoke  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CGROUP_ROOT = "/sys/fs/cgroup/cpu"
 PERIOD_US = 10_000
 SMOKE_FLAGS = ["--config.model.num_layers=1", "--config.model.d_model=32",
                "--config.model.mlp_dim=64", "--config.model.num_heads=2",
                "--config.batch_size=8", "--config.inner.warmup_steps=2"]
-
-
-def free_port() -> int:
-  import socket  # pylint: disable=import-outside-toplevel
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Slowdown:
@@ -128,7 +120,7 @@ class Slowdown:
 
 def train(workdir: str, hosts: int, flags: list[str], slowdown: Slowdown, log) -> list[dict]:
   """One job of `hosts` processes; its records (host 0's metrics.jsonl)."""
-  port = free_port()
+  port = harness.free_port()
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
   procs = [subprocess.Popen(
       [sys.executable, "-m", "diloco_jax.train", f"--workdir={workdir}", *flags,
@@ -143,7 +135,7 @@ def train(workdir: str, hosts: int, flags: list[str], slowdown: Slowdown, log) -
         p.kill()
   if any(codes):
     raise SystemExit(f"a host failed (exit codes {codes}); see {log.name}")
-  with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
+  with open(os.path.join(harness.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -190,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="cgroup: the slow host's CPU quota, in cores")
   parser.add_argument("--slowdown", choices=("auto", "cgroup", "share"), default="auto",
                       help="how the last host is slowed")
-  args = _smoke.parse_args(parser, "stragglers",
+  args = harness.parse_args(parser, "stragglers",
                            dict(hosts=2, rounds=4, inner_steps=2, fast_quota=1.0, slow_quota=0.6),
                            argv)
   if args.hosts < 2:
@@ -237,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                         "speed": loss_at(speed, "elapsed_s", wall)},
       "at_equal_tokens": {"tokens": tokens, "fixed": loss_at(fixed, "tokens", tokens),
                           "speed": loss_at(speed, "tokens", tokens)},
-      **_smoke.provenance("stragglers", argv)}
+      **harness.provenance("stragglers", argv)}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

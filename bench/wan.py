@@ -1,7 +1,7 @@
 """DiLoCo modes over a slow link: K hosts in network namespaces behind rate-limited veths.
 
-  sudo python bench/wan.py [--hosts=2] [--rate_mbit=8] [--rounds=32] [--modes=...] [--out=...]
-  python bench/wan.py --smoke  # seconds, no root: 2 hosts on 127.0.0.1, none and sync, 2 rounds
+  sudo python -m bench.wan [--hosts=2] [--rate_mbit=8] [--rounds=32] [--modes=...] [--out=...]
+  python -m bench.wan --smoke  # seconds, no root: 2 hosts on 127.0.0.1, none and sync, 2 rounds
 
 Builds one network namespace per host on a bridge (bench/netns.py), each host's link shaped
 to `--rate_mbit` in both directions with `tc tbf` (this kernel has no netem, so the WAN is
@@ -15,7 +15,8 @@ Reports per run: wall time, compute utilization (tokens/s over the reference's; 
 may be listed twice, before and after the others, and the mean is used), tokens/s, bytes
 each host put on the wire (the veth's own counter), the most bytes one sync sent
 (streaming: one fragment; the peak in flight) and the final eval loss.
-Writes bench/results/wan.json and wan.png (eval loss against wall-clock time).
+Writes bench/results/wan.json and wan.png beside it (eval loss against wall-clock time; no
+page shows the plot, and git ignores it).
 
 Choice of rate: the tiny model's pseudo-gradient is 0.43 MB; a host's inner phase (H=25
 steps of 32 x 64 tokens) takes about half a second here, and at 8 Mbit/s a 2-host
@@ -42,14 +43,13 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import cpushare
+from bench import harness
+from bench import quality
+from bench.netns import Localhost
+from bench.netns import Network
 
-from bench import _smoke  # noqa: E402
-from bench import cpushare  # noqa: E402
-from bench import quality  # noqa: E402
-from bench.netns import Localhost  # noqa: E402
-from bench.netns import Network  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The same model, data and tokens for every mode.
 COMMON = ["--config=configs/tiny.py", "--config.replicas_per_host=1",
@@ -120,7 +120,7 @@ LIVE = {"sync-live": None, "sync-live-mac": "bench-wan-join-token-0123456789"}  
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(_smoke.host_dir(workdir), "metrics.jsonl")) as f:
+  with open(os.path.join(harness.host_dir(workdir), "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
@@ -276,7 +276,7 @@ def main():
                            "more hosts than cores, every host an equal CPU quota instead "
                            "(bench/cpushare.py: hosts sharing a core would take turns, one's "
                            "wait on the link the other's compute)")
-  args = _smoke.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync,sync-live-mac"))
+  args = harness.parse_args(parser, "wan", dict(hosts=2, rounds=2, modes="none,sync,sync-live-mac"))
   if not args.smoke and os.geteuid() != 0:
     sys.exit("bench/wan.py needs root: it creates network namespaces and tc qdiscs "
              "(--smoke does not)")
@@ -325,7 +325,7 @@ def main():
     json.dump({"hosts": args.hosts, "rate_mbit": None if args.smoke else args.rate_mbit,
                "placement": placement.describe(), "baseline": checkout(args.baseline),
                "rounds": args.rounds, "rows": rows, "smoke": args.smoke,
-               **_smoke.provenance("wan")}, f, indent=2)
+               **harness.provenance("wan")}, f, indent=2)
   plot(rows, args.out.replace(".json", ".png"), title)
   print(f"\n{title}\n| mode | outer lr, μ | wall s | compute util. | outer-step idle | tokens/s "
         f"| MB/host (wire) | peak MB/sync | comm s/round | final eval loss |\n"

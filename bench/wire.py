@@ -1,9 +1,9 @@
 """The epoch wire's sum (wire/peers.py, zmq) against today's gloo path, side by side.
 
-  sudo python bench/wire.py [--hosts=2] [--sizes=1000000,10000000] [--reps=10]
+  sudo python -m bench.wire [--hosts=2] [--sizes=1000000,10000000] [--reps=10]
                             [--rates=8,32] [--wan_sizes=250000,1000000] [--wan_reps=8]
-  python bench/wire.py --rates=  # loopback only, no root
-  python bench/wire.py --smoke  # seconds, no root: tiny sizes, unshaped
+  python -m bench.wire --rates=  # loopback only, no root
+  python -m bench.wire --smoke  # seconds, no root: tiny sizes, unshaped
 
 Starts --hosts processes in one jax.distributed job, as tests/wire_main.py does. Each holds
 both transports: `collective.HostCollective` (a jitted sum over a mesh of one CPU device per
@@ -34,32 +34,20 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import harness
+from bench.netns import Localhost
+from bench.netns import Network
 
-from bench import _smoke  # noqa: E402
-from bench.netns import Localhost  # noqa: E402
-from bench.netns import Network  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TOKEN = "bench-wire-join-token-0123456789"
 SIDES = ("gloo", "wire", "wire_hmac")
-
-
-def free_ports(n: int) -> list[int]:
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
 
 
 def veth_tx() -> int:
@@ -172,7 +160,7 @@ def run_job(net: Network | Localhost, sizes: list[int], reps: int, scratch: str)
   """Every host's worker in its place (a namespace, or this machine); host 0's rows."""
   hosts = net.num_hosts
   if isinstance(net, Localhost):  # every host on 127.0.0.1: a port each
-    ports = free_ports(2 * hosts)
+    ports = harness.free_ports(2 * hosts)
     plain = [f"127.0.0.1:{p}" for p in ports[:hosts]]
     keyed = [f"127.0.0.1:{p}" for p in ports[hosts:]]
   else:  # an address each: the same ports everywhere
@@ -183,7 +171,7 @@ def run_job(net: Network | Localhost, sizes: list[int], reps: int, scratch: str)
          "keyed": keyed, "sizes": sizes, "reps": reps, "out": out,
          "veth": isinstance(net, Network)}
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-  procs = [subprocess.Popen(net.command(h, [sys.executable, __file__, "--worker",
+  procs = [subprocess.Popen(net.command(h, [sys.executable, "-m", "bench.wire", "--worker",
                                             json.dumps({**job, "host": h})]),
                             cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -251,7 +239,7 @@ def main():
   parser.add_argument("--wan_reps", type=int, default=8,
                       help="timed sums per size and side through the shaped links")
   parser.add_argument("--subnet", type=int, default=79, help="10.77.<subnet>.0/24")
-  args = _smoke.parse_args(parser, "wire", dict(sizes="1000,100000", reps=2, rates="8",
+  args = harness.parse_args(parser, "wire", dict(sizes="1000,100000", reps=2, rates="8",
                                                 wan_sizes="1000", wan_reps=1))
   rates = [float(r) for r in args.rates.split(",") if r]
   if rates and not args.smoke and os.geteuid() != 0:
@@ -281,7 +269,7 @@ def main():
   with open(args.out, "w") as f:
     json.dump({"hosts": args.hosts, "reps": args.reps, "rows": rows, "smoke": args.smoke,
                "transport": "loopback", "links": links, "hash_gb_per_s": speeds,
-               **_smoke.provenance("wire")}, f, indent=2)
+               **harness.provenance("wire")}, f, indent=2)
   print(f"\n{args.hosts} hosts on loopback, median of {args.reps} sums (ratio = gloo seconds "
         f"/ wire seconds: > 1 is the wire faster; on one core, SHA-256 hashes "
         f"{speeds['sha256']:.2f} GB/s, the v2 MAC {speeds['mac_v2']:.2f} GB/s)")

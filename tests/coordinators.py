@@ -5,9 +5,9 @@ test_ledger.py, test_admission.py)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 
+from bench.harness import free_port  # noqa: F401 -- the tests import it from here
 from diloco_jax.membership import coordinator as co
 from diloco_jax.membership.client import Client
 from diloco_jax.runtime import security
@@ -15,12 +15,6 @@ from diloco_jax.runtime import security
 
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
 LEASE_S = 0.4
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from bench.harness import free_port  # noqa: F401 -- the tests import it from here
 from diloco_jax.runtime import security
 from diloco_jax.wire.epoch import Epoch
 from diloco_jax.wire.peers import Peers
@@ -144,12 +145,6 @@ class Stranger(threading.Thread):
 
 
 TOKEN = security.JoinToken("a-join-token-for-the-tests", "the test")
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @contextlib.contextmanager

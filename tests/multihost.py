@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import diloco_jax
+
+# The helpers the benches run hosts with are the tests' too: one copy, in bench/ (a bench
+# runs without the suite; bench/harness.py imports neither jax nor the trainer).
+from bench.harness import alive  # noqa: F401
+from bench.harness import children  # noqa: F401
+from bench.harness import free_port
+from bench.harness import host_dir  # noqa: F401
+from bench.harness import wait_dead  # noqa: F401
 from diloco_jax import config as config_lib
 from diloco_jax.algo import fragments
 from diloco_jax.algo import optim
 from diloco_jax.data import pipeline as data_lib
 from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
-from bench._smoke import host_dir  # noqa: F401 -- the tests' too
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Importing jax here set TF_CPP_MIN_LOG_LEVEL=1 where unset: the hosts start without it,
 # as from a user's shell (the trainer's own default applies); another value is kept.
@@ -90,12 +97,6 @@ def paced(seconds_per_step: list[float], jitter: float = 0.0):
     self.busy = {r: busy and self.my_steps(r) * seconds_per_step[self.host] * wobble}
 
   return measured
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def start(cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
@@ -170,33 +171,3 @@ def simulate_trainer(config):
       model_lib.make_loss_fn(cfg), params, jnp.asarray(batches),
       inner_optimizer=optim.inner_optimizer(config.inner, total),
       outer_optimizer=optim.outer_optimizer(o), mode=config.mode, **streaming_kw)
-
-
-def children(pid: int) -> list[int]:
-  """PIDs of the live processes whose parent is `pid`."""
-  kids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/stat") as f:
-          fields = f.read().rsplit(")", 1)[1].split()
-      except OSError:
-        continue
-      if int(fields[1]) == pid:  # fields: state, ppid, ...
-        kids.append(int(entry))
-  return kids
-
-
-def alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
-def wait_dead(pid: int, timeout: float = 30.0) -> None:
-  """Until process `pid` is gone or a zombie (its files are no longer written)."""
-  deadline = time.monotonic() + timeout
-  while alive(pid) and time.monotonic() < deadline:
-    time.sleep(0.05)

@@ -7,9 +7,10 @@ A fenced block is one of:
   first, then docs/ by name), so a block may use what an earlier one made;
 - any of those preceded by `<!-- example: why -->`: not run, for hardware the suite lacks
   (GPUs, SLURM, several machines). Keep them few.
-- a block of benchmark commands only (`python bench/NAME.py ...`, the commands that wrote
-  the performance page's figures; minutes each, some as root): not run here, since
-  tests/test_bench.py runs each bench's `--smoke` mode; the script must exist.
+- a block of benchmark commands only (`python -m bench.NAME ...`, or bench/gpu_check.py by
+  its path; the commands that wrote the performance page's figures; minutes each, some as
+  root): not run here, since tests/test_bench_*.py run each bench's `--smoke` mode; the
+  script must exist.
 A block may be preceded by `<!-- smoke: OLD => NEW -->` lines: literal replacements that
 shrink its inputs (each must match, so a stale one fails). Before running, every block
 also gets the same rewrites, listed in `_rewrite`: /tmp/ is a fresh directory, installs
@@ -37,6 +38,7 @@ RUN_LANGS = ("bash", "sh", "python")
 SMOKE_FLAGS = ("--config.num_rounds=2 --config.inner_steps=4 --config.inner.warmup_steps=1 "
                "--config.eval_batches=1")
 _DIRECTIVE = re.compile(r"<!--\s*(example|smoke):\s*(.*?)\s*-->")
+_BENCH = re.compile(r"^(?:sudo )?python (?:-m bench\.(\w+)|bench/(\w+)\.py)(?:\s|$)")
 
 
 @dataclasses.dataclass
@@ -130,11 +132,12 @@ def _commands(text: str) -> list[str]:
 def _benchmarks(block: Block) -> bool:
   """Whether every command of a shell block runs a benchmark (which must exist)."""
   commands = _commands(block.text)
-  found = [re.match(r"^(?:sudo )?python (bench/\w+\.py)\b", c) for c in commands]
+  found = [_BENCH.match(c) for c in commands]
   if block.lang == "python" or not commands or not all(found):
     return False
   for match in found:
-    assert (ROOT / match.group(1)).exists(), f"{block.where()}: no {match.group(1)}"
+    script = f"bench/{match.group(1) or match.group(2)}.py"
+    assert (ROOT / script).exists(), f"{block.where()}: no {script}"
   return True
 
 
@@ -155,6 +158,18 @@ def test_every_block_declares_its_language_and_examples_are_few():
   examples = [b for b in every if b.example]
   assert all(b.lang in RUN_LANGS for b in examples), "only commands are marked as examples"
   assert len(examples) <= 8, [f"{b.where()}: {b.example}" for b in examples]
+
+
+def test_benchmark_blocks_name_benches_that_exist():
+  """The blocks of bench commands (the performance page's, one per results file) name
+  benches that exist, and no other block runs a bench, which would then run in full."""
+  shell = [b for b in all_blocks() if b.lang in RUN_LANGS and b.lang != "python"
+           and not b.example]
+  benchmarks = [b for b in shell if _benchmarks(b)]
+  assert len(benchmarks) >= 20, [b.where() for b in benchmarks]
+  mixed = [b.where() for b in shell if b not in benchmarks
+           and any(_BENCH.match(c) for c in _commands(b.text))]
+  assert not mixed, f"bench commands beside others: {mixed}"
 
 
 def test_readme_is_a_short_guide_and_its_test_command_is_ci():

@@ -21,13 +21,14 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+
+from bench.harness import free_port
 
 pytestmark = pytest.mark.multihost
 
@@ -36,12 +37,6 @@ MAIN = os.path.join(REPO, "tests", "join_main.py")
 LEASE_S = 1.0
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("DILOCO_JOIN_TOKEN")},
        "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Proc:

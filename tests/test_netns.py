@@ -13,10 +13,7 @@ import textwrap
 
 import pytest
 
-from tests import multihost
-
-sys.path.insert(0, multihost.REPO)
-from bench import netns  # noqa: E402  pylint: disable=wrong-import-position
+from bench import netns
 
 RATE_MBIT = 8
 PAYLOAD = 400_000  # bytes: about 0.4 s at 8 Mbit/s, well past tbf's 32 KB bursts

@@ -11,7 +11,6 @@ import functools
 import re
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.harness import free_ports
 from diloco_jax.algo import compress
 from diloco_jax.runtime.security import JoinToken
 from diloco_jax.wire import collective
@@ -39,16 +39,6 @@ from diloco_jax.wire.peers import Wire
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = JoinToken("a-join-token-for-the-tests", "test")
 OTHER = JoinToken("another-token-entirely-here", "test")
-
-
-def free_ports(n: int) -> list[int]:
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
 
 
 def make_epoch(hosts, number=1) -> Epoch:

@@ -1,7 +1,7 @@
 """docs/performance.md is what bench/report.py renders from bench/results/*.json.
 
 The page is generated, never edited by hand: a bench that writes new figures leaves the
-page stale until `python bench/report.py --write` runs, and this test says so. A results
+page stale until `python -m bench.report --write` runs, and this test says so. A results
 file must say where it came from (command, date, machine); the report refuses one that
 does not, naming it. What the page leaves out (a withdrawn run or figure) is said in the
 results files, and the page says it left it out. All but the command line's test run
@@ -19,17 +19,16 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench import report
 
-from bench import report  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_page_is_up_to_date():
   with open(report.PAGE, encoding="utf-8") as f:
     page = f.read()
-  assert page == report.render(), ("docs/performance.md is stale: run python "
-                                   "bench/report.py --write")
+  assert page == report.render(), ("docs/performance.md is stale: run python -m "
+                                   "bench.report --write")
 
 
 @pytest.mark.parametrize("key", report.PROVENANCE)
@@ -157,12 +156,13 @@ def test_a_results_file_the_page_cannot_show_is_refused(tmp_path, name, change, 
 
 
 def test_the_command_line():
-  """`python bench/report.py` as a script: --help names its flags, --check passes."""
-  script = os.path.join(REPO, "bench", "report.py")
-  done = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
+  """`python -m bench.report` from the repository's root: --help names its flags, --check
+  passes."""
+  script = ["-m", "bench.report"]
+  done = subprocess.run([sys.executable, *script, "--help"], capture_output=True, text=True,
                         timeout=60, cwd=REPO)
   assert done.returncode == 0 and "--write" in done.stdout and "--check" in done.stdout
-  done = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True,
+  done = subprocess.run([sys.executable, *script, "--check"], capture_output=True, text=True,
                         timeout=60, cwd=REPO)
   assert done.returncode == 0, done.stderr
 

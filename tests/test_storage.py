@@ -5,7 +5,7 @@ every host computes from the table of what each holds, the bytes a heal sends, t
 rule after a host-count change, how hosts find out whether they share a workdir, and a
 save that hangs. End to end, with processes: tests/test_checkpoint_hosts.py (a SIGKILLed job
 resumes bit for bit, a divergence is refused, a wiped host heals) and bench/chaos.py's
-smoke in tests/test_bench.py (4 hosts resumed on 3, one wiped, then on 5).
+smoke in tests/test_bench_faults.py (4 hosts resumed on 3, one wiped, then on 5).
 """
 
 import hashlib

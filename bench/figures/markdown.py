@@ -67,8 +67,15 @@ def rows(cells: list[list]) -> str:
                    for row in cells)
 
 
+def runnable(command: str) -> str:
+  """A results file's command as it runs today: a bench recorded by its path (`python
+  bench/NAME.py`, before bench/ was a package) runs as `python -m bench.NAME` from the
+  repository's root, with the same arguments. The file keeps what was run."""
+  return re.sub(r"(?<![\w/])python bench/(\w+)\.py(?=\s|$)", r"python -m bench.\1", command)
+
+
 FILTERS = {f.__name__: f for f in (fmt, num, pct, dec, plural, change, above, mb, verdict,
-                                    bold, rows)}
+                                    bold, rows, runnable)}
 
 # --- the page's prose, filled -----------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The results files of a directory, each read once and checked for where it came from.
 
-A results file says which command wrote it, when and on what machine (bench/_smoke.py's
+A results file says which command wrote it, when and on what machine (bench/harness.py's
 `provenance`); the page refuses one that does not. A run or one of its figures that the
 page must no longer show is marked in the file itself: `"withdrawn": "reason"` on the run,
 or `"withdrawn_figures": {"figure": "reason"}` for some of its figures.
@@ -69,7 +69,7 @@ def load(path: str) -> dict:
   if missing:
     raise ResultsError(
         f"{shown(path)}: no {', '.join(missing)}: every results file says which command "
-        "wrote it, when and on what machine (bench/_smoke.py's provenance)")
+        "wrote it, when and on what machine (bench/harness.py's provenance)")
   if not re.fullmatch(r"\d{4}-\d\d-\d\d", str(data["date"])):
     raise ResultsError(f"{shown(path)}: date {data['date']!r} is not YYYY-MM-DD")
   return data

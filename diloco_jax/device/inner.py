@@ -36,7 +36,7 @@ def compiler_options(mesh: Mesh) -> dict[str, str] | None:
   orders the program for the fewest live bytes rather than for running independent ops
   side by side: it plans fewer temporary bytes per step (the start-up line's "XLA's
   plan"), with the same bits and, on the CPUs this was checked on, the same step time
-  within noise (`python bench/overhead.py`). None (XLA's defaults) elsewhere: GPU and
+  within noise (`python -m bench.overhead`). None (XLA's defaults) elsewhere: GPU and
   TPU have schedulers of their own."""
   if mesh.devices.flat[0].platform != "cpu":
     return None

@@ -1,5 +1,5 @@
 """The planner's constants, fitted to runs measured in network namespaces on this project's
-2-core CPU machine: `sudo python bench/plan.py --measure` reruns them and writes
+2-core CPU machine: `sudo python -m bench.plan --measure` reruns them and writes
 bench/results/plan_fit.json, whose "constants" these must equal (a test checks). How well
 they predict runs left out of the fit: docs/performance.md ("Predicting a run")."""
 

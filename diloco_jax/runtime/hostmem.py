@@ -3,7 +3,7 @@ system, and huge pages for big buffers.
 
 glibc's malloc keeps what is freed for reuse, and what compiling (LLVM) and the first
 rounds free stays counted in the process's RSS: a trim after compiling and after every
-round gives it back (`python bench/peer.py` reports the trainer's peak RSS). A trim costs
+round gives it back (`python -m bench.peer` reports the trainer's peak RSS). A trim costs
 a few milliseconds; where the C library is not glibc, it leaves malloc alone.
 
 Compiling also runs code: XLA's and LLVM's, in jaxlib's shared library, whose pages stay
@@ -20,7 +20,7 @@ XLA:CPU allocates each step's temporaries as one buffer (the inner step's tempor
 the start-up line's "XLA's plan"), too big for malloc's heap: it is mapped fresh and
 returned on every step, and the kernel faults its pages in one by one, 4 KiB at a time.
 With transparent huge pages they come 2 MiB at a time, and the step runs faster with the
-same peak RSS (`python bench/overhead.py` reports the step's time). Linux gives huge pages
+same peak RSS (`python -m bench.overhead` reports the step's time). Linux gives huge pages
 to the memory a process asks for them (`madvise`), which glibc's malloc does when started
 with the tunable `glibc.malloc.hugetlb=1`; tunables are read once at process start, so
 `restart_with_huge_pages` starts the trainer's process again with it."""

@@ -15,7 +15,7 @@ class LinkWatchdog:
   """Every host stops with "link lost" (exit 1) once it has been cut off from the job for
   `timeout_s`, so that a restart (`launch/local.py --max_restarts`) resumes from the
   newest checkpoint, instead of JAX aborting the hosts one by one up to a heartbeat
-  timeout later (`sudo python bench/linkdrop.py` drops a link and shows what happens).
+  timeout later (`sudo python -m bench.linkdrop` drops a link and shows what happens).
 
   Each host writes a counter to the coordination service's key-value store every second.
   A host whose own writes have not gone through for `timeout_s` is cut off from the

@@ -1,34 +1,13 @@
-"""Every script in bench/ still runs: `--help`, and `--smoke` end to end.
+"""The benches of one job's speed, memory, bytes and quality still run: each one's `--smoke`
+end to end (tests/benches.py), and what a full run writes."""
 
-A smoke run is the bench's own code (the trainer, the launcher, the JSON and the table) on
-tiny sizes, in seconds; it must exit 0, write the JSON keys a full run writes (to the
---out given here) and leave bench/results/ alone. When a change to the trainer breaks a
-bench, these tests say so.
-"""
-
-import argparse
-import glob
-import hashlib
-import json
 import math
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("chaos", "churn", "checkpoint", "data", "eta", "gpu_check", "hosts", "inner_step",
-           "leave", "linkdrop", "memory", "models",
-           "outer_step", "overhead", "peer", "peer_wan", "plan", "poison", "quality", "restart",
-           "sizes", "startup", "stragglers", "wan", "wire")
-HELPERS = {"cpushare", "netns", "report"}  # bench/ modules that are not benches (as _*.py):
-# the benches' helpers, and report.py, which renders their results as docs/performance.md
-MULTIHOST = {"chaos", "sizes", "churn", "gpu_check", "hosts", "leave",
-             "linkdrop", "outer_step", "peer", "peer_wan", "quality", "stragglers",
-             "wan", "wire"}
-TIMEOUT_S = 300  # a smoke run takes seconds to tens of seconds on 2 busy CPU cores
+from tests import benches
+from tests.benches import has
 
 # The keys a full run writes: at the top of the JSON, in "config", in every row.
 CHECKPOINT_KEYS = {
@@ -48,22 +27,6 @@ DATA_LOADER_KEYS = {"batch_size", "batches", "seconds", "seq_len", "setup_second
                     "tokens_per_sec"}
 DATA_DEMAND_KEYS = {"flops_per_token", "mfu", "model", "params", "peak_flops",
                     "tokens_per_sec"}
-SIZES_KEYS = {
-    "anchors_equal", "config", "epochs", "exit_codes", "join_after_start_seconds",
-    "join_round", "longest_sum_wait_seconds", "nobody_evicted", "round_seconds_after_join",
-    "round_seconds_before_join", "rounds_shared", "slowdown", "state_bytes",
-    "transfer_over_timeout", "transfer_seconds"}
-HOSTS_KEYS = {"cpu_count", "jax_imported", "lease_s", "mb", "rounds", "rows", "sums_exact"}
-HOSTS_ROW_KEYS = {
-    "commit_median_s", "commit_p90_s", "commit_requests_per_round", "connections_per_host",
-    "coordinator_cpu_s_per_round", "coordinator_requests_per_round", "epoch_first_sum_s",
-    "epochs", "frames_formula", "frames_per_sum_per_host", "heartbeats_per_round", "host_rss_mb",
-    "hosts", "jax_imported", "join_admitted_s", "join_epoch_change_s", "leave_epoch_change_s",
-    "leave_noticed_s", "payload_bytes_per_sum_per_host", "rounds_committed", "sum_median_s",
-    "sums_exact", "tcp_sockets_per_host", "wall_s"}
-LINKDROP_KEYS = {"drop_s", "env", "heartbeat_timeout", "reference_completed", "rounds", "side",
-                 "train_args", "trial"}
-LINKDROP_TRIAL_KEYS = {"attempts", "comparison", "completed", "name"}
 MEMORY_ROW_KEYS = {"config", "data", "estimate", "estimate_bytes", "fsdp", "layout",
                    "memory_per_device_bytes", "params", "replicas", "sequences_per_device",
                    "xla"}
@@ -91,10 +54,6 @@ WAN_ROW_KEYS = {"compute_utilization", "curve", "final_eval_loss", "idle_fractio
                 "outer_lr", "outer_momentum", "tokens_per_sec", "wall_s"}
 WAN_COMM_ROW_KEYS = WAN_ROW_KEYS | {"bytes_per_host", "bytes_per_host_counted",
                                     "comm_s_per_round", "peak_bytes_per_sync"}
-
-
-def has(d: dict, keys: set) -> None:
-  assert keys <= set(d), f"missing {sorted(keys - set(d))}"
 
 
 def check_checkpoint(result: dict) -> None:
@@ -140,13 +99,6 @@ def check_inner_step(result: dict) -> None:
     assert all(r["torch_ms"] > 0 for r in result["components"])
     assert result["profile"]["torch"]["top"]
     assert result["same_model"]["abs_diff"] <= 1e-4
-
-
-def check_linkdrop(result: dict) -> None:
-  has(result, LINKDROP_KEYS)
-  has(result["trial"], LINKDROP_TRIAL_KEYS)
-  assert result["reference_completed"] and result["trial"]["completed"]
-  assert result["trial"]["comparison"]["equal"]  # nothing dropped: the same run twice
 
 
 def check_memory(result: dict) -> None:
@@ -268,64 +220,6 @@ def check_eta(result: dict) -> None:
     assert run["rows"][-1]["eta"] == 0  # the last round: printed as the run ends
 
 
-def check_chaos(result: dict) -> None:
-  """--smoke: 3 hosts with their own workdirs. Resumed on 2 (host 2's replica is gone), one
-  of them killed and its workdir wiped (it heals from a peer), then resumed on 4: host 3
-  is new and host 2's disk is two restarts old, so both heal. The run completes, its
-  anchors compared across hosts every round (debug_checks); the data rule after a
-  host-count change is tests/test_storage.py's."""
-  events = result["events"]
-  assert [e["kind"] for e in events] == ["fewer", "kill_wipe", "more"], events
-  assert [e["hosts_after"] for e in events] == [2, 2, 4]
-  assert [e["checkpoint_hosts"] for e in events] == [3, 2, 2]
-  assert events[0]["healed"] == [] and events[0]["heal_bytes"] == 0
-  assert events[1]["healed"] == [events[1]["host"]] and events[1]["heal_bytes"] > 0
-  assert events[2]["healed"] == [2, 3] and events[2]["heal_bytes"] == events[1]["heal_bytes"]
-  assert all(e["resumed_from"] <= e["reached"] + 1 and e["down_s"] > 0 for e in events)
-  assert result["rounds_completed"] == result["rounds"] == 50
-  assert result["events_survived"] == 3
-  assert result["final_eval_loss"] > 0 and result["uninterrupted"]["final_eval_loss"] > 0
-
-
-def check_churn(result: dict) -> None:
-  """--smoke: 3 hosts, on each path one host killed with its disk wiped, then a fourth
-  host id arriving. Live: the killed host is started again and the new one (a SIGUSR1 to
-  the launcher) starts; each joins at a later round with the state from another host, and
-  the job is whole again; every round is kept once, with the replicas that took part.
-  Restart: each event restarts the job (with one host more after the new id's arrival),
-  which resumes; every round is kept with every host of the job that trained it."""
-  assert [kind for kind, _ in result["plan"]] == ["kill_wipe", "join_new"]
-  live, restart = result["paths"]["live"], result["paths"]["restart"]
-  for path in (live, restart):
-    for run in (path["uninterrupted"], path["churn"]):
-      assert run["exit"] == 0 and run["rounds_completed"] == result["rounds"]
-      assert run["final_eval_loss"] > 0
-    assert len(path["churn"]["events"]) == 2 and path["churn"]["goodput"] > 0
-  for e in live["churn"]["events"]:
-    assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
-    assert e["state_bytes"] > 0 and e["back_s"] > 0, e
-    assert e["first_round_s"] > 0 and e["joined_round_s"] > 0 and (
-        e["joined_next_round_s"] > 0) and (
-        e["joined_at"] < e["round"] + 2 or e["members_round_s"] > 0), e
-  assert result["quota"] is None  # (never in --smoke)
-  for path in (live, restart):  # the host-seconds: --hosts for the wall, one more after
-    ref, churn = path["uninterrupted"], path["churn"]  # the join_new
-    assert ref["host_seconds"] == pytest.approx(result["hosts"] * ref["wall_s"])
-    assert (result["hosts"] * churn["wall_s"] < churn["host_seconds"]
-            < (result["hosts"] + 1) * churn["wall_s"]), churn
-    assert 0 < ref["round_s"] < ref["wall_s"] / result["rounds"]
-  assert live["churn"]["events"][1]["host"] == result["hosts"]  # the spare id
-  full = restart["uninterrupted"]["kept_tokens"]  # (the live job's spare id never started)
-  assert live["uninterrupted"]["kept_tokens"] == full
-  assert live["churn"]["kept_tokens"] > 0
-  assert all(e["back_s"] > 0 and e["resumed_at"] >= 1 for e in restart["churn"]["events"])
-  # restart: every round with 3 hosts, and one more from the round it resumed at with 4
-  rounds, grown = result["rounds"], restart["churn"]["events"][1]["resumed_at"]
-  per_replica_round = full / (result["hosts"] * rounds)
-  assert restart["churn"]["kept_tokens"] == pytest.approx(
-      full + (rounds - grown + 1) * per_replica_round), restart["churn"]
-
-
 def check_restart(result: dict) -> None:
   """--smoke: a preempted run resumed once with the cache it filled and once without: the
   resume with the cache found every program there (its figures are for the full run)."""
@@ -351,20 +245,6 @@ def check_gpu_check(result: dict) -> None:
   assert [r["attention"] for r in rows] == ["xla", "cudnn"] and "GPUs only" in rows[1]["skipped"]
 
 
-def check_stragglers(result: dict) -> None:
-  """--smoke: 2 hosts, the second slowed (a CPU quota, or a core shared with a spinning
-  process), under 'fixed' and 'speed': per host figures from the trainer's records, and
-  both runs' eval curves compared at equal wall time and equal tokens."""
-  runs = result["runs"]
-  assert set(runs) == {"fixed", "speed"}
-  for run in runs.values():
-    assert len(run["busy_share"]) == len(run["wait_share"]) == result["hosts"] == 2
-    assert run["tokens"] > 0 and run["tokens_per_sec"] > 0 and run["eval_curve"]
-  assert runs["fixed"]["steps_per_host"] == [{"from_round": 1, "steps": [2, 2]}]  # H = 2
-  for point in ("at_equal_wall", "at_equal_tokens"):
-    assert result[point]["fixed"] > 0 and result[point]["speed"] > 0
-
-
 def check_wan(result: dict, out: str) -> None:
   has(result, WAN_KEYS)
   assert [r["mode"] for r in result["rows"]] == ["none", "sync", "sync-live-mac", "sync@base"]
@@ -380,48 +260,6 @@ def check_wan(result: dict, out: str) -> None:
   assert live["final_eval_loss"] == sync["final_eval_loss"] == base["final_eval_loss"]
   assert abs(live["bytes_per_host_counted"] - sync["bytes_per_host_counted"]) <= 2 * 64
   assert os.path.getsize(out.replace(".json", ".png")) > 0
-
-
-def check_leave(result: dict) -> None:
-  """--smoke: 2 hosts in sync, host 1 SIGKILLed after round 2's line: host 0 trains to the
-  end alone (K 2 -> 1 in its records), beside the uninterrupted run of the same hosts."""
-  (row,) = result["rows"]
-  assert row["mode"] == "sync" and row["uninterrupted"]["replicas"] == [2, 2, 2, 2]
-  left = row["with_kills"]
-  assert left["rounds"] == 4 and left["replicas"][:2] == [2, 2] and left["replicas"][-1] == 1
-  assert len(left["seconds_to_next_round"]) == 1
-  assert row["loss_ratio"] == left["final_eval_loss"] / row["uninterrupted"]["final_eval_loss"]
-
-
-def check_hosts(result: dict) -> None:
-  """--smoke: 4 and 6 host processes without jax, one leaving and one joining: every sum
-  the same bits as numpy's over its epoch's members; a socket per member (N-1 PUSH, 1
-  PULL) and 2(N-1) frames per sum per host (each span fits a chunk at --smoke's size)."""
-  has(result, HOSTS_KEYS)
-  assert result["sums_exact"] and not result["jax_imported"]
-  assert [r["hosts"] for r in result["rows"]] == [4, 6]
-  for row in result["rows"]:
-    has(row, HOSTS_ROW_KEYS)
-    n = row["hosts"]
-    assert row["sums_exact"] and row["rounds_committed"] >= result["rounds"]
-    assert row["epochs"] == 3  # all n, n-1 after the leave, n with the joiner
-    assert row["connections_per_host"] == n and row["tcp_sockets_per_host"] >= 2 * (n - 1)
-    assert row["frames_per_sum_per_host"] == row["frames_formula"] == 2 * (n - 1)
-    assert 0 < row["commit_median_s"] <= row["commit_p90_s"] and row["sum_median_s"] > 0
-    assert row["leave_epoch_change_s"] > 0 and row["join_epoch_change_s"] > 0
-    assert row["coordinator_requests_per_round"] >= n  # a commit per member per round
-
-
-def check_sizes(result: dict) -> None:
-  """--smoke: host 2 starts late, is admitted with the members' state and trains on with
-  them: every host exits 0, no epoch drops a host before the stop, the last has all three,
-  and host 2's anchor hash is the others' in every round they share."""
-  has(result, SIZES_KEYS)
-  assert result["exit_codes"] == [0, 0, 0]
-  assert result["nobody_evicted"] and result["epochs"][-1]["hosts"] == [0, 1, 2]
-  assert result["anchors_equal"] and result["rounds_shared"] >= 1
-  assert result["state_bytes"] > 0 and result["transfer_seconds"] >= 0
-  assert result["join_round"] >= 1 and result["join_after_start_seconds"] > 0
 
 
 def check_wire(result: dict) -> None:
@@ -469,120 +307,22 @@ def check_startup(result: dict) -> None:
                                    "fresh_round_line", "cached_round_line"}
 
 
-CHECKS = {"chaos": check_chaos, "hosts": check_hosts, "sizes": check_sizes, "startup": check_startup, "churn": check_churn, "checkpoint": check_checkpoint, "data": check_data,
+CHECKS = {"startup": check_startup, "checkpoint": check_checkpoint, "data": check_data,
           "eta": check_eta, "gpu_check": check_gpu_check, "inner_step": check_inner_step,
-          "leave": check_leave,
-          "linkdrop": check_linkdrop,
           "memory": check_memory, "models": check_models,
-          "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer, "peer_wan": check_peer_wan,
-          "plan": check_plan,
+          "outer_step": check_outer_step, "overhead": check_overhead, "peer": check_peer,
+          "peer_wan": check_peer_wan, "plan": check_plan,
           "poison": check_poison, "quality": check_quality, "restart": check_restart,
-          "stragglers": check_stragglers, "wan": check_wan, "wire": check_wire}
-
-
-def run_bench(name: str, *flags: str) -> tuple[int, str]:
-  """Runs bench/NAME.py in its own process group, all of which a timeout kills."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.Popen([sys.executable, os.path.join("bench", f"{name}.py"), *flags],
-                          cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-  try:
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
-    pytest.fail(f"bench/{name}.py {' '.join(flags)}: no exit in {TIMEOUT_S} s:\n{out[-5000:]}")
-  return proc.returncode, out
-
-
-def results_digest() -> dict[str, str]:
-  return {path: hashlib.sha256(open(path, "rb").read()).hexdigest()
-          for path in sorted(glob.glob(os.path.join(REPO, "bench", "results", "*")))}
-
-
-def test_every_bench_is_tested():
-  scripts = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "bench", "*.py"))}
-  assert {s for s in scripts if not s.startswith("_")} - HELPERS == set(BENCHES)
-
-
-@pytest.mark.parametrize("name", BENCHES)
-def test_help(name):
-  code, out = run_bench(name, "--help")
-  assert code == 0, out[-5000:]
-  assert "usage:" in out and "--smoke" in out and "--out" in out
+          "wan": check_wan, "wire": check_wire}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.multihost)
-                                  if n in MULTIHOST else n for n in BENCHES])
+@pytest.mark.parametrize("name", benches.smoke_params(sorted(CHECKS)))
 def test_smoke(name, tmp_path):
-  before = results_digest()
-  out = str(tmp_path / "x.json")
-  # peer: diloco_jax's side only, whatever this machine has installed (torchft needs torch).
-  extra = [f"--venv={tmp_path / 'no_venv'}"] if name in ("peer", "peer_wan") else []
-  if name == "wan":  # NAME@base: a checkout's trainer (here this one's) beside this one
-    extra = [f"--baseline={REPO}", "--modes=none,sync,sync-live-mac,sync@base"]
-  code, log = run_bench(name, "--smoke", f"--out={out}", *extra)
-  assert code == 0, log[-5000:]
-  with open(out) as f:
-    result = json.load(f)
-  assert result["smoke"] is True
-  # Where the figures came from, which bench/report.py prints beside them.
-  has(result, {"command", "date", "machine"})
-  assert result["command"].startswith(f"python bench/{name}.py --smoke --out=")
+  before = benches.results_digest()
+  result, out = benches.smoke(name, tmp_path)
   if name == "wan":
     check_wan(result, out)
   else:
     CHECKS[name](result)
-  assert results_digest() == before, "a smoke run changed bench/results/"
-
-
-def test_peer_torch_model_gives_diloco_jax_logits():
-  """bench/peer.py's check before it times anything, run for real (test_smoke's peer run
-  has no torchft venv and skips it): diloco_jax's initial params at --smoke's shapes,
-  loaded into bench/_peer_torch.py's torch model, give diloco_jax's logits up to float32
-  rounding. The torch of the [hf] extra stands in for the venv: --check needs no torchft."""
-  pytest.importorskip("torch", reason="torch comes with the [hf] extra")
-  sys.path.insert(0, REPO)
-  from bench import peer  # pylint: disable=import-outside-toplevel
-  args = argparse.Namespace(config=peer.peer_config.get_config(), **peer.SMOKE)
-  check = peer.check_same_model(args, sys.executable)  # raises past 1e-4
-  # Measured 9e-8 on logits up to 0.5; a LayerNorm eps of 1e-6 against 1e-5 gives 3e-3.
-  assert check["max_abs_logit_diff"] <= 1e-5 and check["max_abs_logit"] > 0.1, check
-
-
-def test_hosts_beyond_the_cores_get_an_equal_cpu_quota_not_a_shared_core():
-  """bench/cpushare.py: with hosts <= cores each is pinned to its own core; with more, each
-  command runs in a cgroup of its own whose CFS quota is 0.9 x cores / hosts of a core
-  (a process started so is in it, and the cgroups are gone afterwards)."""
-  sys.path.insert(0, REPO)
-  from bench import cpushare  # pylint: disable=import-outside-toplevel
-  cores = len(os.sched_getaffinity(0))
-  few = cpushare.Placement(cores, pin=True)
-  assert few.command(cores - 1, ["x"])[:2] == ["taskset", "-c"] and not few.quota
-  assert cpushare.Placement(cores + 1, pin=False).command(0, ["x"]) == ["x"]
-  if os.geteuid() != 0 or not (os.path.isdir(cpushare.V1) or os.path.isfile(
-      os.path.join(cpushare.V2, "cgroup.controllers"))):
-    pytest.skip("a CPU quota needs root and the cgroup cpu controller")
-  with cpushare.Placement(cores + 1, pin=True, tag="djtest") as many:
-    assert many.share == pytest.approx(0.9 * cores / (cores + 1))
-    done = subprocess.run(many.command(1, ["cat", "/proc/self/cgroup"]), capture_output=True,
-                          text=True, check=True)
-    assert many.groups[1] in done.stdout
-    paths = [many._path(i) for i in range(cores + 1)]  # pylint: disable=protected-access
-    quota = os.path.join(paths[1], "cpu.cfs_quota_us" if os.path.isdir(cpushare.V1)
-                         else "cpu.max")
-    with open(quota) as f:
-      assert int(f.read().split()[0]) == int(many.share * cpushare.PERIOD_US)
-  assert not any(os.path.exists(p) for p in paths)
-
-
-def test_quality_variant_replaces_the_methods_own_flag():
-  """bench/quality.py --variant=NAME=eager:--config.outer.momentum=0.5: the variant's
-  momentum replaces eager's in place (the JSON's `overrides` lists each key once)."""
-  sys.path.insert(0, REPO)
-  from bench import quality
-  assert quality.override(["--config.mode=eager", "--config.outer.momentum=0.3"],
-                          ["--config.outer.momentum=0.5", "--config.outer.lr=1.0"]) == [
-      "--config.mode=eager", "--config.outer.momentum=0.5", "--config.outer.lr=1.0"]
-  assert quality.override([], ["--config.outer.lr=2.0"]) == ["--config.outer.lr=2.0"]
+  assert benches.results_digest() == before, "a smoke run changed bench/results/"

@@ -1,16 +1,25 @@
-"""What every bench shares: the `--smoke` and `--out` flags (not a bench itself).
+"""What every bench shares, and the tests with them (not a bench itself).
 
-`--smoke` runs the bench's own code end to end on tiny sizes, in seconds: the sizes come
-from `smoke_defaults`, which replace the flags' defaults (a flag given on the command line
-still wins). A smoke run writes its JSON to `--out`, by default into a new temporary
+Benches run from the repository's root as modules, `python -m bench.NAME` (bench/ is a
+package: the root is on the path with -m, so no bench patches sys.path); bench/gpu_check.py
+also runs by its path, in an install of the package alone, and imports this module either way.
+
+Flags: `--smoke` runs the bench's own code end to end on tiny sizes, in seconds: the sizes
+come from `smoke_defaults`, which replace the flags' defaults (a flag given on the command
+line still wins). A smoke run writes its JSON to `--out`, by default into a new temporary
 directory, and never into bench/results/, and compiles each program once across its
 trainers and processes (a JAX compilation cache: see `compilation_cache`).
-tests/test_bench.py runs every bench this way.
+tests/test_bench_*.py run every bench this way.
 
-`provenance` is what every results file says about where it came from (the command, the
-date, the machine), which bench/report.py prints on docs/performance.md. The machine is
+Results files: `provenance` is what every one says about where it came from (the command,
+the date, the machine), which bench/report.py prints on docs/performance.md. The machine is
 described by its cores and CPU model unless DILOCO_BENCH_MACHINE names it in words (e.g.
 "2-core CPU development machine (shared)").
+
+Ports and processes: free localhost ports, the children of a process, whether one is alive,
+the wait for one to die, and a host's trainer below a launcher, read from /proc. The tests
+that start hosts use these too (tests/multihost.py): a bench runs without the suite, and
+this module imports neither jax nor diloco_jax (bench/hosts.py's hosts must not).
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import os
 import platform
 import shlex
 import shutil
+import socket
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
@@ -79,8 +90,18 @@ def provenance(script: str, argv: list[str] | None = None,
   without them, so the page never shows a figure it cannot say the origin of. `script` is
   the bench's name (bench/NAME.py), `argv` its arguments (default: this process's)."""
   argv = sys.argv[1:] if argv is None else argv
-  return {"command": shlex.join(["python", f"bench/{script}.py", *argv]),
+  return {"command": shlex.join(["python", *invocation(script), *argv]),
           "date": datetime.date.today().isoformat(), "machine": machine(accelerator)}
+
+
+def invocation(script: str) -> list[str]:
+  """How bench `script` was started: `-m bench.NAME`, or its path where this process runs
+  it as a script (bench/gpu_check.py, in an install without the repository on the path)."""
+  main = sys.modules.get("__main__")
+  if main is not None and getattr(main, "__spec__", None) is None and os.path.basename(
+      getattr(main, "__file__", "")) == f"{script}.py":
+    return [f"bench/{script}.py"]
+  return ["-m", f"bench.{script}"]
 
 
 def host_dir(workdir, host: int = 0):
@@ -119,3 +140,88 @@ def cpu_model() -> str:
   except OSError:  # not Linux
     pass
   return platform.machine() or "unknown"
+
+
+def free_ports(n: int) -> list[int]:
+  """`n` distinct localhost ports that were free a moment ago (all bound at once, so no two
+  are the same; another process may still take one before its user binds it)."""
+  socks = [socket.socket() for _ in range(n)]
+  try:
+    for s in socks:
+      s.bind(("127.0.0.1", 0))
+    return [s.getsockname()[1] for s in socks]
+  finally:
+    for s in socks:
+      s.close()
+
+
+def free_port() -> int:
+  return free_ports(1)[0]
+
+
+def stat(pid: int | str) -> list[str] | None:
+  """The fields of /proc/PID/stat after the command's name (state, ppid, ...); None if gone."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()
+  except (OSError, IndexError):
+    return None
+
+
+def children(pid: int) -> list[int]:
+  """PIDs of the live processes whose parent is `pid`."""
+  return [int(e) for e in os.listdir("/proc")
+          if e.isdigit() and (fields := stat(e)) and int(fields[1]) == pid]
+
+
+def alive(pid: int) -> bool:
+  """Whether process `pid` still runs (not gone, not a zombie whose files are closed)."""
+  fields = stat(pid)
+  return fields is not None and fields[0] != "Z"
+
+
+def wait_dead(pid: int, timeout: float = 30.0) -> None:
+  """Until process `pid` is gone or a zombie (its files are no longer written)."""
+  deadline = time.monotonic() + timeout
+  while alive(pid) and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
+def trainer(pid: int | str) -> tuple[int, list[str]] | None:
+  """(host id, command line) of process `pid` if it is a trainer started with --host_id
+  (as launch/local.py starts each host), else None (gone, or another process)."""
+  try:
+    with open(f"/proc/{pid}/cmdline") as f:
+      cmd = f.read().split("\0")
+  except OSError:
+    return None
+  if "diloco_jax.train" not in cmd:
+    return None
+  host = next((a.split("=", 1)[1] for a in cmd if a.startswith("--host_id=")), "")
+  return (int(host), cmd) if host.isdigit() else None
+
+
+def host_pids(launcher: int) -> dict[int, int]:
+  """Host id -> pid of the trainers that process `launcher` has started so far."""
+  return {found[0]: pid for pid in children(launcher) if (found := trainer(pid))}
+
+
+def host_pid(root: int, host: int) -> int | None:
+  """The trainer process of `host` below process `root` (a launcher), or None."""
+  for pid in os.listdir("/proc"):
+    if pid.isdigit() and (found := trainer(pid)) and found[0] == host and descends(
+        int(pid), root):
+      return int(pid)
+  return None
+
+
+def descends(pid: int, ancestor: int) -> bool:
+  """Whether `ancestor` is `pid` or one of its parents, grandparents, ..."""
+  while pid > 1:
+    if pid == ancestor:
+      return True
+    fields = stat(pid)
+    if fields is None:
+      return False
+    pid = int(fields[1])
+  return False
