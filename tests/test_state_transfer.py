@@ -24,6 +24,7 @@ from diloco_jax.checkpoints import per_host
 from diloco_jax.checkpoints import shared_dir
 from diloco_jax.checkpoints import store
 from diloco_jax.loop import join
+from diloco_jax.loop import state as state_lib
 from diloco_jax.loop import trainer
 from diloco_jax.membership import world as world_lib
 from diloco_jax.models import model as model_lib
@@ -221,3 +222,31 @@ def test_a_store_writes_a_checkpoint_only_once_its_record_is_written(tmp_path, k
     s.wait()
     assert "1" in os.listdir(s.directory)
     s.close()
+
+
+def test_a_sum_in_flight_resumes_with_the_hosts_that_took_no_part_in_it(tmp_path):
+  """A checkpoint written while a catch-up round's sum is in flight (delayed: applied a
+  round late) names that round's idle hosts, and a resume from it sends the sum again
+  with them idle: this host's zeros with no replicas counted (a live job's divisor word),
+  not its replicas in the mean."""
+  config = small_config(mode="delayed", num_rounds=4)
+  with dispatch.Dispatcher() as d:
+    t = trainer.Trainer(config, str(tmp_path / "saved"), d)
+    t.resume()
+    t.run_round(1)
+    t.parts.sync.exchange.idle(2, (0,))  # host 0 catches up in round 2
+    t.run_round(2)
+    snap = t.snapshot(2)
+    assert snap.meta["inflight_idle"] == {"2": [0]}
+    jax.block_until_ready(t.state.outer.state)
+    t.run_round(3)  # round 3's sum has no idle host: none named
+    assert t.snapshot(3).meta["inflight_idle"] == {}
+  with dispatch.Dispatcher() as d:
+    resumed = trainer.Trainer(config, str(tmp_path / "resumed"), d)
+    assert not resumed.parts.sync.exchange.idle_here(2)
+    state = state_lib.restore(resumed.parts, resumed.state, snap)
+    assert resumed.parts.sync.exchange.idle_here(2)
+    (pending,) = state.outer.inflight
+    assert pending.round == 2
+    mean = pending.future.result().mean
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(mean))

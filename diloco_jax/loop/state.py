@@ -89,8 +89,18 @@ def _snapshot(parts: parts_lib.Parts, state, r, shared, own, finished,
           # its epochs above it: membership/start.py's last_epoch)
           "epoch": parts.world.lease.client.last_epoch if parts.world.live else None,
           "config": parts.config.to_dict(), "diloco_jax": __version__,
-          "jax": jax.__version__, "saved_at": time.time()}
+          "jax": jax.__version__, "saved_at": time.time(),
+          # the hosts that take no part in a sum in flight (a joiner's catch-up round): a
+          # resume sends that sum again with the same hosts idle (wire/exchange.py's `idle`)
+          "inflight_idle": _idle_in_flight(parts, state)}
   return store.Snapshot(r, shared, own, meta)
+
+
+def _idle_in_flight(parts: parts_lib.Parts, state: RunState) -> dict[str, list[int]]:
+  """{round: idle hosts} of the sums in flight in `state` that have idle hosts."""
+  idle = {p.round: parts.sync.exchange.idle_hosts(p.round)
+          for p in getattr(state.outer, "inflight", ())}
+  return {str(r): sorted(hosts) for r, hosts in idle.items() if hosts}
 
 
 def restore(parts: parts_lib.Parts, state: RunState, snap: store.Snapshot, *,
@@ -107,6 +117,9 @@ def restore(parts: parts_lib.Parts, state: RunState, snap: store.Snapshot, *,
   sender (a joiner applies them like every member: loop/join.py)."""
   own = snap.own or {}
   parts.sync.pacer.restore(snap.meta.get("balance"), same_world=same_world)
+  if "inflight" in own:  # sent again below, with the hosts that took no part in it then
+    for r, hosts in snap.meta.get("inflight_idle", {}).items():
+      parts.sync.exchange.idle(int(r), hosts)
   outer = parts.sync.driver.join(snap.shared, own or None)
   if "replicas" in own:
     replicas = parts.model.inner.place(own["replicas"])
