@@ -127,7 +127,14 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
   if lease.joining:  # the job runs: its config comes with the members' state (loop/join.py)
     return world
   collective.connect()
-  cluster.check_same_config_over(collective.allgather, c.host_id, config_lib.flatten(config))
+  try:
+    cluster.check_same_config_over(collective.allgather, c.host_id, config_lib.flatten(config))
+  except cluster.StartupError:
+    # Every host refuses alike. Each leaves, and host 0's coordinator answers until the
+    # others have left: one still waiting for the comparison's commit would otherwise
+    # take host 0's exit for a coordinator lost, and wait out --coordinator_grace.
+    finish(world, timeout_s=c.initialization_timeout)
+    raise
   return world
 
 
@@ -177,11 +184,11 @@ def _refused(serving: coordinator_lib.Serving | None, me: int) -> Callable[[], N
   return check
 
 
-def finish(world: World) -> None:
+def finish(world: World, timeout_s: float = FINISH_S) -> None:
   """The end of this host's job: a live host leaves (the others need not wait for its
-  lease), and host 0 serves the others until they have left too."""
+  lease), and host 0 serves the others until they have left too (at most `timeout_s`)."""
   if world.collective is not None:
     world.collective.close()
-  if world.coordinator is not None and not world.coordinator.finish(FINISH_S):
-    print(f"host 0: hosts still in the job {FINISH_S:g} s after this host's end; its "
+  if world.coordinator is not None and not world.coordinator.finish(timeout_s):
+    print(f"host 0: hosts still in the job {timeout_s:g} s after this host's end; its "
           "coordinator stops now (their work is in their checkpoints)", flush=True)
