@@ -105,19 +105,24 @@ class Trainer:
     (written one round late, so the devices never wait for it), a checkpoint when the
     store's policy says so (and a stop after a preemption), and an admission when a host
     waits to join (live)."""
-    parts, hooks, started = self.parts, hooks_lib.Hooks(), [0.0]
+    parts, hooks = self.parts, hooks_lib.Hooks()
     profile, log = parts.reporting.profile, parts.reporting.log
     hooks.add("profile", before=profile.before_round,
               after=lambda r: profile.after_round(r, self.state.replicas))
+    started = 0.0  # when the round began
+
+    def clock(r: int) -> None:
+      del r
+      nonlocal started
+      started = time.perf_counter()
 
     def record(r: int) -> None:
       log.write_through(r - 1)  # read after round r's work was dispatched
-      log.timed(r, time.perf_counter() - started[0], steady=not profile.covers(r),
+      log.timed(r, time.perf_counter() - started, steady=not profile.covers(r),
                 tokens=sum(parts.sync.pacer.steps(r)) * parts.replicas_per_host
                 * parts.tokens_per_replica_step)
 
-    hooks.add("record", before=lambda r: started.__setitem__(0, time.perf_counter()),
-              after=record)
+    hooks.add("record", before=clock, after=record)
 
     def checkpoint(r: int) -> bool:
       preempted = parts.sync.preemption.reached(r)
