@@ -88,6 +88,12 @@ def use(path: str | None, workdir: str, host_id: int | None) -> str | None:
     _write_from_this_host()
   jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  # JAX writes the path of its GPU autotuning cache (under this directory) into every
+  # program's compile options, and so into every key: each host's directory would then key
+  # the same program differently, and no host could use another's entries
+  # (membership/programs.py). Off, a program's key is the same wherever its directory is.
+  with contextlib.suppress(AttributeError, ValueError):  # (a JAX without the option)
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
   return cache
 
 
@@ -223,12 +229,12 @@ def _path(name: str, spec: Any) -> str | None:
   kept = directory()
   if kept is None:
     return None
-  key = json.dumps([FORMAT, name, spec, _machine()], sort_keys=True, default=repr)
+  key = json.dumps([FORMAT, name, spec, machine()], sort_keys=True, default=repr)
   return os.path.join(kept, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:40]}"
                       f"{SUFFIX}")
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
   """What besides the program's own spec and code decides what XLA builds from it."""
   client = jax.devices()[0].client
   return {"versions": [jax.__version__, jaxlib.__version__, sys.version],
@@ -236,10 +242,11 @@ def _machine() -> dict[str, Any]:
           "cpu": _cpu(),  # XLA:CPU's code uses the instructions this CPU has
           "devices": [(d.id, d.process_index, d.device_kind) for d in jax.devices()],
           "process": [jax.process_index(), jax.process_count()],
-          # every value but the default device, which a `with` changes: callers whose
-          # program takes it give it themselves
+          # every value but the default device, which a `with` changes (callers whose
+          # program takes it give it themselves), and where the cache is, which no
+          # program depends on (`use`): the same program keys alike in every directory
           "config": sorted((k, repr(v)) for k, v in jax.config.values.items()
-                           if k != "jax_default_device"),
+                           if k not in ("jax_default_device", "jax_compilation_cache_dir")),
           "environment": sorted((k, v) for k, v in os.environ.items()
                                 if k.startswith(("JAX_", "XLA_", "TPU_", "LIBTPU")))}
 

@@ -44,6 +44,10 @@ def test_a_host_other_than_0_writes_its_programs_to_a_directory_of_its_own(tmp_p
     entries = result["entries"][result["dir"]]
     assert any(e.startswith("jit_") for e in entries), result
     assert not [e for e in result["entries"].get(cache, []) if e != "host1"], result
+    # Where the directory is keys nothing: another host's entries are this one's
+    # (membership/programs.py)
+    elsewhere = run(str(tmp_path / "elsewhere"), "1")
+    assert elsewhere["entries"][elsewhere["dir"]] == entries
   else:
     assert result["dir"] == cache
     assert not any(result["entries"].values()), result  # process 1: JAX writes nothing

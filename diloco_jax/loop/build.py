@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from diloco_jax import config as config_lib
+from diloco_jax import units
 from diloco_jax.algo import optim
 from diloco_jax.checkpoints import per_host
 from diloco_jax.checkpoints import shared_dir
@@ -28,6 +29,7 @@ from diloco_jax.data import resolve
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.membership import manager as membership_lib
+from diloco_jax.membership import programs as programs_lib
 from diloco_jax.loop import pacing
 from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import state as state_lib
@@ -72,6 +74,9 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   storage, workdir = _storage(config, workdir, world, dispatcher, membership.collective,
                               restart_from_scratch)
   phases.done("connect")  # the membership's connections, the workdir, the store
+  if world.joining and world.programs is not None:
+    _programs_from_a_member(world)
+    phases.done("programs")  # a member's compiled programs, before anything compiles
   mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
   model_cfg = family.ModelConfig.from_config(config.model, data.spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(model_cfg)
@@ -101,6 +106,19 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
       data=data.get_state(), pace=sync.pacer.state())
   phases.done("state")  # the outer state and every replica's, from the anchor
   return parts, state
+
+
+def _programs_from_a_member(world: world_lib.World) -> None:
+  """A joiner takes the compiled programs a member holds for this machine, which the build
+  then loads as its own (membership/programs.py), and says where they came from."""
+  taken = programs_lib.fetch(world.lease.epoch, world.token, world.programs.cache)
+  if taken is None:
+    print(f"host {world.host}: no member has compiled programs for this machine; "
+          "compiling them", flush=True)
+    return
+  print(f"host {world.host}: {taken['files']} compiled programs "
+        f"({units.format_bytes(taken['bytes'])}) from host {taken['host']} in "
+        f"{taken['seconds']:.1f} s", flush=True)
 
 
 def _checked(config: ml_collections.ConfigDict, host: int, num_hosts: int

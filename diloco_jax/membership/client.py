@@ -97,10 +97,11 @@ class Verdict:
 class Client:
   """Talks to the coordinator at `address` ('host:port'). `last_epoch`: the highest epoch
   number this host has seen; it is reported when registering, so that a restarted coordinator
-  numbers its epochs above it."""
+  numbers its epochs above it. `programs`: where this host serves its compiled programs,
+  said in each registration (membership/programs.py)."""
 
   def __init__(self, address: str, token: security.JoinToken | None, timeout_s: float = 5.0,
-               last_epoch: int = 0):
+               last_epoch: int = 0, programs: str = ""):
     host, port = security.split_address(address)
     self.address, self.timeout_s = address, timeout_s
     self._endpoint = f"tcp://{host}:{port}"
@@ -124,6 +125,7 @@ class Client:
     self.rebuilding = False  # a restarted coordinator waits for hosts to come back
     self.boot = ""  # the coordinator's, as its last `unknown` said
     self.positions: dict[int, tuple[int, bool]] = {}  # host -> (ops committed, in one now)
+    self.programs = programs  # where this host serves its compiled programs (programs.py)
 
   def _ask(self, body: dict, what: str) -> dict:
     with self._lock:
@@ -208,7 +210,9 @@ class Client:
                                             "was": list(resume[1])}
       answer = self._ask({"op": "register", "challenge": challenge, "host": host,
                           "address": address, "last_epoch": self.last_epoch,
-                          "ready": ready, **resuming}, "register")
+                          "ready": ready, **resuming,
+                          **({"programs": self.programs} if self.programs else {})},
+                         "register")
       if answer["op"] != "retry":
         break
       self._expect(answer, "retry", challenge=challenge)

@@ -99,13 +99,14 @@ class Lease:
             token: security.JoinToken | None, timeout_s: float,
             address: str | None = None, min_hosts: int | None = None,
             waiting: Callable[[], None] = lambda: None,
-            last_epoch: int = 0, grace_s: float = GRACE_S) -> Lease:
+            last_epoch: int = 0, grace_s: float = GRACE_S, programs: str = "") -> Lease:
     """Registers, then waits up to `timeout_s` for an epoch of `min_hosts` hosts (None:
     `num_hosts`), calling `waiting()` meanwhile (it may raise to give up); a host that
     finds the job running returns at once, `joining`. `last_epoch`: the highest epoch number
-    this host saw before (its newest checkpoint's), reported when it registers."""
+    this host saw before (its newest checkpoint's), reported when it registers. `programs`:
+    where this host serves its compiled programs (membership/programs.py; "": nowhere)."""
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s),
-                                       last_epoch=last_epoch)
+                                       last_epoch=last_epoch, programs=programs)
     address = wire_address(coordinator, address)
     try:
       # Not ready: if the job runs, the members would admit it at their next round

@@ -9,6 +9,7 @@ tests drive it at fake times.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import secrets
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -86,7 +87,6 @@ class Ledger:
     self._resume_until = now + REBUILD_LEASES * lease_s
     self._awaited: set[int] = set()
     self._resumed: dict[str, int] = {}  # incarnation -> the last epoch it saw before
-
     self._joined: dict[str, int] = {}  # incarnation -> the first epoch it is a member of
     self._pending: dict[int, Member] = {}  # registered while the job runs; not yet members
     self._running = False  # a commit vote was cast: a registration waits for a boundary
@@ -212,6 +212,7 @@ class Ledger:
     challenge = protocol.text(req, "challenge")
     host, last_epoch = req.get("host"), protocol.integer(req, "last_epoch")
     address, ready = protocol.text(req, "address"), protocol.flag(req, "ready", True)
+    programs = protocol.text(req, "programs", "")  # where it serves them (membership/programs.py)
     resume, step = protocol.flag(req, "resume", False), protocol.integer(req, "step", default=0)
     was = protocol.hosts(req, "was")
     if self._challenges.pop(challenge, 0.0) <= now:
@@ -232,12 +233,14 @@ class Ledger:
     elif type(host) is not int or not 0 <= host < self.max_hosts:  # noqa: E721 -- no bool
       why = f"host id {str(host)[:20]} is outside 0..{self.max_hosts - 1} (--max_hosts)"
     if not why:  # a member's peers connect to it: an address they cannot use would fail them
-      why = security.address_error(address, f"host {host}'s wire address") or ""
+      why = (security.address_error(address, f"host {host}'s wire address") or programs
+             and security.address_error(programs, f"host {host}'s programs address") or "")
     if why:
       self._log(f"coordinator: refused {address[:80]!r}: {why}")
       return {"op": "refused", "challenge": challenge, "why": why}
     if resume:
-      return self._resume(host, address, challenge, last_epoch, step, was, now)
+      return self._resume(Member(host, "", address, programs), challenge, last_epoch, step,
+                          was, now)
     why = f"host {host} joined"
     replaced = host in members
     if replaced:  # a new incarnation: the old one is gone
@@ -246,7 +249,7 @@ class Ledger:
     if host in self._pending:  # the same, for a host not yet admitted
       self._forget(self._pending, host)
     incarnation = secrets.token_hex(8)
-    member = Member(host, incarnation, address)
+    member = Member(host, incarnation, address, programs)
     pending = self._running and bool(members)
     if pending and not ready:
       # A probe: the host learns that the job runs (and an old incarnation of it is gone)
@@ -282,13 +285,14 @@ class Ledger:
     # (a host that registered afresh is pending: it lost its state and cannot be waited for)
     return bool(self._awaited - set(self._pending)) and now < self._resume_until
 
-  def _resume(self, host: int, address: str, challenge: str, last_epoch: int, step: int,
+  def _resume(self, member: Member, challenge: str, last_epoch: int, step: int,
               was: list[int], now: float) -> dict:
-    """A host of a job whose coordinator was lost (this one started since) comes back with
+    """`member`, of a job whose coordinator was lost (this one started since), comes back with
     its state, having committed `step` ops among hosts `was`: a member again at once. The
     epochs it opens continue at the highest op any host committed: a host one op behind
     holds that op's result (a commit needs every member's ok) and applies it; one further
-    behind, or without it, cannot go on and leaves."""
+    behind, or without it, cannot go on and leaves (its incarnation is drawn here)."""
+    host = member.host
     if now >= self._resume_until:
       why = (f"host {host} is not in the job any more (its lease ran out, or it came back "
              f"over {REBUILD_LEASES} leases after this coordinator started): the job went on "
@@ -306,7 +310,7 @@ class Ledger:
     fresh = [h for h, m in members.items() if m.incarnation not in self._resumed]
     for h in fresh:  # registered afresh while its job ran elsewhere: it joins the job
       self._pending[h] = members.pop(h)
-    members[host] = Member(host, incarnation, address)
+    members[host] = dataclasses.replace(member, incarnation=incarnation)
     self._running, self._votes.next_step = True, max(self._votes.next_step, step)
     self._awaited = (self._awaited | set(was)) - set(members)
     self._open(members, last_epoch, f"host {host} came back at op {step}",

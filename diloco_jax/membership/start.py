@@ -20,15 +20,18 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import ml_collections
 
+from diloco_jax import compile_cache
 from diloco_jax import config as config_lib
 from diloco_jax.membership import client as client_lib
 from diloco_jax.membership import collective as collective_lib
 from diloco_jax.membership import coordinator as coordinator_lib
 from diloco_jax.membership import lease as lease_lib
+from diloco_jax.membership import programs as programs_lib
 from diloco_jax.membership.world import World
 from diloco_jax.runtime import cluster
 from diloco_jax.runtime import security
@@ -105,6 +108,7 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
   if warning:
     print(warning, flush=True)
   serving = _serve(address, c, token) if serves else None
+  offer = _offer(wire, token)
   wanted = ("every host" if min_hosts in (None, c.num_hosts)
             else f"{min_hosts} of the {c.num_hosts} hosts")
   print(f"host {c.host_id} of {c.num_hosts} hosts: registering with the membership "
@@ -116,14 +120,18 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
         address, host=c.host_id, num_hosts=c.num_hosts, token=token,
         timeout_s=c.initialization_timeout, address=wire,
         min_hosts=min_hosts, waiting=_refused(serving, c.host_id),
-        last_epoch=options.last_epoch,
+        last_epoch=options.last_epoch, programs=offer.address if offer else "",
         grace_s=lease_lib.GRACE_S if c.coordinator_grace is None else c.coordinator_grace)
-  except client_lib.TokenMismatch as e:
+  except BaseException as e:
+    if offer is not None:
+      offer.close()
+    if not isinstance(e, client_lib.TokenMismatch):
+      raise
     raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join token "
                                f"differs from this host's ({e})") from None
   collective = collective_lib.EpochCollective(lease, token=token,
                                               timeout_s=config.wire_timeout)
-  world = World(c.host_id, c.num_hosts, lease, token, collective, serving)
+  world = World(c.host_id, c.num_hosts, lease, token, collective, serving, offer)
   if lease.joining:  # the job runs: its config comes with the members' state (loop/join.py)
     return world
   collective.connect()
@@ -154,6 +162,15 @@ def _serve(address: str, c: cluster.Cluster,
   print(f"host 0: membership coordinator listening on {listen}:{port} ({host}:{port} for "
         f"the hosts); {auth}", flush=True)
   return serving
+
+
+def _offer(wire: str, token: security.JoinToken | None) -> programs_lib.Offer | None:
+  """This host's compiled programs, served to joiners on its wire's IP (None where the
+  compilation cache is off: nothing is kept to serve)."""
+  cache = compile_cache.directory()
+  if cache is None:
+    return None
+  return programs_lib.Offer(security.split_address(wire)[0], token, os.path.dirname(cache))
 
 
 def _listen(address: str) -> str:
@@ -189,6 +206,8 @@ def finish(world: World, timeout_s: float = FINISH_S) -> None:
   lease), and host 0 serves the others until they have left too (at most `timeout_s`)."""
   if world.collective is not None:
     world.collective.close()
+  if world.programs is not None:
+    world.programs.close()
   if world.coordinator is not None and not world.coordinator.finish(timeout_s):
     print(f"host 0: hosts still in the job {timeout_s:g} s after this host's end; its "
           "coordinator stops now (their work is in their checkpoints)", flush=True)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
   from diloco_jax.membership import collective as collective_lib
   from diloco_jax.membership import coordinator as coordinator_lib
   from diloco_jax.membership import lease as lease_lib
+  from diloco_jax.membership import programs as programs_lib
   from diloco_jax.runtime import security
 
 
@@ -31,6 +32,8 @@ class World:
     collective: live membership: the sums among the epoch's members.
     coordinator: the membership coordinator this process serves (host 0 of a job started
       with --coordinator_address), else None.
+    programs: live, with the compilation cache on: where this host serves its compiled
+      programs to joiners (membership/programs.py).
   """
   host: int
   num_hosts: int
@@ -38,6 +41,7 @@ class World:
   token: security.JoinToken | None = None
   collective: collective_lib.EpochCollective | None = None
   coordinator: coordinator_lib.Serving | None = None
+  programs: programs_lib.Offer | None = None
 
   @property
   def live(self) -> bool:

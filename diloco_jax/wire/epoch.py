@@ -42,10 +42,13 @@ class PeerError(WireError):
 @dataclasses.dataclass(frozen=True)
 class Member:
   """A host in an epoch: its id, its incarnation (random, new at each registration: the
-  coordinator's, "" where none) and where its peers reach it ("host:port")."""
+  coordinator's, "" where none), where its peers reach it ("host:port") and where it
+  serves its compiled programs to joiners ("host:port", "" where it does not:
+  membership/programs.py)."""
   host: int
   incarnation: str
   address: str
+  programs: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,8 @@ class Epoch:
     members = field(body, "members", list)
     return cls(field(body, "number", int),
                tuple(Member(field(m, "host", int), field(m, "incarnation", str),
-                            field(m, "address", str)) for m in members),
+                            field(m, "address", str), field(m, "programs", str, ""))
+                     for m in members),
                field(body, "boot", str), field(body, "first_step", int, 0),
                field(body, "nonce", str, ""))
 
