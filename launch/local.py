@@ -52,6 +52,7 @@ from diloco_jax.runtime import hostmem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEASE_S = 5.0  # a host silent this long is dropped (--lease_s)
+STRAGGLER_S = 10.0  # a stopped job's hosts still running this long after it: SIGTERM
 _PR_SET_PDEATHSIG = 1
 
 
@@ -101,6 +102,7 @@ class Hosts:
     self.later_at = time.monotonic() + join_later if join_later >= 0 else float("inf")
     self.start_next = 0  # hosts to start now, ahead of `later_at` (SIGUSR1s)
     self._told = False  # the hosts got the launcher's SIGTERM
+    self._ended_at = 0.0  # when the coordinator of a job asked to stop was seen ended
 
   def _start_coordinator(self) -> subprocess.Popen:
     proc = subprocess.Popen(
@@ -172,6 +174,22 @@ class Hosts:
     if self.coordinator.poll() is None:
       self.coordinator.send_signal(signal.SIGTERM)
 
+  def _tell_stragglers(self, stopping) -> bool:
+    """The job was asked to stop and its coordinator ended once its hosts had left: the
+    hosts still running get a SIGTERM (a host still starting, to join, would find no
+    coordinator; a ddp job's hosts never registered). Nothing of theirs is lost. Hosts that
+    registered get STRAGGLER_S first: one that has left ends a moment after, and a SIGTERM
+    in its exit would kill it."""
+    if not stopping() or self.coordinator.poll() is None or self._told:
+      return False
+    now = time.monotonic()
+    self._ended_at = self._ended_at or now
+    if self.registered and now - self._ended_at < STRAGGLER_S:
+      return False
+    self._told = True
+    self.signal_all(signal.SIGTERM)
+    return True
+
   def stop_coordinator(self) -> None:
     self._ended = True
     if self.coordinator.poll() is None:
@@ -194,12 +212,7 @@ class Hosts:
     restarts, due = 0, {}  # host -> when it starts again
     while True:
       self.keep_coordinator(stopping)
-      if stopping() and self.coordinator.poll() is not None and not self._told:
-        # The job stopped and its coordinator ended once its hosts had left: a host still
-        # starting (to join it) would find no coordinator, and a ddp job's hosts never
-        # registered. Nothing of theirs is lost.
-        self._told = True
-        self.signal_all(signal.SIGTERM)
+      if self._tell_stragglers(stopping):
         due.clear()
       if len(self.procs) < self.max_hosts and (self.start_next or
                                                time.monotonic() >= self.later_at):
@@ -280,9 +293,7 @@ class Hosts:
     code of the host that failed first (by exit time), the rest killed."""
     while True:
       self.keep_coordinator(stopping)
-      if stopping() and self.coordinator.poll() is not None and not self._told:
-        self._told = True  # a ddp job's hosts never registered: they get the SIGTERM
-        self.signal_all(signal.SIGTERM)
+      self._tell_stragglers(stopping)
       codes = [p.poll() for p in self.procs]
       now = time.monotonic()
       failed = sorted(((h, c) for h, c in enumerate(codes) if c not in (None, 0)),

@@ -204,10 +204,10 @@ def _refused(serving: coordinator_lib.Serving | None, me: int) -> Callable[[], N
 def finish(world: World, timeout_s: float = FINISH_S) -> None:
   """The end of this host's job: a live host leaves (the others need not wait for its
   lease), and host 0 serves the others until they have left too (at most `timeout_s`)."""
+  if world.programs is not None:  # first: leaving is the last this host does before its end
+    world.programs.close()
   if world.collective is not None:
     world.collective.close()
-  if world.programs is not None:
-    world.programs.close()
   if world.coordinator is not None and not world.coordinator.finish(timeout_s):
     print(f"host 0: hosts still in the job {timeout_s:g} s after this host's end; its "
           "coordinator stops now (their work is in their checkpoints)", flush=True)
