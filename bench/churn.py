@@ -41,7 +41,9 @@ was away (`members_round_s`, the median from the second round after the event; t
 `first_round_s`, waited for the lost host), the round after the join, which is the
 joiner's catch-up round (`joined_round_s`), and the next, its first trained
 (`joined_next_round_s`), each read from a member's records, beside the uninterrupted
-run's (`round_s`).
+run's (`round_s`), and where the joiner's start went, by phase (`start_seconds`, from its
+run.json), with the compiled programs it took from a member (`programs`). On the live path
+every host keeps its compilation cache in its own workdir, whatever the environment says.
 Writes bench/results/churn.json.
 """
 
@@ -69,6 +71,8 @@ ONCE = ("join_new",)  # one spare host id
 SMOKE_EVENTS = ("kill_wipe", "join_new")
 JOINED = re.compile(r"^\[host (\d+)\] host \d+ joined at round (\d+): state ([0-9.]+) (\w+) "
                     r"from host (\d+) in ([0-9.]+) s")
+PHASES = ("process", "checks", "data", "connect", "programs", "inner_step", "init", "state",
+          "rehearse", "admitted", "resume", "total")  # a joiner's run.json, in start order
 UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -115,8 +119,11 @@ def launcher(workdir: str, hosts: int, flags: list[str], live: bool,
   extra = (["--lease_s=3", "--rejoin_after=1", "--max_restarts=1000",
             *([f"--max_hosts={hosts + 1}", "--join_later=-1"] if spare else [])] if live
            else ["--shared_fate"])  # the restart path: a host lost stops the job
-  if not baseline:
-    return jobs.launch(workdir, hosts, flags, extra)
+  if not baseline:  # live: each host's own compilation cache, in its workdir, as on a
+    # machine of its own (not a smoke run's shared one): a wiped host or a new id has none
+    # and takes the members' programs (membership/programs.py)
+    return jobs.launch(workdir, hosts, flags, extra,
+                       env={"JAX_COMPILATION_CACHE_DIR": ""} if live else None)
   # 0.1 named the wire's timeout after its elastic switch
   flags = [f.replace("--config.wire_timeout=", "--config.elastic_timeout=") for f in flags]
   return jobs.launch(workdir, hosts, flags, [], repo=baseline, env={"PYTHONPATH": baseline})
@@ -188,6 +195,8 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       when, r_joined, size, source, seconds = joined
       event.update(back_s=when - t_event, joined_at=r_joined, join_s=when - t_event,
                    state_bytes=size, source=source, transfer_s=seconds)
+      start = _joiner_start(workdir, victim, r_joined)
+      event.update(start_seconds=start.get("seconds"), programs=start.get("programs"))
       back_round = r_joined
     else:
       back = None
@@ -205,8 +214,11 @@ def run(path: str, workdir: str, hosts: int, flags: list[str], plan: list[tuple[
       if now_hosts != hosts_from[-1][1]:
         hosts_from.append((back[1], now_hosts))
     events.append(event)
+    phases = event.get("start_seconds") or {}
     print(f"{path}: {kind} host {victim} after round {r}; whole again in "
-          f"{event['back_s']:.1f} s", flush=True)
+          f"{event['back_s']:.1f} s" + (" (its start: " + ", ".join(
+              f"{k} {phases[k]:.1f}" for k in PHASES if k in phases) + " s)" if phases else ""),
+          flush=True)
   code = out.finish(job, timeout=10)
   end = time.monotonic()
   wall = end - t0
@@ -243,6 +255,24 @@ def _wait_joined(out: jobs.Output, job, host: int, since: float):
         return when, int(m.group(2)), int(size), int(m.group(5)), float(m.group(6))
     time.sleep(0.1)
   return None
+
+
+def _joiner_start(workdir: str, host: int, joined_at: int) -> dict:
+  """The joiner's run.json `start`, written once it has the members' state: where its start
+  went, by phase (`seconds`: the process, its build, the programs it took from a member,
+  its rehearsal, the wait to be admitted, the state received) and the compiled programs it
+  took (`programs`); {} if it is not written within a few seconds."""
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    try:
+      with open(os.path.join(workdir, f"host{host}", "run.json")) as f:
+        start = json.load(f).get("start", {})
+      if start.get("joined", {}).get("round") == joined_at:
+        return start
+    except (OSError, ValueError):
+      pass
+    time.sleep(0.2)
+  return {}
 
 
 def goodput(ref: dict, churn: dict, quota: bool) -> float:

@@ -56,7 +56,8 @@ def check_churn(result: dict) -> None:
   host id arriving. Live: the killed host is started again and the new one (a SIGUSR1 to
   the launcher) starts; each joins at a later round with the state from another host, and
   the job is whole again; every round is kept once, with the replicas that took part.
-  Restart: each event restarts the job (with one host more after the new id's arrival),
+  Each joiner takes its compiled programs from a member (every live host keeps its own
+  cache). Restart: each event restarts the job (with one host more after the new id's arrival),
   which resumes; every round is kept with every host of the job that trained it."""
   assert [kind for kind, _ in result["plan"]] == ["kill_wipe", "join_new"]
   live, restart = result["paths"]["live"], result["paths"]["restart"]
@@ -68,6 +69,9 @@ def check_churn(result: dict) -> None:
   for e in live["churn"]["events"]:
     assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
     assert e["state_bytes"] > 0 and e["back_s"] > 0, e
+    # a wiped host and a new id take the members' compiled programs (their own caches)
+    assert e["programs"]["files"] > 0 and e["programs"]["host"] != e["host"], e
+    assert {"programs", "rehearse", "admitted", "resume"} <= set(e["start_seconds"]), e
     assert e["first_round_s"] > 0 and e["joined_round_s"] > 0 and (
         e["joined_next_round_s"] > 0) and (
         e["joined_at"] < e["round"] + 2 or e["members_round_s"] > 0), e

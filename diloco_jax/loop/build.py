@@ -29,7 +29,6 @@ from diloco_jax.data import resolve
 from diloco_jax.device import inner
 from diloco_jax.device import mesh as mesh_lib
 from diloco_jax.membership import manager as membership_lib
-from diloco_jax.membership import programs as programs_lib
 from diloco_jax.loop import pacing
 from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import state as state_lib
@@ -111,7 +110,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
 def _programs_from_a_member(world: world_lib.World) -> None:
   """A joiner takes the compiled programs a member holds for this machine, which the build
   then loads as its own (membership/programs.py), and says where they came from."""
-  taken = programs_lib.fetch(world.lease.epoch, world.token, world.programs.cache)
+  taken = world.programs.take(world.lease.epoch)
   if taken is None:
     print(f"host {world.host}: no member has compiled programs for this machine; "
           "compiling them", flush=True)

@@ -191,13 +191,16 @@ def receive(parts: parts_lib.Parts, state: state_lib.RunState,
   in this process (`again`): nothing to `rehearse`."""
   world = parts.world
   collective = parts.sync.collective
-  t = time.perf_counter()
+  t, phases = time.perf_counter(), parts.reporting.start_phases
   if not compiled:  # start-up's one-off programs dropped first (the trainer keeps these)
     jax.clear_caches()
     rehearse(parts, state)
     hostmem.trim()  # what compiling freed: here, not once the members wait (0.05 s)
+    phases.done("rehearse")
   world.lease.join()
   collective.admitted()
+  if not compiled:
+    phases.done("admitted")  # registered ready, and the members' boundary
   source, got, held = parts.dispatcher.run(collective.transfer, (world.host,), None,
                                            what="receiving the run's state")
   seconds = time.perf_counter() - t

@@ -35,7 +35,13 @@ def write_run_json(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
                          flops_per_token=model.flops_per_token,
                          tokens_per_step=parts.tokens_per_step, peak_flops=model.peak_flops,
                          memory=model.step_memory, layout=model.inner.layout.describe(),
-                         start={**state.start, "seconds": {
+                         start={**state.start, **_taken(parts), "seconds": {
                              **phases.seconds, "total": round(phases_lib.process_age(), 3)}},
                          balance=parts.sync.pacer.describe(),
                          attention=model.attention, init_from=state.init_source)
+
+
+def _taken(parts: parts_lib.Parts) -> dict:
+  """A joiner's compiled programs taken from a member (membership/programs.py), if any."""
+  offer = parts.world.programs
+  return {"programs": offer.taken} if offer is not None and offer.taken else {}

@@ -81,10 +81,12 @@ def _files(cache: str) -> list[str]:
 
 class Offer:
   """Serves this host's compilation cache to the job's joiners from a thread of its own, on
-  a free port of `ip`; `address` is what it registers. `close` ends it."""
+  a free port of `ip`; `address` is what it registers. `take` (a joiner) fetches the
+  members' into it; `close` ends it."""
 
   def __init__(self, ip: str, token: security.JoinToken | None, cache: str):
-    self.cache, self._key = cache, _key(token)
+    self.cache, self._key, self._token = cache, _key(token), token
+    self.taken: dict | None = None  # what `take` wrote: host, files, bytes, seconds
     self._digest: str | None = None  # computed on the first request: jax is up by then
     self._ctx = zmq.Context.instance()
     self._sock = self._ctx.socket(zmq.ROUTER)
@@ -145,6 +147,12 @@ class Offer:
     self.served += bool(files)
     body = {"op": "programs", "nonce": nonce, "machine": self._digest, "files": files}
     return [*protocol.sign(self._key, S2C, body), b"".join(blobs)]
+
+  def take(self, epoch: epoch_lib.Epoch, timeout_s: float = 30.0) -> dict | None:
+    """A joiner: the programs it lacks, from the members of `epoch` (`fetch`), into its
+    own cache, before anything compiles; what was taken (also `taken`), or None."""
+    self.taken = fetch(epoch, self._token, self.cache, timeout_s)
+    return self.taken
 
   def close(self) -> None:
     self._stop.set()
