@@ -5,6 +5,8 @@ beside restarts (bench/churn.py)."""
 
 from __future__ import annotations
 
+import statistics
+
 from bench.figures.results import Results
 
 
@@ -90,6 +92,20 @@ CHURN_EVENTS = {"kill": "SIGKILL host {host}", "kill_wipe": "SIGKILL host {host}
                 "join_new": "host {host} joins (an id never seen before)"}
 
 
+JOINER_PHASES = ("process", "checks", "data", "connect", "programs", "inner_step", "init",
+                 "state", "rehearse", "admitted", "resume", "total")  # run.json, in order
+
+
+def _taken(event: dict | None) -> str:
+  """The compiled programs a live joiner took from a member (bench/churn.py's `programs`)."""
+  taken = (event or {}).get("programs")
+  if not taken:
+    return "–"
+  size = taken["bytes"]
+  size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+  return f"{taken['files']} ({size}) from host {taken['host']}"
+
+
 def churn(results: Results) -> dict:
   """Per event, each path's seconds until the job is whole again; per path, goodput, the
   wall time against the uninterrupted run's and the final eval loss."""
@@ -110,7 +126,7 @@ def churn(results: Results) -> dict:
                  if a and steady and "members_round_s" in a else "–",
                  *(f"{a[key] / steady:.1f}×" if a and steady and key in a else "–"
                    for key in ("joined_round_s", "joined_next_round_s")),
-                 f"{b['back_s']:.1f}" if b and "back_s" in b else "–"])
+                 _taken(a), f"{b['back_s']:.1f}" if b and "back_s" in b else "–"])
   paths = []
   for name in ("live", "restart"):
     p = d["paths"][name]
@@ -119,7 +135,10 @@ def churn(results: Results) -> dict:
                   f"{run['rounds_completed']}", len(run["events"]),
                   f"{run['final_eval_loss']:.4f}", f"{ref['final_eval_loss']:.4f}"])
   joins = [e["join_s"] for e in live["events"] if "join_s" in e]
-  return {**d, "table": rows, "paths_table": paths,
+  starts = [e["start_seconds"] for e in live["events"] if e.get("start_seconds")]
+  phases = [[name, f"{statistics.median(s.get(name, 0.0) for s in starts):.2f}"]
+            for name in JOINER_PHASES if any(name in s for s in starts)]
+  return {**d, "table": rows, "paths_table": paths, "joiner_phases": phases,
           "goodput": {n: d["paths"][n]["churn"]["goodput"] for n in ("live", "restart")},
           "joins": (min(joins), max(joins)) if joins else None}
 
