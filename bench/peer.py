@@ -75,7 +75,9 @@ DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "diloco_jax", "pe
 # torch's CPU wheel where the index has one; torchft 0.2.0 ships `torchft_lighthouse`.
 PEER_PACKAGES = ("torch==2.13.0", "torchft==0.2.0", "numpy")
 SMOKE = {"d_model": 32, "num_layers": 1, "num_heads": 2, "mlp_dim": 64, "seq_len": 16,
-         "batch_size": 2, "inner_steps": 2, "rounds": 2, "pairs": 1, "startup_reps": 1}
+         "batch_size": 2, "inner_steps": 2, "rounds": 2, "pairs": 1, "startup_reps": 1,
+         "join_reps": 1}
+JOIN_ROUNDS = 10_000  # of the job a host joins: stopped once it has joined
 SHAPE = ("d_model", "num_layers", "num_heads", "mlp_dim", "seq_len")
 RUN_TIMEOUT_S = 1800
 
@@ -219,6 +221,60 @@ def run_jax(args, data: str, cpus: list[int], watcher: Watcher, cache: str = "")
           "peak_rss_mib": [watcher.peak_kib.get(pids[h], 0) / 1024 for h in range(2)],
           "peak_anon_mib": [watcher.anon_kib.get(pids[h], 0) / 1024 for h in range(2)],
           "threads": [watcher.threads.get(pids[h], 0) for h in range(2)]}
+
+
+def run_join(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
+  """A third host that joins a running diloco_jax job with an empty workdir, and takes the
+  compiled programs a member holds (membership/programs.py): the two hosts train on their
+  cores; once host 0 has written its first record the launcher starts host 2 (SIGUSR1,
+  --max_hosts=3), pinned to host 0's core, whose run.json says how long it took from its
+  process's start to a state it trains from (`start.seconds.total`) and what it took."""
+  workdir = tempfile.mkdtemp(prefix="bench_peer_join_")
+  rounds = max(args.rounds, JOIN_ROUNDS)
+  cmd = [sys.executable, os.path.join(REPO, "launch", "local.py"), "--hosts=2",
+         "--max_hosts=3", "--join_later=-1", "--workdir_per_host", "--",
+         "--config=configs/peer.py", f"--workdir={workdir}", f"--config.data.path={data}",
+         f"--config.num_rounds={rounds}", f"--config.inner_steps={args.inner_steps}",
+         f"--config.batch_size={args.batch_size}",
+         *(f"--config.model.{k}={getattr(args, k)}" for k in SHAPE)]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": "",  # their own
+         "XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
+                                             "--xla_cpu_multi_thread_eigen=false")))}
+  pids: dict[int, int] = {}
+  proc = None
+  joiner = os.path.join(workdir, "host2", "run.json")
+  try:
+    with open(os.path.join(workdir, "launcher.log"), "w") as log:
+      proc = subprocess.Popen(shim(cmd), cwd=REPO, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+      deadline, started = time.time() + RUN_TIMEOUT_S, False
+      while proc.poll() is None and time.time() < deadline and not os.path.exists(joiner):
+        for host, pid in harness.host_pids(proc.pid).items():
+          if host not in pids:
+            pids[host] = pid
+            watcher.watch(pid, cpus[host % 2])
+        if not started and os.path.exists(os.path.join(workdir, "host0", "metrics.jsonl")):
+          proc.send_signal(signal.SIGUSR1)  # the members have compiled and trained a round
+          started = True
+        time.sleep(0.01)
+      proc.send_signal(signal.SIGTERM)  # every host stops after one round, with a checkpoint
+      code = proc.wait(timeout=RUN_TIMEOUT_S)
+    with open(joiner) as f:
+      start = json.load(f)["start"]
+  except (OSError, ValueError, KeyError) as e:
+    with open(os.path.join(workdir, "launcher.log")) as f:
+      raise RuntimeError(f"the joining host wrote no run.json ({type(e).__name__}: {e}):\n"
+                         + f.read()[-4000:]) from None
+  finally:
+    if proc is not None and proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+    watcher.forget(pids.values())
+    shutil.rmtree(workdir, ignore_errors=True)
+  if code != 0 or "joined" not in start:
+    raise RuntimeError(f"the join run ended {code}; the joiner's start: {start}")
+  return {"start_s": start["seconds"]["total"], "seconds": start["seconds"],
+          "programs": start.get("programs"), "joined_round": start["joined"]["round"]}
 
 
 def ensure_venv(venv: str) -> str:
@@ -496,6 +552,9 @@ def main(argv=None):
   parser.add_argument("--skip_torchft", action="store_true", help="diloco_jax runs only")
   parser.add_argument("--startup_reps", type=int, default=3,
                       help="start-ups timed apart (fresh, cached, torchft), one round each")
+  parser.add_argument("--join_reps", type=int, default=3,
+                      help="a third host joining a running job with an empty workdir, timed "
+                           "to the state it trains from (against a cached start's)")
   args = harness.parse_args(parser, "peer", SMOKE, argv)
   args.config = config
   cpus = sorted(os.sched_getaffinity(0))
@@ -534,6 +593,15 @@ def main(argv=None):
       if len(set(params.values())) > 1:
         raise RuntimeError(f"the two models differ: {params} params")
     startup = startup_runs(args, python, data, cpus, watcher)
+    joins = [run_join(args, data, cpus, watcher) for _ in range(args.join_reps)]
+    if joins:
+      startup["join"] = joins
+      startup["diloco_jax_join"] = statistics.median(j["start_s"] for j in joins)
+      cached = startup["phases"]["diloco_jax_cached"]["total"]  # host 0's run.json, median
+      startup["diloco_jax_join_vs_cached"] = startup["diloco_jax_join"] / cached
+      print(f"a host that joins with a member's programs: {startup['diloco_jax_join']:.2f} s "
+            f"from its process's start to its state, {startup['diloco_jax_join_vs_cached']:.2f}x "
+            f"a cached start's {cached:.2f} s ({joins[-1]['programs']})", flush=True)
   finally:
     watcher.stop()
     if not args.data:
