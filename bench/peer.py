@@ -45,7 +45,13 @@ before round 1; torchft: the later replica's first step). Then start-up alone,
 compilation cache, diloco_jax again with the cache that run filled (as a host that
 restarts with its workdir finds it), torchft; diloco_jax's starts by phase too, from host
 0's run.json (`start.seconds`: the process until the trainer builds, the checks, data,
-connections, inner step, init, state and resume; and the launcher's part, the rest).
+connections, inner step, init, state and resume; and the launcher's part, the rest). Then,
+--join_reps times, a third host joins a running diloco_jax job with an empty workdir (the
+hosts keep their own compilation caches; it starts once host 0 has a record, pinned to
+host 0's core, as there are two): it takes the compiled programs a member holds, and its
+run.json says how long it took from its process's start to the state it trains from
+(`start_s`; `own_s`, less its wait for the members' round boundary), against a cached
+start's total.
 Writes bench/results/peer.json and prints a markdown table of the medians over runs.
 """
 
@@ -253,7 +259,7 @@ def run_join(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
           if host not in pids:
             pids[host] = pid
             watcher.watch(pid, cpus[host % 2])
-        if not started and os.path.exists(os.path.join(workdir, "host0", "metrics.jsonl")):
+        if not started and _size(os.path.join(workdir, "host0", "metrics.jsonl")) > 0:
           proc.send_signal(signal.SIGUSR1)  # the members have compiled and trained a round
           started = True
         time.sleep(0.01)
@@ -274,7 +280,16 @@ def run_join(args, data: str, cpus: list[int], watcher: Watcher) -> dict:
   if code != 0 or "joined" not in start:
     raise RuntimeError(f"the join run ended {code}; the joiner's start: {start}")
   return {"start_s": start["seconds"]["total"], "seconds": start["seconds"],
+          # less the wait for the members' round boundary, which a round's length decides
+          "own_s": start["seconds"]["total"] - start["seconds"].get("admitted", 0.0),
           "programs": start.get("programs"), "joined_round": start["joined"]["round"]}
+
+
+def _size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
 
 
 def ensure_venv(venv: str) -> str:
@@ -597,11 +612,16 @@ def main(argv=None):
     if joins:
       startup["join"] = joins
       startup["diloco_jax_join"] = statistics.median(j["start_s"] for j in joins)
+      startup["diloco_jax_join_own"] = statistics.median(j["own_s"] for j in joins)
       cached = startup["phases"]["diloco_jax_cached"]["total"]  # host 0's run.json, median
       startup["diloco_jax_join_vs_cached"] = startup["diloco_jax_join"] / cached
+      startup["diloco_jax_join_own_vs_cached"] = startup["diloco_jax_join_own"] / cached
       print(f"a host that joins with a member's programs: {startup['diloco_jax_join']:.2f} s "
             f"from its process's start to its state, {startup['diloco_jax_join_vs_cached']:.2f}x "
-            f"a cached start's {cached:.2f} s ({joins[-1]['programs']})", flush=True)
+            f"a cached start's {cached:.2f} s; without the wait for the members' boundary "
+            f"{startup['diloco_jax_join_own']:.2f} s, "
+            f"{startup['diloco_jax_join_own_vs_cached']:.2f}x ({joins[-1]['programs']})",
+            flush=True)
   finally:
     watcher.stop()
     if not args.data:

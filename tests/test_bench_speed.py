@@ -153,6 +153,11 @@ def check_peer(result: dict) -> None:
   startup = result["startup"]
   assert [len(startup["reps"][k]) for k in ("diloco_jax_fresh", "diloco_jax_cached")] == [1, 1]
   assert startup["diloco_jax_cached"] > 0 and startup["diloco_jax_fresh"] > 0
+  # a third host joins the running job with an empty workdir: it takes a member's programs
+  (join,) = startup["join"]
+  assert join["programs"]["files"] > 0 and join["programs"]["host"] in (0, 1), join
+  assert 0 < join["own_s"] <= join["start_s"] and join["joined_round"] >= 1, join
+  assert startup["diloco_jax_join_vs_cached"] > 0
   for run in result["runs"]["diloco_jax"]:  # the inner steps alone: the round less the sync
     assert run["inner_tokens_per_sec_per_replica"] >= run["tokens_per_sec_per_replica"]
 
