@@ -96,7 +96,6 @@ class Offer:
     host = f"[{ip}]" if ":" in ip else ip
     port = self._sock.bind_to_random_port(f"tcp://{host}")
     self.address = f"{host}:{port}"
-    self.served = 0  # answers that carried files
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._serve, name="programs", daemon=True)
     self._thread.start()
@@ -144,7 +143,6 @@ class Offer:
         total += len(data)
         files.append([name, len(data), hashlib.sha256(data).hexdigest()])
         blobs.append(data)
-    self.served += bool(files)
     body = {"op": "programs", "nonce": nonce, "machine": self._digest, "files": files}
     return [*protocol.sign(self._key, S2C, body), b"".join(blobs)]
 
