@@ -111,13 +111,13 @@ def test_a_file_is_written_only_with_the_bytes_announced_and_never_outside_the_c
            entry("jit_b-cache", blobs[1], hashlib.sha256(b"other").hexdigest()),
            entry("jit_kept-cache", blobs[2]), entry("../escape", blobs[3]),
            entry(".tmp-x", blobs[4]), entry("jit_c-cache", blobs[5])]
-  assert programs._write(cache, files, b"".join(blobs)) == 2  # pylint: disable=protected-access
+  assert programs._write(cache, files, blobs) == 2  # pylint: disable=protected-access
   assert sorted(os.listdir(cache)) == ["executables", "jit_c-cache", "jit_kept-cache"]
   assert os.listdir(os.path.join(cache, "executables")) == ["a.executable"]
   with open(os.path.join(cache, "jit_kept-cache"), "rb") as f:
     assert f.read() == b"mine"  # a file the host has is not replaced
   # bytes short of what the list announces: nothing past them is placed
-  assert programs._write(cache, [entry("jit_d-cache", b"12345")], b"123") == 0  # pylint: disable=protected-access
+  assert programs._write(cache, [entry("jit_d-cache", b"12345")], [b"123"]) == 0  # pylint: disable=protected-access
   assert not os.path.exists(tmp_path / "escape")
 
 

@@ -110,8 +110,8 @@ class Offer:
         return  # closed
       route, frames = msg[:2], msg[2:]
       try:
-        answer = self._answer(protocol.verify(self._key, C2S, frames)) if len(
-            route) == 2 else None
+        answer = self._answer(protocol.verify(self._key, C2S, frames,
+                                              protocol.MAX_REQUEST)) if len(route) == 2 else None
       except Exception:  # noqa: BLE001 -- no request may end the server: it is dropped
         answer = None
       if answer is None:
@@ -128,7 +128,7 @@ class Offer:
       return None
     if self._digest is None:
       self._digest = machine_digest()
-    files, blobs, total = [], [], 0
+    files, blobs, total = [], [], 0  # each file a frame of its own: nothing copied twice
     if digest == self._digest:
       for name in _files(self.cache):
         if name in have:
@@ -144,7 +144,7 @@ class Offer:
         files.append([name, len(data), hashlib.sha256(data).hexdigest()])
         blobs.append(data)
     body = {"op": "programs", "nonce": nonce, "machine": self._digest, "files": files}
-    return [*protocol.sign(self._key, S2C, body), b"".join(blobs)]
+    return [*protocol.sign(self._key, S2C, body), *blobs]
 
   def take(self, epoch: epoch_lib.Epoch, timeout_s: float = 30.0) -> dict | None:
     """A joiner: the programs it lacks, from the members of `epoch` (`fetch`), into its
@@ -169,22 +169,23 @@ def fetch(epoch: epoch_lib.Epoch, token: security.JoinToken | None, cache: str,
   for member in epoch.members:
     if not member.programs:
       continue
-    files, data = _ask(member.programs, key, token is not None, digest, have, timeout_s)
+    files, blobs = _ask(member.programs, key, token is not None, digest, have, timeout_s)
     if not files:
       continue
-    written = _write(cache, files, data)
-    return {"host": member.host, "files": written, "bytes": len(data),
+    written = _write(cache, files, blobs)
+    return {"host": member.host, "files": written, "bytes": sum(len(b) for b in blobs),
             "seconds": round(time.perf_counter() - t0, 3)}
   return None
 
 
 def _ask(address: str, key: bytes, keyed: bool, digest: str, have: list[str],
-         timeout_s: float) -> tuple[list, bytes]:
-  """One member's answer: its files' [name, size, sha256] and their bytes; nothing where it
-  did not answer in `timeout_s`, or its answer fails a check."""
+         timeout_s: float) -> tuple[list, list[bytes]]:
+  """One member's answer: its files' [name, size, sha256] and their bytes, a frame each;
+  nothing where it did not answer in `timeout_s`, or its answer fails a check."""
   ctx = zmq.Context.instance()
   sock = ctx.socket(zmq.REQ)
   sock.setsockopt(zmq.LINGER, 0)
+  sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES)  # a frame over it cuts the connection
   sealed.connect(sock, key if keyed else None)
   nonce = secrets.token_hex(16)
   try:
@@ -192,36 +193,34 @@ def _ask(address: str, key: bytes, keyed: bool, digest: str, have: list[str],
     sock.send_multipart(protocol.sign(key, C2S, {"op": "programs", "nonce": nonce,
                                                  "machine": digest, "have": have}))
     if not sock.poll(int(timeout_s * 1000)):
-      return [], b""
+      return [], []
     frames = sock.recv_multipart()
     body = protocol.verify(key, S2C, frames[:2])
-    files, data = body.get("files"), frames[2] if len(frames) == 3 else b""
+    files = body.get("files")
     if (protocol.text(body, "nonce") != nonce or protocol.text(body, "machine") != digest
-        or not isinstance(files, list)):
-      return [], b""
-    return files, data
+        or not isinstance(files, list) or len(files) != len(frames) - 2):
+      return [], []
+    return files, frames[2:]
   except (zmq.ZMQError, protocol.BadRequest, security.SecurityError):
-    return [], b""
+    return [], []
   finally:
     sock.close(linger=0)
 
 
-def _write(cache: str, files: list, data: bytes) -> int:
-  """Writes each file whose bytes match its sha256 and that this host lacks; how many."""
-  written, at = 0, 0
-  for entry in files:
+def _write(cache: str, files: list, blobs: list[bytes]) -> int:
+  """Writes each file whose bytes (its frame in `blobs`) have its size and sha256 and that
+  this host lacks; how many."""
+  written = 0
+  for entry, blob in zip(files, blobs):
     name, size, sha = entry if isinstance(entry, list) and len(entry) == 3 else ("", -1, "")
-    if not isinstance(size, int) or size < 0 or at + size > len(data):
-      return written  # the rest cannot be placed: compiled as before
-    blob = data[at:at + size]
-    at += size
     path = os.path.normpath(os.path.join(cache, str(name)))
-    if (os.path.dirname(path) not in (cache, os.path.join(cache, "executables"))
+    folder = os.path.dirname(path)
+    if (size != len(blob) or folder not in (cache, os.path.join(cache, "executables"))
         or os.path.basename(path).startswith(".") or os.path.exists(path)
         or hashlib.sha256(blob).hexdigest() != sha):
       continue
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), prefix=".tmp-",
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-",
                                      delete=False) as f:
       f.write(blob)
     os.chmod(f.name, 0o644)

@@ -58,12 +58,14 @@ def sign(key: bytes, direction: bytes, body: dict) -> list[bytes]:
   return [data, hmac.new(key, direction + data, "sha256").digest()]
 
 
-def verify(key: bytes, direction: bytes, frames: list[bytes]) -> dict:
-  """The body of a message signed with `key` in `direction`, or BadRequest naming why."""
+def verify(key: bytes, direction: bytes, frames: list[bytes], limit: int | None = None) -> dict:
+  """The body of a message signed with `key` in `direction`, or BadRequest naming why.
+  `limit`: the body's most bytes (default: a coordinator request's or answer's)."""
   if len(frames) != 2:
     raise BadRequest(f"{len(frames)} parts, expected 2 (body, mac)")
   data, mac = frames
-  limit = MAX_REQUEST if direction == C2S else MAX_ANSWER
+  if limit is None:
+    limit = MAX_REQUEST if direction == C2S else MAX_ANSWER
   if len(data) > limit:
     raise BadRequest(f"{len(data)} bytes, more than the {limit} a message may have")
   if not hmac.compare_digest(mac, hmac.new(key, direction + data, "sha256").digest()):

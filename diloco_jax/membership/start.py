@@ -122,13 +122,13 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
         min_hosts=min_hosts, waiting=_refused(serving, c.host_id),
         last_epoch=options.last_epoch, programs=offer.address if offer else "",
         grace_s=lease_lib.GRACE_S if c.coordinator_grace is None else c.coordinator_grace)
-  except BaseException as e:
+  except BaseException as e:  # (its programs' server, if any, ends with the start)
     if offer is not None:
       offer.close()
-    if not isinstance(e, client_lib.TokenMismatch):
-      raise
-    raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join token "
-                               f"differs from this host's ({e})") from None
+    if isinstance(e, client_lib.TokenMismatch):
+      raise cluster.StartupError(f"host {c.host_id}: join token mismatch: {seat} join "
+                                 f"token differs from this host's ({e})") from None
+    raise
   collective = collective_lib.EpochCollective(lease, token=token,
                                               timeout_s=config.wire_timeout)
   world = World(c.host_id, c.num_hosts, lease, token, collective, serving, offer)
