@@ -133,3 +133,35 @@ def test_the_members_programs_address_is_in_the_epoch_and_a_bad_one_is_refused()
   refused = ledger.handle({"op": "register", "challenge": hello["challenge"], "host": 2,
                            "address": "h2:1", "programs": "no port", "last_epoch": 0}, 0.6)
   assert refused["op"] == "refused" and "programs address" in refused["why"], refused
+
+
+def test_junk_an_oversized_part_or_a_stranger_never_stop_the_server(caches):
+  """What a server on the internet gets: a stranger's handshake (no token), a token
+  holder's junk and a body that fails the MAC, a part over the size limit, a message left
+  unfinished. Each is dropped, and a joiner is still served."""
+  import zmq  # pylint: disable=import-outside-toplevel
+  from diloco_jax.wire import sealed  # pylint: disable=import-outside-toplevel
+  member, joiner = caches
+  compile_cache.compiled("f", {"v": 1}, program([])[0])
+  offer, epoch = offered(member, TOKEN)
+  ctx = zmq.Context.instance()
+  socks = []
+  try:
+    for keyed in (False, True):
+      sock = ctx.socket(zmq.DEALER)
+      sock.setsockopt(zmq.LINGER, 0)
+      if keyed:
+        sealed.connect(sock, programs._key(TOKEN))  # pylint: disable=protected-access
+      sock.connect(f"tcp://{offer.address}")
+      sock.send_multipart([b"", b"junk", b"not a mac"])
+      sock.send_multipart([b"", b'{"op": "programs"}', b"\0" * 32])
+      sock.send_multipart([b"", b"x" * (1 << 20), b""])  # over MAXMSGSIZE: cut
+      sock.send(b"", zmq.SNDMORE)  # and a message never finished
+      socks.append(sock)
+    assert not any(s.poll(300) for s in socks)  # nothing answered
+    taken = programs.fetch(epoch, TOKEN, joiner, timeout_s=5)
+    assert taken is not None and taken["files"] >= 1
+  finally:
+    for s in socks:
+      s.close(linger=0)
+    offer.close()
