@@ -62,8 +62,10 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
       # a cap: the run is stopped by SIGTERM a few rounds after host 0's loss
       "--config.replicas_per_host=1", "--config.num_rounds=1000",
       "--config.inner_steps=5", "--config.inner.warmup_steps=5", "--config.eval_every=2",
-      "--config.debug_checks=True", "--config.wire_timeout=120", *extra])
+      "--config.debug_checks=True", "--config.wire_timeout=120", *extra],
+      env={**multihost.ENV, "JAX_LOG_COMPILES": "1"})  # jax's line for each program it builds
   pids, lines, joined, events, whole = {}, [], None, [], False
+  window = []  # host 1's join, then host 0's loss: the rounds a joiner meets in a whole job
   for line in launcher.stdout:
     lines.append(line)
     if len(pids) < 3:
@@ -74,6 +76,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
           pids[int(m.group(1))] = pid
     if joined is None and (m := re.search(r"\[host 1\] host 1 joined at round (\d+)", line)):
       joined = int(m.group(1))
+      window.append(len(lines))
     if whole is False and (hosts == 3 or (m := re.search(r"\[host 3\] host 3 joined at round "
                                                     r"(\d+)", line))):
       whole = 0 if hosts == 3 else int(m.group(1)) + 2  # after its catch-up round
@@ -89,6 +92,7 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
     elif joined is not None and r >= joined + 3 and len(events) == 1:
       os.kill(pids[0], leave)
       events.append("killed 0")
+      window.append(len(lines))
     elif len(events) == 2 and r >= joined + 6 and not multihost.alive(pids[0]):
       launcher.send_signal(signal.SIGTERM)  # the job stops: each host with a checkpoint
       events.append("stopped")
@@ -116,6 +120,14 @@ def test_a_wiped_host_joins_live_and_the_others_outlive_host_0(tmp_path, mode, p
   assert start["joined"]["source"] == int(m.group(2))
   assert ("each host keeps its checkpoints and records in" in text) == (not per_host)
   assert "the rehearsal of a round failed" not in text, text[-6000:]  # (join.rehearse)
+  # Its rehearsal compiled every program of its catch-up round and of a whole job's rounds
+  # (jit keys a program by its arguments' shardings and by which are None): from its join
+  # until host 0's loss, host 1 compiles nothing, and the members never wait for it to.
+  compiled = [i for i, line in enumerate(lines)
+              if line.startswith("[host 1]") and "Compiling jit(" in line]
+  assert compiled and compiled[0] < window[0], text[-6000:]  # (jax says so, here)
+  late = [lines[i] for i in compiled if window[0] <= i < window[1]]
+  assert not late, [re.search(r"Compiling (\S+) with", line).group(1) for line in late]
   # Host 2's records: every round once; 3 replicas, 2 after host 1's loss, 3 once it has
   # joined, 2 after host 0's loss. One replica per host.
   host2 = records(os.path.join(tmp_path, "host2"))

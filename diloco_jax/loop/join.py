@@ -160,12 +160,19 @@ def rehearse(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
     # an inner step on a batch of zeros: its first run is slower than the next (on CPU,
     # 3x a steady round's steps), and the members would wait for it at its first sum
     step = parts.model.inner
-    replicas, _ = step(replicas, np.zeros(step.batch_shape, np.int32))
-    for r in (1, 2) if driver.asynchronous else (1,):
+    replicas, loss_R = step(replicas, np.zeros(step.batch_shape, np.int32))
+    # The rounds a joiner meets, each with programs of its own (jit keys them by the
+    # arguments' shardings and by which are None): its catch-up round, whose losses are
+    # zeros it made and whose mean counts only the members' replicas (an int32 K), then
+    # trained rounds, whose losses the inner step made and whose mean, in a whole job,
+    # counts all K (the static K). The async modes apply each mean a round later.
+    exchange.count_all([2])
+    for r in (1, 2, 3) if driver.asynchronous else (1, 2):
       for i in range(h - 1):
         update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)
         outer, replicas = update.outer, update.replicas
-      losses = jnp.sum(jnp.stack([jnp.zeros(parts.replicas_per_host, jnp.float32)] * h))
+      catch_up = jnp.zeros(parts.replicas_per_host, jnp.float32)
+      losses = jnp.sum(jnp.stack([catch_up if r == 1 else loss_R] * h))
       update = driver.end_round(outer, replicas, losses, r)
       outer, replicas = update.outer, update.replicas
     for pending in outer.inflight:
@@ -181,6 +188,7 @@ def rehearse(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
   finally:
     parts.dispatcher.recover()  # every job it queued (Δ diagnostics) has run
     exchange.collective = real
+    exchange.count_all([])
     alone.close()
 
 
@@ -313,14 +321,19 @@ def _arrived(parts: parts_lib.Parts, outer, replicas, saved: dict, mean) -> exch
   which this host put nothing (a zero Δ, every replica finite)."""
   key = int(saved["key"])
   residual = outer.residuals.get(key)
+  # Its Δ and the mean of the kinds a sum's are (in host memory, as the exchange holds
+  # them): the programs that take them (the Δ figures, the outer update) are then those
+  # it compiled in its rehearsal.
   sent = parts.sync.driver.sent_at_boundary(replicas.params)
-  zeros = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), sent)
+  in_host = jax.sharding.SingleDeviceSharding(parts.sync.exchange.host_device)
+  zeros = jax.tree.map(lambda x: jax.device_put(np.zeros(np.shape(x), np.float32), in_host),
+                       sent)
   riders = types.MappingProxyType({name: {word: np.asarray(x, np.float32)
                                           for word, x in words.items()}
                                    for name, words in saved["riders"].items()})
   future = concurrent.futures.Future()
   future.set_result(exchange_lib.Arrived(
-      int(saved["round"]), key, jax.device_put(mean, parts.sync.exchange.host_device),
+      int(saved["round"]), key, parts.sync.exchange.arrived_mean(mean),
       np.asarray(saved["bad_K"], bool), float(saved["loss_sum"]), residual, 0.0, 0, 0,
       riders=riders, replicas=int(saved["replicas"]), aggregation=str(saved["aggregation"]),
       tolerated=int(saved["tolerated"])))

@@ -182,6 +182,13 @@ class Exchange:
     self._mean_by = jax.jit(diloco.divide)  # by the replicas a rider counts
     self._stats = jax.jit(_delta_stats)
     self._idle: dict[int, frozenset[int]] = {}  # round -> hosts taking no part (`idle`)
+    self._whole: frozenset[int] = frozenset()  # a rehearsal's rounds counted as all K
+
+  def count_all(self, rounds: Sequence[int]) -> None:
+    """A rehearsal alone on its wire (loop/join.py): its sums of `rounds` say that all K
+    replicas took part, as a whole job's do, so that the programs of such rounds (the
+    static K of `diloco.arrived_k`) compile in it too; its mean is still its own."""
+    self._whole = frozenset(rounds)
 
   def idle(self, round_: int, hosts: Sequence[int]) -> None:
     """`hosts` take no part in the sums of round `round_`: a host admitted at the end of
@@ -271,7 +278,7 @@ class Exchange:
     replicas, count = self.num_replicas, None
     if self.divisor is not None and self.divisor.name in riders:
       count = riders[self.divisor.name][self.divisor.divisor]
-      replicas = int(count)
+      replicas = self.num_replicas if round_ in self._whole else int(count)
     if self.aggregates:  # the wire combined the rows itself
       mean = jax.device_put(total["delta"], self.host_device)
     elif count is not None and not count:  # every host took no part: nothing moves
@@ -326,6 +333,12 @@ class Exchange:
       gathered = self.dispatcher.submit(self.collective.allgather, stats,
                                         round_=pending.round, what="gather of Δ diagnostics")
     return dataclasses.replace(arrived, wait=waited, diagnostics=gathered)
+
+  def arrived_mean(self, mean: Params) -> Params:
+    """A mean that arrived elsewhere (a joiner's sum in flight, saved with the state) as
+    this host's sums give theirs: by the same program, so on the same device and of the
+    same kind (Δ̄/1 is Δ̄, bit for bit)."""
+    return jax.block_until_ready(self._mean_by(mean, np.float32(1)))
 
   def mean_over_replicas(self, params_R: Params) -> Params:
     """(1/K) Σ of every replica's params over all hosts (eager mode's final model)."""
