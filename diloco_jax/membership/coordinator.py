@@ -86,6 +86,7 @@ from diloco_jax.wire.epoch import Member  # noqa: F401 -- an epoch's member
 
 CLAIM_BYTES = 4096  # the most of an unauthenticated request read for the host it claims
 REFUSALS_KEPT = 16  # of the requests and handshakes that failed the key, for the lines
+TICKS = 16  # checks of the leases' and accusations' ends per lease
 QUEUE = 1024  # requests queued in zmq, at most, each at most MAX_REQUEST bytes a part
 
 
@@ -186,8 +187,10 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
       f"lease {lease_s:g} s")
   if ready is not None:
     ready.set()
-  # leases and accusations end at most a quarter of theirs late
-  tick_ms = max(10, int(min(lease_s, ledger.accuse_s) * 250))
+  # Leases and accusations end at most a sixteenth of theirs late: the members wait for a
+  # frozen host until its lease ends, and each tick of this loop is a poll of its socket.
+  period_s = min(lease_s, ledger.accuse_s)
+  tick_ms = max(10, int(period_s * 1000 / TICKS))
   drops = DropLog(log, "coordinator")
   try:
     last = time.monotonic()
@@ -203,7 +206,7 @@ def serve(port: int, max_hosts: int, lease_s: float, key: bytes, bind: str = "12
         if refused is not None:
           refused(None, None, why)
       now = time.monotonic()
-      if now - last > 4 * tick_ms / 1000:  # this process was paused (SIGSTOP, a swap
+      if now - last > period_s:  # this process was paused (SIGSTOP, a swap
         ledger.pardon(now - last)  # storm): the hosts' leases did not run while it slept
       last = now
       ledger.expire(now)
