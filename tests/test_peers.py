@@ -439,3 +439,28 @@ def test_a_hello_of_a_later_epoch_is_dropped_without_a_line_or_a_key():
     p0.close()
   assert p0.dropped == 2 and lines == [], lines
   assert frames._subkeys.cache_info().currsize == keys_before  # pylint: disable=protected-access
+
+
+def test_a_peer_slow_to_bind_the_next_epoch_on_its_port_is_waited_for_not_named_gone():
+  """At an epoch change each host closes its listener and binds the next epoch's on the same
+  port. Members that open the next epoch first connect to a slow host's old listener, see it
+  close, and find its port refusing until the host binds again: no evidence that it died
+  (wire/departed.py: it has not answered in this epoch), so they wait for it. Before, they
+  named it gone within a second (a joiner's admission while host 0 compiled its eval)."""
+  first = make_epoch([0, 1, 2])
+  second = Epoch.of(2, first.hosts, first.addresses)
+  old = Peers(first, 2, token=TOKEN, timeout_s=10)  # host 2's listener of epoch 1
+
+  def slow():
+    time.sleep(1.0)  # the others connect to its old listener meanwhile
+    old.close()
+    time.sleep(2.0)  # its port refuses them: zmq's reconnects, then a connect of their own
+    with Peers(second, 2, token=TOKEN, timeout_s=10) as p:
+      return p.allreduce_sum(np.full(4, 3, np.float32))
+
+  def member(h):
+    with Peers(second, h, token=TOKEN, timeout_s=10) as p:
+      return p.allreduce_sum(np.full(4, h + 1, np.float32))
+
+  for got in run_all([functools.partial(member, 0), functools.partial(member, 1), slow]):
+    np.testing.assert_array_equal(got, np.full(4, 6, np.float32))

@@ -8,6 +8,12 @@ its epoch's listener open until the coordinator's verdict has ended the epoch, s
 refuses means the host died or the epoch is over; either way the op in flight cannot complete
 in it, and the peer can be named (`PeerError`).
 
+Only a peer that answered this host's HELLO in this epoch counts (`answered`): its listener of
+this epoch was up. At an epoch change each host closes its listener and binds the next one on
+the same port, so a member that opens the next epoch first may connect to a peer's old
+listener, see it close, and find the port refusing until that peer binds again (a slow one:
+compiling, its CPU taken); that is no evidence, and such a peer is waited for as any.
+
 A closed connection alone is not enough (a middlebox may reset one; zmq reconnects), and
 neither is a failed reconnect (a network that drops packets fails them too). What decides is a
 plain TCP connect to the peer's address that is refused: its machine answered, and nothing
@@ -45,8 +51,14 @@ class Departures:
     # peer -> zmq's failed reconnects since its connection closed (absent: connected, or
     # never was: a peer not listening yet at the epoch's start is not gone)
     self._refused: dict[int, int] = {}
+    self._answered: set[int] = set()  # peers whose listener of this epoch heard this host
     self._gone: dict[int, str] = {}
     self._closed = threading.Event()
+
+  def answered(self, peer: int) -> None:
+    """`peer` heard this host's HELLO of this epoch (the reader thread): from now on its
+    closed connection and refusing port are evidence."""
+    self._answered.add(peer)
 
   def read(self, sock: zmq.Socket) -> None:
     """Takes the events waiting on one monitor (the reader thread)."""
@@ -55,7 +67,7 @@ class Departures:
       event = monitor.recv_monitor_message(sock)["event"]
       if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         self._refused.pop(peer, None)
-      elif event == zmq.EVENT_DISCONNECTED:
+      elif event == zmq.EVENT_DISCONNECTED and peer in self._answered:
         self._refused[peer] = 0
       elif event == zmq.EVENT_CLOSED and peer in self._refused:
         # (a reconnect that failed at once: refused, or no route; never a slow network)

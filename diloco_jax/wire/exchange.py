@@ -185,9 +185,8 @@ class Exchange:
     self._whole: frozenset[int] = frozenset()  # a rehearsal's rounds counted as all K
 
   def count_all(self, rounds: Sequence[int]) -> None:
-    """A rehearsal alone on its wire (loop/join.py): its sums of `rounds` say that all K
-    replicas took part, as a whole job's do, so that the programs of such rounds (the
-    static K of `diloco.arrived_k`) compile in it too; its mean is still its own."""
+    """A rehearsal alone on its wire (loop/join.py): its sums of `rounds` say all K
+    replicas took part, as a whole job's do (the static K of `diloco.arrived_k`)."""
     self._whole = frozenset(rounds)
 
   def idle(self, round_: int, hosts: Sequence[int]) -> None:
@@ -335,9 +334,8 @@ class Exchange:
     return dataclasses.replace(arrived, wait=waited, diagnostics=gathered)
 
   def arrived_mean(self, mean: Params) -> Params:
-    """A mean that arrived elsewhere (a joiner's sum in flight, saved with the state) as
-    this host's sums give theirs: by the same program, so on the same device and of the
-    same kind (Δ̄/1 is Δ̄, bit for bit)."""
+    """A mean that arrived elsewhere (a joiner's sum in flight) of the kind this host's
+    sums give, by their program (Δ̄/1 is Δ̄, bit for bit)."""
     return jax.block_until_ready(self._mean_by(mean, np.float32(1)))
 
   def mean_over_replicas(self, params_R: Params) -> Params:

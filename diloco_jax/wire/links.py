@@ -234,6 +234,7 @@ class Links:
         self._heard.add(header.sender)
         if bytes(payload) == b"\1":
           self._answered.add(header.sender)
+          self._departures.answered(header.sender)
       else:
         self._inbox[header.sender].append((header, payload))
       self._arrived.notify_all()
