@@ -123,8 +123,10 @@ class EpochCollective:
       except Exception as e:  # noqa: BLE001 -- a peer's bytes, a full memory: a redo
         ok, unnamed = False, unnamed + 1  # the epoch is broken (closed, a protocol error)
         failures.append(f"{type(e).__name__}: {e}"[:300])
-        if unnamed >= SELF_BLAME:
+        if unnamed >= SELF_BLAME:  # the coordinator drops it: say why, once
           suspect = self.host_index
+          self._log(f"host {self.host_index}: {what} (op {self.step}) failed {unnamed} times "
+                    f"in a row naming no peer; it names itself. The last: {failures[-1]}")
       finally:
         self.lease.busy = False
         if peers is not None:
