@@ -167,11 +167,11 @@ def rehearse(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
     # trained rounds, whose losses the inner step made and whose mean, in a whole job,
     # counts all K (the static K). The async modes apply each mean a round later.
     exchange.count_all([2])
+    catch_up = jnp.zeros(parts.replicas_per_host, jnp.float32)
     for r in (1, 2, 3) if driver.asynchronous else (1, 2):
       for i in range(h - 1):
         update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)
         outer, replicas = update.outer, update.replicas
-      catch_up = jnp.zeros(parts.replicas_per_host, jnp.float32)
       losses = jnp.sum(jnp.stack([catch_up if r == 1 else loss_R] * h))
       update = driver.end_round(outer, replicas, losses, r)
       outer, replicas = update.outer, update.replicas
@@ -325,9 +325,8 @@ def _arrived(parts: parts_lib.Parts, outer, replicas, saved: dict, mean) -> exch
   # them): the programs that take them (the Δ figures, the outer update) are then those
   # it compiled in its rehearsal.
   sent = parts.sync.driver.sent_at_boundary(replicas.params)
-  in_host = jax.sharding.SingleDeviceSharding(parts.sync.exchange.host_device)
-  zeros = jax.tree.map(lambda x: jax.device_put(np.zeros(np.shape(x), np.float32), in_host),
-                       sent)
+  zeros = jax.device_put(jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), sent),
+                         parts.sync.exchange.host_device)
   riders = types.MappingProxyType({name: {word: np.asarray(x, np.float32)
                                           for word, x in words.items()}
                                    for name, words in saved["riders"].items()})

@@ -8,7 +8,8 @@ its epoch's listener open until the coordinator's verdict has ended the epoch, s
 refuses means the host died or the epoch is over; either way the op in flight cannot complete
 in it, and the peer can be named (`PeerError`).
 
-Only a peer that answered this host's HELLO in this epoch counts (`answered`): its listener of
+Only a peer that answered this host's HELLO in this epoch counts (`answered`, the set the
+reader fills as answers arrive): its listener of
 this epoch was up. At an epoch change each host closes its listener and binds the next one on
 the same port, so a member that opens the next epoch first may connect to a peer's old
 listener, see it close, and find the port refusing until that peer binds again (a slow one:
@@ -43,22 +44,18 @@ class Departures:
   """The peers (`push`: peer -> this host's PUSH socket to it; `addresses`: peer ->
   "host:port") whose listener is found gone. Call `close` before closing the sockets."""
 
-  def __init__(self, push: dict[int, zmq.Socket], addresses: dict[int, str]):
+  def __init__(self, push: dict[int, zmq.Socket], addresses: dict[int, str],
+               answered: set[int]):
     self._addresses = addresses
+    self._answered = answered  # peers whose listener of this epoch heard this host
     self._socks = dict(push)
     self._monitors = {sock.get_monitor_socket(EVENTS): peer for peer, sock in push.items()}
     self.sockets = list(self._monitors)  # to poll: readable when an event waits
     # peer -> zmq's failed reconnects since its connection closed (absent: connected, or
     # never was: a peer not listening yet at the epoch's start is not gone)
     self._refused: dict[int, int] = {}
-    self._answered: set[int] = set()  # peers whose listener of this epoch heard this host
     self._gone: dict[int, str] = {}
     self._closed = threading.Event()
-
-  def answered(self, peer: int) -> None:
-    """`peer` heard this host's HELLO of this epoch (the reader thread): from now on its
-    closed connection and refusing port are evidence."""
-    self._answered.add(peer)
 
   def read(self, sock: zmq.Socket) -> None:
     """Takes the events waiting on one monitor (the reader thread)."""

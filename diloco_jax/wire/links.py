@@ -119,7 +119,8 @@ class Links:
         s.setsockopt(zmq.RECONNECT_IVL, 20)
         sealed.connect(s, sealing)
         s.connect(endpoint(address))
-    self._departures = departed.Departures(self._push, dict(zip(epoch.hosts, epoch.addresses)))
+    self._departures = departed.Departures(self._push, dict(zip(epoch.hosts, epoch.addresses)),
+                                           self._answered)
     self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
     self._reader = threading.Thread(target=self._read, daemon=True,
                                     name=f"wire epoch {epoch.number} host {host}")
@@ -234,7 +235,6 @@ class Links:
         self._heard.add(header.sender)
         if bytes(payload) == b"\1":
           self._answered.add(header.sender)
-          self._departures.answered(header.sender)
       else:
         self._inbox[header.sender].append((header, payload))
       self._arrived.notify_all()
