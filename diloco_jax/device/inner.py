@@ -112,6 +112,13 @@ class Step:
           jax.eval_shape(init, params)))
     return self._init(jax.device_put(params, self.layout.params(params)))
 
+  def no_losses(self, num_replicas: int) -> jax.Array:
+    """The losses of a round this host trains no step in (a joiner's catch-up round):
+    zeros placed where the step places its own, so that the round's loss sum runs the
+    trained rounds' programs (jit keys a program by its arguments' shardings; unplaced
+    zeros compiled two more, each time a host joined)."""
+    return jax.device_put(np.zeros(num_replicas, np.float32), self.layout.per_replica)
+
   def __call__(self, state: state_lib.ReplicaState, batch_RxBxL1: np.ndarray):
     out = self._run(state, jax.device_put(batch_RxBxL1, self.batch_sharding))
     if self._block:

@@ -162,12 +162,11 @@ def rehearse(parts: parts_lib.Parts, state: state_lib.RunState) -> None:
     step = parts.model.inner
     replicas, loss_R = step(replicas, np.zeros(step.batch_shape, np.int32))
     # The rounds a joiner meets, each with programs of its own (jit keys them by the
-    # arguments' shardings and by which are None): its catch-up round, whose losses are
-    # zeros it made and whose mean counts only the members' replicas (an int32 K), then
-    # trained rounds, whose losses the inner step made and whose mean, in a whole job,
-    # counts all K (the static K). The async modes apply each mean a round later.
+    # arguments' shardings and by which are None): its catch-up round, whose mean counts
+    # only the members' replicas (an int32 K), then trained rounds, whose mean, in a whole
+    # job, counts all K (the static K). The async modes apply each mean a round later.
     exchange.count_all([2])
-    catch_up = jnp.zeros(parts.replicas_per_host, jnp.float32)
+    catch_up = step.no_losses(parts.replicas_per_host)
     for r in (1, 2, 3) if driver.asynchronous else (1, 2):
       for i in range(h - 1):
         update = driver.after_step(outer, replicas, (r - 1) * h + i + 1, r)

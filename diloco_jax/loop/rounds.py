@@ -36,7 +36,7 @@ def run_round(parts: parts_lib.Parts, state: state_lib.RunState, r: int) -> stat
   # sums, trains no step and reads no batch, but meets every sum of the round where the
   # members do (docs/algorithms.md §11); its Δ is zero, and so are its losses.
   idle = parts.sync.exchange.idle_here(r)
-  no_loss = jnp.zeros(parts.replicas_per_host, jnp.float32) if idle else None
+  no_loss = parts.model.inner.no_losses(parts.replicas_per_host) if idle else None
   for i in range(n):
     step = (r - 1) * h + (i + 1) * h // n  # the progress in slowest-host steps
     if idle:
