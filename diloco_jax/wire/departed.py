@@ -9,11 +9,11 @@ refuses means the host died or the epoch is over; either way the op in flight ca
 in it, and the peer can be named (`PeerError`).
 
 Only a peer that answered this host's HELLO in this epoch counts (`answered`, the set the
-reader fills as answers arrive): its listener of
-this epoch was up. At an epoch change each host closes its listener and binds the next one on
-the same port, so a member that opens the next epoch first may connect to a peer's old
-listener, see it close, and find the port refusing until that peer binds again (a slow one:
-compiling, its CPU taken); that is no evidence, and such a peer is waited for as any.
+reader fills as answers arrive): its listener of this epoch was up. At an epoch change each
+host closes its listener and binds the next one on the same port, so a member that opens the
+next epoch first may connect to a peer's old listener, see it close, and find the port
+refusing until that peer binds again (a slow one: compiling, its CPU taken); that is no
+evidence, and such a peer is waited for as any.
 
 A closed connection alone is not enough (a middlebox may reset one; zmq reconnects), and
 neither is a failed reconnect (a network that drops packets fails them too). What decides is a
