@@ -1,15 +1,19 @@
 """GPU readiness: one command that runs diloco_jax's parts on this machine's accelerator.
 
   pip install -e '.[cuda12,check]'           # the GPU install; `check` adds pytest (part a)
-  python bench/gpu_check.py [--parts=abcde]  # <= 8 minutes on one H100 or H200
+  python bench/gpu_check.py [--parts=abdec]  # about 10 minutes on one H200 (docs/devices.md)
   python bench/gpu_check.py --smoke          # every part on CPU, tiny shapes (the suite;
                                              # part a one test, part d sync alone)
 
-One line per part and one JSON (bench/results/gpu_check.json):
+One line per part and one JSON (bench/results/gpu_check.json), written again after every
+part, so that a check cut short keeps the parts it ran. Parts run in the order given; by
+default c, the slowest (a 30-block model compiling), runs last.
   a  the backend and its devices; the backend-agnostic core tests (`pytest -m device`:
      trainer = simulate, resume bit-identity, the float64 numpy references) with float32
      matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest: no TF32), at the
      tests' own tolerances. Without pytest it ends at once with the command that adds it.
+     Tests that fail are named, and on a GPU run again with XLA's deterministic ops
+     (--xla_gpu_deterministic_ops=true): the line says whether they pass then.
   b  configs/tiny.py to the end: the final eval loss beside the CPU's (README.md's).
   c  configs/llama_150m.py's model (bf16) for a few rounds on synthetic data: tokens/s,
      MFU, the device's peak memory (the allocator's) beside XLA's plan and the trainer's
@@ -60,6 +64,18 @@ class NotInstalled(Exception):
   """A part cannot run: a package it needs is missing (the message says how to add it)."""
 
 
+class PartFailed(Exception):
+  """A part ran and found something wrong: `record` is what it measured, its line included."""
+
+  def __init__(self, record: dict):
+    super().__init__(record["line"])
+    self.record = record
+
+
+DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+FAILED_TEST = re.compile(r"^FAILED (\S+)", re.M)  # pytest's short summary (-ra)
+
+
 def tiny_cpu_final_eval() -> float:
   """configs/tiny.py's final eval loss on a CPU: the figure README.md's quickstart shows,
   the one place it is written. tests/test_docs.py runs that job on a CPU in full and
@@ -84,9 +100,15 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> str:
   proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   if proc.returncode:
-    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}:\n"
-                       f"{proc.stdout[-3000:]}")
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}: "
+                       f"{last_line(proc.stdout)}\n{proc.stdout[-3000:]}")
   return proc.stdout
+
+
+def last_line(text: str) -> str:
+  """The last line of a command's output that is not empty: a failure's one-line reason
+  (pytest's summary, a Python error), for the part's line."""
+  return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
 
 
 def records(workdir: str) -> list[dict]:
@@ -107,15 +129,36 @@ def part_a(args, tmp: str) -> dict:
   devices = jax.devices()
   selection = [*device_test_files(), "-m", "device",
                *(["-k", "test_sync_matches_numpy_float64"] if args.smoke else [])]
+  env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PLATFORMS": ""}
   t = time.perf_counter()
-  out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
-            env={"JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PLATFORMS": ""})
-  summary = out.strip().splitlines()[-1]
-  return {"backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
-          "tests": summary, "test_seconds": time.perf_counter() - t,
-          "matmul_precision": "highest",
-          "line": f"{jax.default_backend()}, {len(devices)} x {devices[0].device_kind}; "
-                  f"pytest -m device: {summary}"}
+  code, out = pytest(selection, env)
+  summary = last_line(out)
+  result = {"backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
+            "tests": summary, "test_seconds": time.perf_counter() - t,
+            "matmul_precision": "highest",
+            "line": f"{jax.default_backend()}, {len(devices)} x {devices[0].device_kind}; "
+                    f"pytest -m device: {summary}"}
+  if code == 0:
+    return result
+  # Which tests failed, by name, and whether XLA's nondeterministic GPU kernels (scatter-add
+  # with atomics, autotuned choices) are why: the bit-identity tests need equal bits.
+  failed = FAILED_TEST.findall(out)
+  result.update(failed=failed, output_tail=out[-6000:])
+  result["line"] += "; failed: " + ", ".join(name.split("::")[-1] for name in failed)
+  if failed and jax.default_backend() == "gpu":
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC}".strip()
+    _, again = pytest(failed, {**env, "XLA_FLAGS": flags})
+    result["deterministic_rerun"] = last_line(again)
+    result["line"] += f"; again with {DETERMINISTIC}: {result['deterministic_rerun']}"
+  raise PartFailed(result)
+
+
+def pytest(selection: list[str], env: dict) -> tuple[int, str]:
+  """pytest's exit code and output for `selection`, run in the repository."""
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         *selection], cwd=REPO, env={**os.environ, **env}, timeout=900,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return proc.returncode, proc.stdout
 
 
 def part_b(args, tmp: str) -> dict:
@@ -259,6 +302,14 @@ def part_e(args, tmp: str) -> dict:
   return result
 
 
+def write(path: str, result: dict) -> None:
+  """The results so far, replaced whole (a check cut short keeps the parts it ran)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(result, f, indent=2, default=str)
+  os.replace(path + ".tmp", path)
+
+
 PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e}
 
 
@@ -266,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--parts", default="abcde", help="which parts to run (letters a-e)")
+  parser.add_argument("--parts", default="abdec",
+                      help="which parts to run (letters a-e), in this order")
   args = harness.parse_args(parser, "gpu_check", {}, argv)
   if set(args.parts) - set(PARTS):
     parser.error(f"--parts={args.parts}: letters from {''.join(PARTS)}")
@@ -284,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
       except NotInstalled as e:
         part = {"error": str(e), "line": str(e)}
         failed.append(name)
+      except PartFailed as e:
+        part = {**e.record, "error": e.record["line"]}
+        failed.append(name)
       except Exception as e:  # noqa: BLE001 -- recorded; the other parts still run
         part = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
                 "line": f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -291,11 +346,10 @@ def main(argv: list[str] | None = None) -> None:
       part["seconds"] = time.perf_counter() - t
       result["parts"][name] = part
       print(f"{name}. {part['line']} ({part['seconds']:.0f} s)", flush=True)
+      write(args.out, result)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2, default=str)
+  write(args.out, result)
   print(f"wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
   sys.exit(1 if failed else 0)
 

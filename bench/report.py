@@ -55,7 +55,7 @@ SECTIONS = {
     "wan_live": live.wan_live,
     "churn": live.churn, "churn_uninterrupted": live.churn_uninterrupted,
     "startup": runs.startup, "peer_wan": link.peer_wan,
-    "inner_step": training.inner_step,
+    "inner_step": training.inner_step, "gpu_check": training.gpu_check,
 }
 
 

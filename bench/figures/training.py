@@ -155,3 +155,18 @@ def inner_step(results: Results) -> dict:
   return {**d, "peak_table": peak, "step_table": step, "parts_table": parts,
           "jax_ops": jax_ops, "torch_ops": torch_ops,
           "step_ratio": t["median_s"] / j["median_s"]}
+
+
+def gpu_check(results: Results) -> dict:
+  """bench/gpu_check.py's attention part on a GPU: each kernel's step time and XLA's
+  temporaries per sequence length, and cuDNN's speed-up over the XLA formulation."""
+  d = results("gpu_check")
+  rows = [r for r in d["parts"]["e"]["rows"] if "step_s" in r]
+  by = {(r["length"], r["attention"]): r for r in rows}
+  table = [[r["length"], r["attention"], f"{1e3 * r['step_s']:.1f}",
+            f"{r['temp_bytes'] / 2 ** 20:,.0f}",
+            f"{r['max_logit_diff_vs_xla']:.1e}" if "max_logit_diff_vs_xla" in r else "—"]
+           for r in rows]
+  speedup = {n: by[n, "xla"]["step_s"] / by[n, "cudnn"]["step_s"]
+             for n in sorted({r["length"] for r in rows}) if (n, "cudnn") in by}
+  return {**d, "attention_table": table, "cudnn_speedup": speedup}
