@@ -7,14 +7,12 @@ coordinator. The coordinator's port: tests/test_hostile.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from diloco_jax.membership import client as client_lib
 from diloco_jax.membership import collective as collective_lib
 from diloco_jax.membership import lease as lease_lib
-from diloco_jax.membership import protocol
 from diloco_jax.wire import droplog
 from diloco_jax.wire import frames
 from diloco_jax.wire.epoch import Epoch
@@ -202,24 +200,3 @@ def test_a_leaver_closes_the_wire_only_once_the_op_in_flight_has_ended():
   wire._peers = FakePeers()
   wire.close(True, lambda timeout_s: True)
   assert order == ["client closed", "wire closed"], order  # (left once: it is out already)
-
-
-def test_a_peer_that_renewed_no_lease_for_half_of_one_interrupts_the_op_waiting_on_it():
-  """A member waiting on a peer gives up on it once the coordinator's last word says the
-  peer renewed nothing for half a lease (a frozen host: every member names it, and it
-  leaves at once instead of at its lease's end). Not while the member's own word is older
-  than that (the coordinator away: no evidence), nor for a peer heard lately (slow, alive);
-  and an answer's `quiet` that is not [host, ms] pairs is refused."""
-  client = client_lib.Client.__new__(client_lib.Client)
-  lease = lease_lib.Lease.__new__(lease_lib.Lease)
-  lease.client, lease.host, lease.lost, lease.lease_s = client, 0, None, 4.0
-  lease.epoch = Epoch.of(3, (0, 1, 2), ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"))
-  client.quiet, client.heard_at = client_lib._quiet([[1, 2500], [2, 300]]), time.monotonic()
-  assert lease.interrupt((0, 1, 2), 1) == (
-      "host 1 has renewed no lease for 2.5 s (frozen or cut off)")
-  assert lease.interrupt((0, 1, 2), 2) is None and lease.interrupt((0, 1, 2)) is None
-  client.heard_at -= 2.5  # this host's own word is stale
-  assert lease.interrupt((0, 1, 2), 1) is None
-  for bad in ([[1, -5]], [[1]], {"1": 5}, [[1, 2.5]], [[True, 5]]):
-    with pytest.raises(protocol.Malformed):
-      client_lib._quiet(bad)

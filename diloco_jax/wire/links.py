@@ -55,9 +55,9 @@ def as_bytes(a: np.ndarray) -> memoryview:
 class Links:
   """One epoch's connections, seen from member `host`.
 
-  `interrupt(peer)`, if given, is asked at least every `INTERRUPT_EVERY_S` while waiting for
-  `peer`; a reason (a string) ends the wait with `PeerError` naming that peer (a membership
-  layer that already knows a member is gone, or silent, need not wait out `timeout_s`).
+  `interrupt`, if given, is asked at least every `INTERRUPT_EVERY_S` while waiting for a
+  peer; a reason (a string) ends the wait with `PeerError` naming the awaited peer (a
+  membership layer that already knows a member is gone need not wait out `timeout_s`).
 
   Deadlines follow progress: a receive fails after `timeout_s` without a frame from the
   peer, not after `timeout_s` in all (a transfer of many GB takes as long as its bytes
@@ -70,7 +70,7 @@ class Links:
   def __init__(self, epoch: Epoch, host: int, *, token=None,
                timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK,
                context: zmq.Context | None = None, log: Callable[[str], None] = _warn,
-               interrupt: Callable[[int], str | None] | None = None,
+               interrupt: Callable[[], str | None] | None = None,
                patience: Callable[[int], str | None] | None = None):
     if not 0 < chunk_bytes <= frames.MAX_CHUNK:
       raise WireError(f"chunk_bytes={chunk_bytes}: must be in 1..{frames.MAX_CHUNK}")
@@ -272,7 +272,7 @@ class Links:
     if self._interrupt is None or now - self._asked < INTERRUPT_EVERY_S:
       return
     self._asked = now
-    reason = self._interrupt(host)
+    reason = self._interrupt()
     if reason:
       raise PeerError(f"epoch {self.epoch.number}: interrupted while waiting for host {host} "
                       f"during {what}: {reason} (seen from host {self.host})",
