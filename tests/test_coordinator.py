@@ -152,11 +152,12 @@ def test_the_number_only_grows_across_a_restart_of_the_coordinator():
     with pytest.raises(CoordinatorLost, match=rf"^no answer from the coordinator at "
                        rf"127\.0\.0\.1:{port} within 1 s \(heartbeat\)"):
       a.heartbeat()
+    # (taken before the coordinator starts: it counts its lease from its own start)
+    started = time.monotonic()
     with coordinator(port) as log, clients(port, 1) as (newcomer,):
       # it kept nothing: the hosts tell it their ids and the numbers they saw; a newcomer
       # that asks for any id gets one only after a lease, when the others are back
       joined = []
-      started = time.monotonic()
       thread = threading.Thread(target=lambda: joined.append(newcomer.register("c:1")))
       thread.start()
       assert a.heartbeat() is None
