@@ -1,7 +1,7 @@
 """GPU readiness: one command that runs diloco_jax's parts on this machine's accelerator.
 
   pip install -e '.[cuda12,check]'           # the GPU install; `check` adds pytest (part a)
-  python bench/gpu_check.py [--parts=abdec]  # about 10 minutes on one H200 (docs/devices.md)
+  python bench/gpu_check.py [--parts=abdec]  # over 8 minutes on one H200 (docs/devices.md)
   python bench/gpu_check.py --smoke          # every part on CPU, tiny shapes (the suite;
                                              # part a one test, part d sync alone)
 
@@ -97,12 +97,19 @@ def device_test_files() -> list[str]:
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> str:
   """A command's output; a CalledProcessError-like RuntimeError with its tail on failure."""
+  code, out = completed(cmd, env, timeout)
+  if code:
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {code}: {last_line(out)}\n"
+                       f"{out[-3000:]}")
+  return out
+
+
+def completed(cmd: list[str], env: dict | None = None,
+              timeout: float = 600) -> tuple[int, str]:
+  """A command's exit code and output (stdout and stderr together), run in the repository."""
   proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  if proc.returncode:
-    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}: "
-                       f"{last_line(proc.stdout)}\n{proc.stdout[-3000:]}")
-  return proc.stdout
+  return proc.returncode, proc.stdout
 
 
 def last_line(text: str) -> str:
@@ -155,10 +162,8 @@ def part_a(args, tmp: str) -> dict:
 
 def pytest(selection: list[str], env: dict) -> tuple[int, str]:
   """pytest's exit code and output for `selection`, run in the repository."""
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                         *selection], cwd=REPO, env={**os.environ, **env}, timeout=900,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  return proc.returncode, proc.stdout
+  return completed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    *selection], env, timeout=900)
 
 
 def part_b(args, tmp: str) -> dict:
