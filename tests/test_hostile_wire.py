@@ -7,12 +7,14 @@ coordinator. The coordinator's port: tests/test_hostile.py."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from diloco_jax.membership import client as client_lib
 from diloco_jax.membership import collective as collective_lib
 from diloco_jax.membership import lease as lease_lib
+from diloco_jax.membership import protocol
 from diloco_jax.wire import droplog
 from diloco_jax.wire import frames
 from diloco_jax.wire.epoch import Epoch
@@ -64,7 +66,7 @@ class FailingLease:
     self.votes.append((ok, suspect))
     return client_lib.Verdict(False, self.epoch)
 
-  def interrupt(self, members):
+  def interrupt(self, members, peer=None, unreachable_s=None):
     return None
 
 
@@ -200,3 +202,28 @@ def test_a_leaver_closes_the_wire_only_once_the_op_in_flight_has_ended():
   wire._peers = FakePeers()
   wire.close(True, lambda timeout_s: True)
   assert order == ["client closed", "wire closed"], order  # (left once: it is out already)
+
+
+def test_a_frozen_peer_is_one_whose_zmq_and_lease_are_both_silent():
+  """A member waiting on a peer gives up on it when both say it is frozen: its zmq stopped
+  answering (`unreachable_s`, wire/departed.py) and the coordinator's last word says it
+  renewed nothing for half a lease (every member names it, and it leaves at once instead of
+  at its lease's end). Not a peer whose zmq answers (busy: its heartbeat thread stalled
+  behind the GIL, as a joiner's was while it took the state), nor one heard lately, nor
+  while the member's own word is older than half a lease (the coordinator away: no
+  evidence); and an answer's `quiet` that is not [host, ms] pairs is refused."""
+  client = client_lib.Client.__new__(client_lib.Client)
+  lease = lease_lib.Lease.__new__(lease_lib.Lease)
+  lease.client, lease.host, lease.lost, lease.lease_s = client, 0, None, 4.0
+  lease.epoch = Epoch.of(3, (0, 1, 2), ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"))
+  client.quiet, client.heard_at = client_lib._quiet([[1, 2500], [2, 300]]), time.monotonic()
+  assert lease.interrupt((0, 1, 2), 1, 1.5) == (
+      "host 1 is frozen or cut off: it has renewed no lease for 2.5 s and its wire has not "
+      "answered for 1.5 s")
+  assert lease.interrupt((0, 1, 2), 1, None) is None  # busy: its zmq answers
+  assert lease.interrupt((0, 1, 2), 2, 1.5) is None and lease.interrupt((0, 1, 2)) is None
+  client.heard_at -= 2.5  # this host's own word is stale
+  assert lease.interrupt((0, 1, 2), 1, 1.5) is None
+  for bad in ([[1, -5]], [[1]], {"1": 5}, [[1, 2.5]], [[True, 5]]):
+    with pytest.raises(protocol.Malformed):
+      client_lib._quiet(bad)

@@ -182,3 +182,12 @@ def test_a_replayed_commit_frame_is_dropped_and_a_commit_renews_the_lease():
   hosts.vote(1, e, 3, now=9.0)
   ledger.expire(12.0)  # host 1's commit renewed its lease; host 0's ran out at 10
   assert ledger.epoch.hosts == (1,)
+
+
+def test_a_heartbeat_answer_says_how_long_each_member_has_renewed_nothing():
+  """`quiet`: ms since each member's last renewal (a heartbeat, or a commit and its poll):
+  what lets a member waiting on a peer tell a frozen host from a slow one (lease.interrupt)."""
+  _, hosts, _, e = ledger_of(3)  # every lease renewed at time 0 (registrations)
+  hosts.heartbeat(1, now=2.0)
+  hosts.vote(2, e, 0, now=3.5)
+  assert hosts.heartbeat(0, now=4.0)["quiet"] == [[0, 0], [1, 2000], [2, 500]]

@@ -328,6 +328,10 @@ def test_a_host_frozen_past_its_lease_joins_again_in_the_same_process(tmp_path):
                    r"it joins the job again", text), text[-6000:]
   assert multihost.alive(pid) is False and "starting host 2 again" not in text
   assert "Traceback" not in text, text[-6000:]
+  # The others named it once it had renewed no lease for half of one (lease.interrupt), and
+  # it left at once: they did not wait out its lease.
+  assert re.search(r"coordinator: epoch \d+: hosts 0,1 \(op \d+ of epoch \d+ failed on "
+                   r"host\(s\) 0,1: host 2 named by 2 of the 2 others\)", text), text[-6000:]
   mine = {h: records(os.path.join(tmp_path, f"host{h}")) for h in range(3)}
   assert len({rs[-1]["round"] for rs in mine.values()}) == 1, mine  # stopped together
   assert len({rs[-1]["anchor_hash"] for rs in mine.values()}) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
+import socket
 import threading
 import time
 
@@ -43,6 +44,31 @@ def _reading(address: str, what: str):
   except (protocol.Malformed, WireError, KeyError, TypeError) as e:
     raise CoordinatorError(f"the coordinator at {address} answered a malformed {what}: "
                            f"{e}") from None
+
+
+def wire_address(coordinator: str, given: str | None = None) -> str:
+  """host:port where this host's peers reach its wire: `given`, else the address of the
+  interface that routes to the coordinator and a port free on it now."""
+  if given:
+    security.split_address(given, "--wire_address")
+    return given
+  host, port = security.split_address(coordinator)
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((host, port))  # no packet is sent: this only picks the route
+    ip = s.getsockname()[0]
+  with socket.socket() as s:
+    s.bind((ip, 0))
+    return f"{ip}:{s.getsockname()[1]}"
+
+
+def _quiet(pairs) -> dict[int, float]:
+  """An epoch answer's `quiet`: [[host, ms since its last renewal], ...] -> {host: s}."""
+  if not isinstance(pairs, list) or len(pairs) > protocol.MAX_HOSTS:
+    raise protocol.Malformed(f"quiet={str(pairs)[:40]}: expected [host, ms] pairs")
+  if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+    raise protocol.Malformed(f"quiet={str(pairs)[:40]}: expected [host, ms] pairs")
+  return {protocol.integer({"h": h}, "h"): protocol.integer({"ms": ms}, "ms") / 1e3
+          for h, ms in pairs}
 
 
 def _triple(value) -> tuple:
@@ -125,6 +151,8 @@ class Client:
     self.rebuilding = False  # a restarted coordinator waits for hosts to come back
     self.boot = ""  # the coordinator's, as its last `unknown` said
     self.positions: dict[int, tuple[int, bool]] = {}  # host -> (ops committed, in one now)
+    self.quiet: dict[int, float] = {}  # member -> s since its last renewal, as last heard
+    self.heard_at = 0.0  # when (time.monotonic) the coordinator's epoch answer said so
     self.programs = programs  # where this host serves its compiled programs (programs.py)
 
   def _ask(self, body: dict, what: str) -> dict:
@@ -169,11 +197,12 @@ class Client:
                              f"frame we dropped: {e}") from None
 
   def _expect(self, answer: dict, op: str, **echo) -> dict:
+    refused = f"the coordinator at {self.address} refused us: {str(answer.get('why'))[:300]}"
     if answer["op"] == "refused" and op == "registered" and answer.get("stopping"):
       self.stopping = True
-      raise JobStopping(f"the coordinator at {self.address} refused us: {str(answer.get('why'))[:300]}")
+      raise JobStopping(refused)
     if answer["op"] == "refused" and op == "registered":
-      raise CoordinatorError(f"the coordinator at {self.address} refused us: {str(answer.get('why'))[:300]}")
+      raise CoordinatorError(refused)
     if answer["op"] != op or any(answer.get(k) != v for k, v in echo.items()):
       raise CoordinatorError(f"the coordinator at {self.address} answered {answer['op']!r} to "
                              f"another request (a replayed answer?); expected {op!r}")
@@ -271,7 +300,16 @@ class Client:
         self.positions = {protocol.integer({"h": h}, "h"): (protocol.integer({"a": a}, "a"),
                                                             protocol.flag({"b": b}, "b"))
                           for h, a, b in (_triple(t) for t in at)}
+        self.quiet, self.heard_at = _quiet(answer.get("quiet", [])), time.monotonic()
         return self._seen(epoch)
+
+  def unheard_s(self, host: int, fresh_s: float) -> float | None:
+    """Seconds since `host` last renewed its lease at the coordinator: what its last epoch
+    answer said plus the time since. None when that answer is older than `fresh_s` (this
+    host's own word is stale: the coordinator slow or away) or did not name `host`."""
+    since = time.monotonic() - self.heard_at
+    quiet = self.quiet.get(host)
+    return None if quiet is None or since > fresh_s else quiet + since
 
   def _news(self, answer: dict) -> None:
     """The pending hosts and whether the job stops, as an answer says."""

@@ -76,7 +76,10 @@ class EpochCollective:
       self._peers = Peers(self._epoch, self.host_index, token=self.token,
                           timeout_s=self.timeout_s,
                           interrupt=functools.partial(self.lease.interrupt, self._epoch.hosts),
-                          patience=lambda peer: self.lease.patience(peer, self.step))
+                          patience=lambda peer: self.lease.patience(peer, self.step),
+                          # a frozen peer's zmq is silent after a quarter lease: it is then
+                          # named once its lease has been silent for half of one
+                          liveness_s=self.lease.lease_s / 4)
     return self._peers
 
   def _move_to(self, announced, what: str) -> None:

@@ -38,8 +38,9 @@ member. An op that failed is judged once every member has voted, or `accuse_s` (
 unless set) after the first not-ok vote, by evidence (membership/votes.py's `judge`): a host
 named by a majority of the others leaves, an accusation no majority backs makes the accuser
 leave; an op tried in 33 epochs gives the job up. When every member but one has voted, each
-naming that one (its port refuses them: wire/departed.py), and they are at least two, it is
-judged at once: whatever the last one voted, it would leave.
+naming that one (its port refuses them: wire/departed.py; or it has renewed no lease for half
+of one: lease.interrupt), and they are at least two, it is judged at once: whatever the last
+one voted, it would leave. Heartbeat answers say how long ago each member last renewed.
 
 Stopping the job: the first SIGTERM (or Ctrl-C) to the coordinator stops the whole job, every
 host after the same round with a checkpoint (`Ledger.stop`); the coordinator ends once every

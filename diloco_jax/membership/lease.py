@@ -4,7 +4,8 @@
 until the job's first epoch holds every host it was started with. From then on a thread
 heartbeats well within the lease and keeps the newest epoch the coordinator announced; the
 collectives (`membership/collective.py`) ask it two things: whether the op they wait on can still
-complete (`interrupt`: a member of its epoch has been dropped, or the coordinator is lost)
+complete (`interrupt`: a member of its epoch has been dropped or is frozen, or the
+coordinator is lost)
 and, after each op, the coordinator's verdict on it (`commit`).
 
 A coordinator that stops answering does not end the run: this host keeps its state and waits
@@ -22,7 +23,6 @@ wakes: the trainer then makes it a joiner again in the same process (`rejoin`, t
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 import time
@@ -49,21 +49,6 @@ class JobEnded(MembershipError):
   """A host that was to join found no member left: the job ended (or every member failed,
   and says so in its own log) before it was admitted. Nothing of this host's is lost."""
   exit_code = 0
-
-
-def wire_address(coordinator: str, given: str | None = None) -> str:
-  """host:port where this host's peers reach its wire: `given`, else the address of the
-  interface that routes to the coordinator and a port free on it now."""
-  if given:
-    security.split_address(given, "--wire_address")
-    return given
-  host, port = security.split_address(coordinator)
-  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-    s.connect((host, port))  # no packet is sent: this only picks the route
-    ip = s.getsockname()[0]
-  with socket.socket() as s:
-    s.bind((ip, 0))
-    return f"{ip}:{s.getsockname()[1]}"
 
 
 GRACE_S = 600.0  # how long a host waits for a coordinator that stopped answering
@@ -107,7 +92,7 @@ class Lease:
     where this host serves its compiled programs (membership/programs.py; "": nowhere)."""
     client = coordinator_client.Client(coordinator, token, timeout_s=min(10.0, timeout_s),
                                        last_epoch=last_epoch, programs=programs)
-    address = wire_address(coordinator, address)
+    address = coordinator_client.wire_address(coordinator, address)
     try:
       # Not ready: if the job runs, the members would admit it at their next round
       # boundary and wait for it to take their state; it registers again once it can.
@@ -334,14 +319,25 @@ class Lease:
               f"{committed} ops{'' if busy else ' and is training'}")
     return None
 
-  def interrupt(self, members: tuple[int, ...]) -> str | None:
-    """Why an op among `members` cannot complete (None: it may): the coordinator is lost,
-    or a newer epoch has dropped one of them."""
+  def interrupt(self, members: tuple[int, ...], peer: int | None = None,
+                unreachable_s: float | None = None) -> str | None:
+    """Why an op among `members` cannot complete (None: it may): the coordinator is lost, a
+    newer epoch has dropped one of them, or `peer`, which the op waits on, is frozen: its
+    zmq stopped answering (`unreachable_s`, wire/departed.py) and it has renewed no lease
+    for half of one. Every member that waits on a frozen host names it, and the coordinator
+    drops it at once (votes.unanimous), not at its lease's end. A host that is only busy
+    (its heartbeat thread stalled behind the GIL) still answers zmq, and is waited for."""
     if self.lost is not None:
       return self.lost
     gone = sorted(set(members) - set(self.epoch.hosts))
     if gone:
       return f"the coordinator dropped host(s) {gone} (epoch {self.epoch.number})"
+    if peer is None or unreachable_s is None:
+      return None
+    quiet = self.client.unheard_s(peer, self.lease_s / 2)
+    if quiet is not None and quiet >= self.lease_s / 2:
+      return (f"host {peer} is frozen or cut off: it has renewed no lease for {quiet:.1f} s "
+              f"and its wire has not answered for {unreachable_s:.1f} s")
     return None
 
   def commit(self, epoch: int, step: int, ok: bool, suspect: int | None,

@@ -2,8 +2,7 @@
 serves it): who is a member of which epoch, leases, and the verdict on each op.
 
 `Ledger.handle` answers one request at a time `now`, `Ledger.expire` ends the leases and
-accusations that ran out; the rules are in membership/coordinator.py's docstring. Pure, so the
-tests drive it at fake times.
+accusations that ran out (the rules: membership/coordinator.py). Pure: tests use fake times.
 """
 
 from __future__ import annotations
@@ -79,10 +78,10 @@ class Ledger:
     self._floor = 0  # the highest epoch number a registering host reported
     self._at: dict[int, tuple[int, bool]] = {}  # host -> (ops committed, in an op now)
     # For REBUILD_LEASES leases after a start, the hosts of a job whose coordinator this one
-    # replaces may come back (`resume`: each heard `unknown`, and registers again under its
-    # own id with the ops it committed), and while a host they name is still away
-    # (`_awaited`) no op is decided. For the first lease no free id is given out, so that a
-    # newcomer cannot take the id of a host that is still coming back.
+    # replaces may come back (`resume`: each heard `unknown`, and registers again under its own
+    # id with the ops it committed), and while a host they name is still away (`_awaited`) no
+    # op is decided. For the first lease no free id is given out, so that a newcomer cannot
+    # take the id of a host that is still coming back.
     self._rebuilt_at = now + lease_s
     self._resume_until = now + REBUILD_LEASES * lease_s
     self._awaited: set[int] = set()
@@ -251,17 +250,15 @@ class Ledger:
     incarnation = secrets.token_hex(8)
     member = Member(host, incarnation, address, programs)
     pending = self._running and bool(members)
+    if pending and replaced:  # the members run on, without its old incarnation
+      self._open(members, last_epoch, why)
     if pending and not ready:
       # A probe: the host learns that the job runs (and an old incarnation of it is gone)
       # and registers again once it can take the members' state; until then it is in no
       # list, so no boundary admits a host that is not ready.
-      if replaced:
-        self._open(members, last_epoch, why)
       return self._registered(challenge, host, incarnation, True, now)
     self._deadline[host], self._seq[incarnation] = now + self.lease_s, 0
-    if pending:  # the members run on; it waits for a round boundary, when they admit it
-      if replaced:
-        self._open(members, last_epoch, why)
+    if pending:  # it waits for a round boundary, when the members admit it
       self._pending[host] = member
       self._log(f"coordinator: host {host} pending: admitted at the next round boundary "
                 f"(epoch {self.epoch.number}, pending {_ids(self._pending)})")
@@ -353,7 +350,10 @@ class Ledger:
     return {"op": "epoch", **echo, "epoch": self.epoch.to_json(),
             "pending": sorted(self._pending), "stopping": self.stopping is not None,
             "rebuilding": self.rebuilding(now),
-            "at": [[m.host, *self._at[m.host]] for m in self.epoch.members if m.host in self._at]}
+            "at": [[m.host, *self._at[m.host]] for m in self.epoch.members if m.host in self._at],
+            # ms since each member last renewed (lease.interrupt: frozen, or only slow?)
+            "quiet": [[h, max(0, round(1e3 * (now + self.lease_s - self._deadline.get(h, now))))]
+                      for h in self.epoch.hosts]}
 
   def _commit(self, host: int, incarnation: str, e: int, step: int, ok: bool,
               suspect: int | None, boundary: bool, now: float) -> dict:

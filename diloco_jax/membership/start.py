@@ -96,7 +96,7 @@ def _start_live(config: ml_collections.ConfigDict, c: cluster.Cluster,
     token = security.JoinToken.from_environment(c.join_token_file)
   except security.SecurityError as e:
     raise cluster.StartupError(str(e)) from None
-  wire = lease_lib.wire_address(address, options.wire_address)
+  wire = client_lib.wire_address(address, options.wire_address)
   serves = options.membership is None and c.host_id == 0
   listens = {f"host {c.host_id}'s wire": wire}
   if serves:

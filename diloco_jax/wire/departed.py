@@ -1,4 +1,5 @@
-"""Which peers of an epoch are gone: their connection closed and their port refuses.
+"""Which peers of an epoch are gone (their connection closed and their port refuses), and
+which are frozen (their zmq threads stopped answering).
 
 Why. A peer whose process ended (killed, crashed, out of memory) was otherwise found out only
 when its lease ran out at the coordinator, seconds during which every member waited for it.
@@ -20,37 +21,79 @@ neither is a failed reconnect (a network that drops packets fails them too). Wha
 plain TCP connect to the peer's address that is refused: its machine answered, and nothing
 listens there. A machine that vanished answers nothing, and its lease decides, as before.
 
+Frozen. A process that is stopped (SIGSTOP, a machine that hangs) keeps its port and closes
+nothing, so it is not gone; its lease at the coordinator runs out, but a process that is only
+busy may renew none for seconds too: a Python thread that holds the GIL (a large host copy, a
+program loaded) stalls the heartbeat thread beside it. What tells them apart is zmq's own
+I/O thread, which runs without the GIL: it answers ZMTP PINGs in a busy process and not in a
+stopped one. So each host keeps one more connection to each peer's listener that carries
+nothing but PINGs; one not answered for `liveness_s` (a quarter of the lease in a live job)
+is closed by zmq, and until a new one completes its handshake the peer is `unreachable_s`. Not the data
+connection: under a multi-GB send a PING waits behind the bytes queued before it, and a data
+connection zmq closes loses what was in flight. A closed liveness connection is evidence, not
+a verdict: the membership layer names a peer only when the coordinator also says it renewed
+no lease (membership/lease.py `interrupt`).
+
 The reader thread of `links.Links` polls the monitors (`sockets`, `read`); a short thread per
 closed connection makes the connects, so that neither the reader nor a waiting caller blocks
-on them; a caller asks `gone()`.
+on them; a caller asks `gone()` and `unreachable_s(peer)`.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import zmq
 from zmq.utils import monitor
 
 from diloco_jax.runtime import security
+from diloco_jax.wire import sealed
 
 REFUSED = 3  # zmq's reconnects failed at once, in a row, before this host connects itself
 CONNECT_TIMEOUT_S = 1.0  # a connect not answered in this long decides nothing
 EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+LIVENESS_S = 1.0  # a PING not answered in this long closes a liveness connection (default)
+
+
+def liveness_socket(ctx: zmq.Context, where: str, sealing: bytes | None,
+                    timeout_s: float = LIVENESS_S) -> zmq.Socket:
+  """A connection to a peer's listener at `where` that carries only zmq's PINGs, four in
+  `timeout_s`; closed by zmq when none is answered in `timeout_s`."""
+  sock = ctx.socket(zmq.PUSH)  # (never sends: the peer's PULL takes it as one more sender)
+  timeout_ms = max(4, int(timeout_s * 1000))
+  sock.setsockopt(zmq.LINGER, 0)
+  sock.setsockopt(zmq.HEARTBEAT_IVL, timeout_ms // 4)
+  sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+  sock.setsockopt(zmq.RECONNECT_IVL, 20)
+  # a handshake with a stopped peer would wait zmq's 30 s (its kernel takes the connection)
+  sock.setsockopt(zmq.HANDSHAKE_IVL, timeout_ms)
+  sealed.connect(sock, sealing)
+  sock.connect(where)
+  return sock
 
 
 class Departures:
   """The peers (`push`: peer -> this host's PUSH socket to it; `addresses`: peer ->
-  "host:port") whose listener is found gone. Call `close` before closing the sockets."""
+  "host:port") whose listener is found gone, and (`alive`: peer -> its liveness socket)
+  those whose zmq stopped answering. Call `close` before closing the sockets."""
 
   def __init__(self, push: dict[int, zmq.Socket], addresses: dict[int, str],
-               answered: set[int]):
+               answered: set[int], alive: dict[int, zmq.Socket] | None = None,
+               liveness_s: float = LIVENESS_S):
+    self._liveness_s = liveness_s  # the liveness sockets' `timeout_s`
     self._addresses = addresses
     self._answered = answered  # peers whose listener of this epoch heard this host
-    self._socks = dict(push)
-    self._monitors = {sock.get_monitor_socket(EVENTS): peer for peer, sock in push.items()}
+    self._socks = {**{("push", p): s for p, s in push.items()},
+                   **{("alive", p): s for p, s in (alive or {}).items()}}
+    self._monitors = {sock.get_monitor_socket(EVENTS): key for key, sock in self._socks.items()}
     self.sockets = list(self._monitors)  # to poll: readable when an event waits
+    # peer -> when its liveness connection closed (absent: connected, or never was), and the
+    # peers whose liveness connection finished its handshake and is open
+    self._unreachable: dict[int, float] = {}
+    self._live: set[int] = set()
+    self._unlive: dict[int, float] = {}  # peer -> when first asked about, answered, not live
     # peer -> zmq's failed reconnects since its connection closed (absent: connected, or
     # never was: a peer not listening yet at the epoch's start is not gone)
     self._refused: dict[int, int] = {}
@@ -59,10 +102,18 @@ class Departures:
 
   def read(self, sock: zmq.Socket) -> None:
     """Takes the events waiting on one monitor (the reader thread)."""
-    peer = self._monitors[sock]
+    kind, peer = self._monitors[sock]
     while sock.poll(0):
       event = monitor.recv_monitor_message(sock)["event"]
-      if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+      if kind == "alive":
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+          self._live.add(peer)
+          self._unreachable.pop(peer, None)
+        elif event == zmq.EVENT_DISCONNECTED and peer in self._live:
+          self._live.discard(peer)
+          if peer in self._answered:  # (else maybe the peer's last epoch's listener closed)
+            self._unreachable[peer] = time.monotonic()
+      elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         self._refused.pop(peer, None)
       elif event == zmq.EVENT_DISCONNECTED and peer in self._answered:
         self._refused[peer] = 0
@@ -93,6 +144,20 @@ class Departures:
       return None
     peer = min(self._gone)
     return peer, self._gone[peer]
+
+  def unreachable_s(self, peer: int) -> float | None:
+    """Seconds since `peer`'s liveness connection closed with no new one since (its zmq
+    stopped answering PINGs: a stopped process, or a network that carries nothing), or
+    since a peer that answered in this epoch was first asked about without one (it froze
+    before its liveness handshake, less the `liveness_s` a handshake may take);
+    None while it is connected, or before it answered in this epoch."""
+    if peer in self._live or peer not in self._answered:
+      return None
+    now = time.monotonic()
+    since = self._unreachable.get(peer)
+    if since is None:
+      since = self._unlive.setdefault(peer, now) + self._liveness_s
+    return None if now < since else now - since
 
   def close(self) -> None:
     self._closed.set()

@@ -55,9 +55,11 @@ def as_bytes(a: np.ndarray) -> memoryview:
 class Links:
   """One epoch's connections, seen from member `host`.
 
-  `interrupt`, if given, is asked at least every `INTERRUPT_EVERY_S` while waiting for a
-  peer; a reason (a string) ends the wait with `PeerError` naming the awaited peer (a
-  membership layer that already knows a member is gone need not wait out `timeout_s`).
+  `interrupt(peer, unreachable_s)`, if given, is asked at least every `INTERRUPT_EVERY_S`
+  while waiting for `peer` (`unreachable_s`: how long its zmq has not answered, None while it
+  does: wire/departed.py, after `liveness_s` without an answer to a PING); a reason (a
+  string) ends the wait with `PeerError` naming that peer (a membership layer that already
+  knows a member is gone, or frozen, need not wait out `timeout_s`).
 
   Deadlines follow progress: a receive fails after `timeout_s` without a frame from the
   peer, not after `timeout_s` in all (a transfer of many GB takes as long as its bytes
@@ -70,8 +72,9 @@ class Links:
   def __init__(self, epoch: Epoch, host: int, *, token=None,
                timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK,
                context: zmq.Context | None = None, log: Callable[[str], None] = _warn,
-               interrupt: Callable[[], str | None] | None = None,
-               patience: Callable[[int], str | None] | None = None):
+               interrupt: Callable[[int, float | None], str | None] | None = None,
+               patience: Callable[[int], str | None] | None = None,
+               liveness_s: float = departed.LIVENESS_S):
     if not 0 < chunk_bytes <= frames.MAX_CHUNK:
       raise WireError(f"chunk_bytes={chunk_bytes}: must be in 1..{frames.MAX_CHUNK}")
     if not timeout_s > 0:
@@ -119,8 +122,11 @@ class Links:
         s.setsockopt(zmq.RECONNECT_IVL, 20)
         sealed.connect(s, sealing)
         s.connect(endpoint(address))
+    # one more connection to each peer, for zmq's PINGs alone (wire/departed.py: frozen)
+    self._alive = {peer: departed.liveness_socket(ctx, endpoint(address), sealing, liveness_s)
+                   for peer, address in zip(epoch.hosts, epoch.addresses) if peer != host}
     self._departures = departed.Departures(self._push, dict(zip(epoch.hosts, epoch.addresses)),
-                                           self._answered)
+                                           self._answered, self._alive, liveness_s)
     self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader through it
     self._reader = threading.Thread(target=self._read, daemon=True,
                                     name=f"wire epoch {epoch.number} host {host}")
@@ -155,7 +161,7 @@ class Links:
       self._wake_r = self._wake_w = -1
     self._handshakes.close()
     self._departures.close()
-    for s in [self._pull, *self._push.values()]:
+    for s in [self._pull, *self._push.values(), *self._alive.values()]:
       s.close()
     self.broken = self.broken or WireError(f"epoch {self.epoch.number} is closed")
 
@@ -272,7 +278,7 @@ class Links:
     if self._interrupt is None or now - self._asked < INTERRUPT_EVERY_S:
       return
     self._asked = now
-    reason = self._interrupt()
+    reason = self._interrupt(host, self._departures.unreachable_s(host))
     if reason:
       raise PeerError(f"epoch {self.epoch.number}: interrupted while waiting for host {host} "
                       f"during {what}: {reason} (seen from host {self.host})",
