@@ -28,11 +28,11 @@ program loaded) stalls the heartbeat thread beside it. What tells them apart is 
 I/O thread, which runs without the GIL: it answers ZMTP PINGs in a busy process and not in a
 stopped one. So each host keeps one more connection to each peer's listener that carries
 nothing but PINGs; one not answered for `liveness_s` (a quarter of the lease in a live job)
-is closed by zmq, and until a new one completes its handshake the peer is `unreachable_s`. Not the data
-connection: under a multi-GB send a PING waits behind the bytes queued before it, and a data
-connection zmq closes loses what was in flight. A closed liveness connection is evidence, not
-a verdict: the membership layer names a peer only when the coordinator also says it renewed
-no lease (membership/lease.py `interrupt`).
+is closed by zmq, and until a new one completes its handshake the peer is `unreachable_s`.
+Not the data connection: under a multi-GB send a PING waits behind the bytes queued before
+it, and a data connection zmq closes loses what was in flight. A closed liveness connection
+is evidence, not a verdict: the membership layer names a peer only when the coordinator
+also says it renewed no lease (membership/lease.py `interrupt`).
 
 The reader thread of `links.Links` polls the monitors (`sockets`, `read`); a short thread per
 closed connection makes the connects, so that neither the reader nor a waiting caller blocks
