@@ -227,3 +227,17 @@ def test_a_frozen_peer_is_one_whose_zmq_and_lease_are_both_silent():
   for bad in ([[1, -5]], [[1]], {"1": 5}, [[1, 2.5]], [[True, 5]]):
     with pytest.raises(protocol.Malformed):
       client_lib._quiet(bad)
+
+
+def test_once_its_reader_stops_a_wire_leaves_no_monitor_to_fill():
+  """zmq's I/O thread blocks on a socket monitor whose queue is full, and with it every
+  socket of the context; disabling that monitor then never returns (a dead peer's
+  reconnects fill one in seconds, and a failed epoch's wire may wait out the coordinator's
+  grace for its verdict). So the reader, which alone reads them, closes them as it stops."""
+  with connected_pair() as (_, p0, p1):
+    p1.close()  # a dead peer: host 0's connections to it refuse, 50 times a second
+    links = p0.links
+    monitors = [links._handshakes.socket, *links._departures.sockets]
+    assert len(monitors) == 3 and not any(m.closed for m in monitors)
+    links.halt()
+    assert all(m.closed for m in monitors)

@@ -167,6 +167,9 @@ class Client:
       sealed.connect(self._sock, self._key if protocol.keyed(self._key) else None)
       self._handshakes = sealed.Handshakes(self._sock)
       self._sock.connect(self._endpoint)
+    # its events, taken at each request too: zmq's I/O thread (this process's other sockets
+    # with it) would block on a monitor whose queue filled between requests
+    self._handshakes.read()
     self._sock.send_multipart(sign(self._key, C2S, body))
     deadline = time.monotonic() + self.timeout_s
     while not self._sock.poll(HANDSHAKE_POLL_MS):

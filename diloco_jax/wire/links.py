@@ -220,6 +220,12 @@ class Links:
       with self._arrived:
         self._reader_failed = e
         self._arrived.notify_all()
+    finally:
+      # Nobody reads the monitors from here on, and zmq's I/O thread blocks on a monitor
+      # whose queue is full (a dead peer's reconnects fill one in seconds): every socket of
+      # the context would stall, and disabling that monitor later would never return.
+      self._handshakes.close()
+      self._departures.close()
 
   def _accept(self, msg: list) -> None:
     try:
