@@ -160,6 +160,9 @@ class Departures:
     return None if now < since else now - since
 
   def close(self) -> None:
+    """Closes the monitors: call it once nobody reads them (the reader stopped). zmq's I/O
+    thread blocks on a monitor whose queue is full (a dead peer's reconnects fill one in
+    seconds), every socket of the context with it, and disabling it then never returns."""
     self._closed.set()
     for sock in self._socks.values():
       try:

@@ -56,10 +56,9 @@ class Links:
   """One epoch's connections, seen from member `host`.
 
   `interrupt(peer, unreachable_s)`, if given, is asked at least every `INTERRUPT_EVERY_S`
-  while waiting for `peer` (`unreachable_s`: how long its zmq has not answered, None while it
-  does: wire/departed.py, after `liveness_s` without an answer to a PING); a reason (a
-  string) ends the wait with `PeerError` naming that peer (a membership layer that already
-  knows a member is gone, or frozen, need not wait out `timeout_s`).
+  while waiting for `peer` (`unreachable_s`: wire/departed.py's, after `liveness_s` of PINGs
+  unanswered); a reason ends the wait with `PeerError` naming that peer (a membership layer
+  that already knows a member is gone, or frozen, need not wait out `timeout_s`).
 
   Deadlines follow progress: a receive fails after `timeout_s` without a frame from the
   peer, not after `timeout_s` in all (a transfer of many GB takes as long as its bytes
@@ -220,10 +219,7 @@ class Links:
       with self._arrived:
         self._reader_failed = e
         self._arrived.notify_all()
-    finally:
-      # Nobody reads the monitors from here on, and zmq's I/O thread blocks on a monitor
-      # whose queue is full (a dead peer's reconnects fill one in seconds): every socket of
-      # the context would stall, and disabling that monitor later would never return.
+    finally:  # nobody reads the monitors from now on (wire/departed.py: `close`)
       self._handshakes.close()
       self._departures.close()
 
