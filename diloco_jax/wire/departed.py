@@ -89,11 +89,10 @@ class Departures:
                    **{("alive", p): s for p, s in (alive or {}).items()}}
     self._monitors = {sock.get_monitor_socket(EVENTS): key for key, sock in self._socks.items()}
     self.sockets = list(self._monitors)  # to poll: readable when an event waits
-    # peer -> when its liveness connection closed (absent: connected, or never was), and the
-    # peers whose liveness connection finished its handshake and is open
+    self._live: set[int] = set()  # peers whose liveness connection is open (handshake done)
+    # peer -> from when it counts as unreachable: when its liveness connection closed, or
+    # (never open) when first asked about plus the `liveness_s` a handshake may take
     self._unreachable: dict[int, float] = {}
-    self._live: set[int] = set()
-    self._unlive: dict[int, float] = {}  # peer -> when first asked about, answered, not live
     # peer -> zmq's failed reconnects since its connection closed (absent: connected, or
     # never was: a peer not listening yet at the epoch's start is not gone)
     self._refused: dict[int, int] = {}
@@ -154,9 +153,7 @@ class Departures:
     if peer in self._live or peer not in self._answered:
       return None
     now = time.monotonic()
-    since = self._unreachable.get(peer)
-    if since is None:
-      since = self._unlive.setdefault(peer, now) + self._liveness_s
+    since = self._unreachable.setdefault(peer, now + self._liveness_s)
     return None if now < since else now - since
 
   def close(self) -> None:

@@ -158,8 +158,6 @@ class Links:
       os.close(self._wake_r)
       os.close(self._wake_w)
       self._wake_r = self._wake_w = -1
-    self._handshakes.close()
-    self._departures.close()
     for s in [self._pull, *self._push.values(), *self._alive.values()]:
       s.close()
     self.broken = self.broken or WireError(f"epoch {self.epoch.number} is closed")
@@ -193,13 +191,10 @@ class Links:
 
   def _read(self) -> None:
     """Files every frame that arrives until close() (the reader thread)."""
-    poller = zmq.Poller()
-    poller.register(self._pull, zmq.POLLIN)
-    poller.register(self._wake_r, zmq.POLLIN)
-    poller.register(self._handshakes.socket, zmq.POLLIN)
-    for monitor in self._departures.sockets:
-      poller.register(monitor, zmq.POLLIN)
     try:
+      poller = zmq.Poller()
+      for sock in [self._pull, self._wake_r, self._handshakes.socket, *self._departures.sockets]:
+        poller.register(sock, zmq.POLLIN)
       while True:
         ready = dict(poller.poll())
         if self._wake_r in ready:
