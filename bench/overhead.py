@@ -19,7 +19,9 @@ with XLA computing on one thread (--xla_cpu_multi_thread_eigen=false), as bench/
 runs each host.
 The loops take turns round by round (H steps each, waited for), so drifts in the shared
 machine's speed hit all of them alike; tokens/s is the median over rounds, the first
-(compiling) round excluded. Writes bench/results/overhead.json (--smoke: --out, or a file
+(compiling) round excluded. Then it times a full garbage collection with every loop's
+objects alive, as after a start and once the start's objects are frozen (what a trainer's
+start does: diloco_jax/runtime/collector.py). Writes bench/results/overhead.json (--smoke: --out, or a file
 in a temporary directory).
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -55,6 +58,7 @@ from diloco_jax.device import inner
 from diloco_jax.loop import trainer
 from diloco_jax.models import family
 from diloco_jax.models import model as model_lib
+from diloco_jax.runtime import collector
 from diloco_jax.wire import dispatch
 
 
@@ -148,6 +152,16 @@ def local_loop(config, params0):
   return one_round
 
 
+def full_collection_s(times: int = 3) -> float:
+  """The median pause of a full garbage collection in this process, as it is now."""
+  pauses = []
+  for _ in range(times):
+    t = time.perf_counter()
+    gc.collect()
+    pauses.append(time.perf_counter() - t)
+  return statistics.median(pauses)
+
+
 def main():
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n")[0],
@@ -184,6 +198,12 @@ def main():
           samples[name].append(tokens_per_round / (time.perf_counter() - t))
       print(f"round {r}/{args.rounds}: " + ", ".join(
           f"{n} {s[-1]:,.0f}" for n, s in samples.items() if s), flush=True)
+    # What a full collection costs with every loop's objects alive: as after a start, and
+    # once the start's objects are frozen (runtime/collector.py; a trainer's start does it)
+    pauses = {"objects": len(gc.get_objects()), "start": full_collection_s()}
+    collector.settled()
+    pauses["settled"] = full_collection_s()
+    collector.released()
   median = {name: statistics.median(s) for name, s in samples.items()}
   result = {
       "config": {"name": args.config, "one_core": args.one_core,
@@ -197,6 +217,7 @@ def main():
                                     if "plain_big" in median else None),
       "ratio_local_vs_plain": median["local"] / median["plain"],
       "ratio_diloco_vs_local": median["diloco"] / median["local"],
+      "full_collection_s": pauses,
       "device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": args.smoke,
       **harness.provenance("overhead"),
   }
@@ -212,6 +233,8 @@ def main():
           f"{result['ratio_diloco_vs_plain_big']:.3f}")
   print(f"DiLoCo / same replicas without outer steps:      {result['ratio_diloco_vs_local']:.3f}")
   print(f"trainer's inner step / plain AdamW loop:         {result['ratio_local_vs_plain']:.3f}")
+  print(f"a full garbage collection ({pauses['objects']:,} objects): {pauses['start']:.4f} s, "
+        f"{pauses['settled']:.4f} s once the start's objects are frozen")
   print(f"wrote {args.out}")
 
 

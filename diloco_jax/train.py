@@ -140,7 +140,9 @@ def _start(config: ml_collections.ConfigDict):
   from diloco_jax.loop import trainer  # noqa: F401  # pylint: disable=unused-import
   from diloco_jax.membership import start as start_lib
   from diloco_jax.runtime import cluster
+  from diloco_jax.runtime import collector
   # pylint: enable=import-outside-toplevel
+  collector.imported()  # the modules' objects: never walked by a collection again
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is it stuck?
   host_id = _HOST_ID.value  # known before the hosts meet, where given
   if host_id is None and os.environ.get("DILOCO_HOST_ID", "").isdigit():

@@ -354,3 +354,22 @@ def test_trim_returns_freed_memory_to_the_os():
   out = subprocess.run([sys.executable, "-c", TRIM_CHECK, multihost.REPO], capture_output=True,
                        text=True, timeout=60, check=True).stdout
   assert int(out.split()[1]) > 100, out
+
+def test_a_settled_start_frees_its_garbage_and_keeps_the_rest_out_of_every_walk():
+  code = textwrap.dedent("""
+      import gc, weakref
+      from diloco_jax.runtime import collector
+      class Node: pass
+      kept, lost = Node(), Node()
+      kept.me, lost.me = kept, lost  # two cycles: one still referenced, one garbage
+      gone = weakref.ref(lost)
+      del lost
+      collector.settled()
+      assert gone() is None, "garbage frozen with what is kept"
+      assert gc.get_freeze_count() > 0
+      assert not any(o is kept for o in gc.get_objects()), "a kept object is walked"
+      collector.released()
+      assert gc.get_freeze_count() == 0 and any(o is kept for o in gc.get_objects())
+      print("ok")""")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.stdout.strip() == "ok", out.stderr

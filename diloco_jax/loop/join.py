@@ -61,6 +61,7 @@ from diloco_jax.loop import parts as parts_lib
 from diloco_jax.loop import rounds
 from diloco_jax.loop import state as state_lib
 from diloco_jax.membership import collective as collective_lib
+from diloco_jax.runtime import collector
 from diloco_jax.runtime import hostmem
 from diloco_jax.wire import exchange as exchange_lib
 
@@ -202,6 +203,7 @@ def receive(parts: parts_lib.Parts, state: state_lib.RunState,
   if not compiled:  # start-up's one-off programs dropped first (the trainer keeps these)
     jax.clear_caches()
     rehearse(parts, state)
+    collector.settled()  # here, not once the members wait for it
     hostmem.trim()  # what compiling freed: here, not once the members wait (0.05 s)
     phases.done("rehearse")
   world.lease.join()

@@ -34,6 +34,7 @@ from diloco_jax.modes import base as modes_base
 from diloco_jax.reporting import lines
 from diloco_jax.reporting import plots
 from diloco_jax.reporting import profiling
+from diloco_jax.runtime import collector
 from diloco_jax.runtime import hostmem
 from diloco_jax.membership import world as world_lib
 from diloco_jax.wire import dispatch
@@ -154,6 +155,7 @@ class Trainer:
     else:
       self.resume()
       jax.clear_caches()
+      collector.settled()  # start-up's garbage freed, what it keeps out of later walks
       hostmem.trim()  # what compiling freed
     parts.reporting.start_phases.done("resume")  # the checkpoint read, what compiling freed
     done = self.state.round
@@ -266,6 +268,7 @@ def train_and_evaluate(
       parts.reporting.profile.close()
       if parts.storage.lock is not None:
         parts.storage.lock.release()
+      collector.released()  # in a process that goes on (a test, a notebook)
       if hasattr(parts.sync.membership, "close"):  # live: leave, so no one waits for the lease,
         # and the dispatch thread's op in flight ends before the sockets it uses close
         parts.sync.membership.close(drained=lambda timeout_s: dispatcher.close(timeout_s))
