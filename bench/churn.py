@@ -44,6 +44,10 @@ joiner's catch-up round (`joined_round_s`), and the next, its first trained
 run's (`round_s`), and where the joiner's start went, by phase (`start_seconds`, from its
 run.json), with the compiled programs it took from a member (`programs`). On the live path
 every host keeps its compilation cache in its own workdir, whatever the environment says.
+The uninterrupted run is measured before the churned one and again after it (--refs=2, not
+with --smoke or --events=0), and goodput is against both together (their tokens over their
+host-seconds): a shared machine's speed drifts by a few percent within half an hour, which
+one run before would count as churn's (`goodput_each`: against each alone).
 Writes bench/results/churn.json.
 """
 
@@ -275,6 +279,11 @@ def _joiner_start(workdir: str, host: int, joined_at: int) -> dict:
   return {}
 
 
+def pooled(refs: list[dict]) -> dict:
+  """Uninterrupted runs as one: their tokens, host-seconds and wall time summed."""
+  return {key: sum(r[key] for r in refs) for key in ("kept_tokens", "host_seconds", "wall_s")}
+
+
 def goodput(ref: dict, churn: dict, quota: bool) -> float:
   """The tokens `churn` kept ÷ those the uninterrupted run `ref` would have trained in the
   same time. With a quota per host id, the hosts the job had (a join_new adds one from its
@@ -302,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="a checkout of another diloco_jax version (e.g. `git worktree add "
                            "/tmp/base 7bb7343`), whose uninterrupted run is path base")
   parser.add_argument("--seed", type=int, default=0, help="of the events and their victims")
+  parser.add_argument("--refs", type=int, choices=(1, 2), default=2,
+                      help="uninterrupted runs per path: 2, before and after the churned one "
+                           "(--smoke and --events=0: 1)")
   parser.add_argument("--quota", action=argparse.BooleanOptionalAction, default=True,
                       help="each host id an equal CPU quota (bench/cpushare.py; root and the "
                            "cgroup cpu controller) where the ids outnumber the cores; "
@@ -340,12 +352,21 @@ def main(argv: list[str] | None = None) -> None:
           continue
         churn = run(path, os.path.join(root, path), args.hosts, flags, plan, log,
                     args.freeze_s, random.Random(args.seed + 1), spare)
-        churn["goodput"] = goodput(ref, churn, placement.quota)
-        result["paths"][path] = {"uninterrupted": ref, "churn": churn}
-        print(f"{path}: uninterrupted {ref['wall_s']:.1f} s; through {len(churn['events'])} "
-              f"events {churn['wall_s']:.1f} s, goodput {churn['goodput']:.2f}, final eval "
-              f"loss {churn['final_eval_loss']} (uninterrupted {ref['final_eval_loss']})",
-              flush=True)
+        refs = [ref]
+        if args.refs > 1 and plan and not args.smoke:  # the machine's drift, both ways
+          refs.append(run(path, os.path.join(root, f"{path}_ref_after"), args.hosts, flags,
+                          [], log, args.freeze_s, random.Random(args.seed), spare))
+        churn["goodput"] = goodput(pooled(refs), churn, placement.quota)
+        churn["goodput_each"] = [goodput(r, churn, placement.quota) for r in refs]
+        result["paths"][path] = {"uninterrupted": ref, "churn": churn,
+                                 **({"uninterrupted_after": refs[1]} if len(refs) > 1 else {})}
+        walls = " and ".join(f"{r['wall_s']:.1f}" for r in refs)
+        print(f"{path}: uninterrupted {walls} s; "
+              f"through {len(churn['events'])} events {churn['wall_s']:.1f} s, goodput "
+              f"{churn['goodput']:.2f}" + (" (against each: " + ", ".join(
+                  f"{g:.2f}" for g in churn["goodput_each"]) + ")" if len(refs) > 1 else "")
+              + f", final eval loss {churn['final_eval_loss']} (uninterrupted "
+              f"{ref['final_eval_loss']})", flush=True)
         if path == "live" and ref["round_s"]:
           away = [f"{e['kind']} {e['members_round_s'] / ref['round_s']:.2f}"
                   for e in churn["events"] if "members_round_s" in e]

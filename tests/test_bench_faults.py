@@ -66,6 +66,7 @@ def check_churn(result: dict) -> None:
       assert run["exit"] == 0 and run["rounds_completed"] == result["rounds"]
       assert run["final_eval_loss"] > 0
     assert len(path["churn"]["events"]) == 2 and path["churn"]["goodput"] > 0
+    assert path["churn"]["goodput_each"] == [pytest.approx(path["churn"]["goodput"])]
   for e in live["churn"]["events"]:
     assert e["joined_at"] > e["round"] and e["source"] != e["host"], e
     assert e["state_bytes"] > 0 and e["back_s"] > 0, e
@@ -92,6 +93,16 @@ def check_churn(result: dict) -> None:
   per_replica_round = full / (result["hosts"] * rounds)
   assert restart["churn"]["kept_tokens"] == pytest.approx(
       full + (rounds - grown + 1) * per_replica_round), restart["churn"]
+
+
+def test_churn_goodput_is_against_the_uninterrupted_runs_together():
+  from bench import churn  # pylint: disable=import-outside-toplevel
+  before = {"kept_tokens": 100.0, "host_seconds": 10.0, "wall_s": 5.0}
+  after = {"kept_tokens": 90.0, "host_seconds": 10.0, "wall_s": 5.0}
+  churned = {"kept_tokens": 76.0, "host_seconds": 8.0, "wall_s": 4.0}
+  both = churn.pooled([before, after])
+  assert churn.goodput(both, churned, quota=True) == pytest.approx(76 / (190 / 20 * 8))
+  assert churn.goodput(both, churned, quota=False) == pytest.approx(76 / (190 / 10 * 4))
 
 
 def check_stragglers(result: dict) -> None:

@@ -111,7 +111,7 @@ def churn(results: Results) -> dict:
   wall time against the uninterrupted run's and the final eval loss."""
   d = results("churn")
   live, restart = d["paths"]["live"]["churn"], d["paths"]["restart"]["churn"]
-  steady = d["paths"]["live"]["uninterrupted"].get("round_s")
+  steady = _round_s(d["paths"]["live"])
   rows = []
   for i, (kind, host) in enumerate(d["plan"]):
     a = live["events"][i] if i < len(live["events"]) else None
@@ -131,7 +131,8 @@ def churn(results: Results) -> dict:
   for name in ("live", "restart"):
     p = d["paths"][name]
     ref, run = p["uninterrupted"], p["churn"]
-    paths.append([name, f"{run['goodput']:.2f}", f"{run['wall_s']:.0f}", f"{ref['wall_s']:.0f}",
+    walls = " and ".join(f"{r['wall_s']:.0f}" for r in _refs(p))
+    paths.append([name, f"{run['goodput']:.2f}", f"{run['wall_s']:.0f}", walls,
                   f"{run['rounds_completed']}", len(run["events"]),
                   f"{run['final_eval_loss']:.4f}", f"{ref['final_eval_loss']:.4f}"])
   joins = [e["join_s"] for e in live["events"] if "join_s" in e]
@@ -141,6 +142,18 @@ def churn(results: Results) -> dict:
   return {**d, "table": rows, "paths_table": paths, "joiner_phases": phases,
           "goodput": {n: d["paths"][n]["churn"]["goodput"] for n in ("live", "restart")},
           "joins": (min(joins), max(joins)) if joins else None}
+
+
+def _refs(path: dict) -> list[dict]:
+  """A path's uninterrupted runs: before the churned one and, where measured, after it."""
+  return [path["uninterrupted"], *([path["uninterrupted_after"]]
+                                   if "uninterrupted_after" in path else [])]
+
+
+def _round_s(path: dict) -> float | None:
+  """The uninterrupted round time: the mean of the runs' medians."""
+  times = [r["round_s"] for r in _refs(path) if r.get("round_s")]
+  return sum(times) / len(times) if times else None
 
 
 def churn_uninterrupted(results: Results) -> dict:
