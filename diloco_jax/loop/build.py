@@ -59,6 +59,9 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   seed; init_from: zeros until `resume.resume` knows no checkpoint holds the state; a
   joiner: zeros until `join.receive` has the members' state)."""
   phases = phases_lib.Phases()  # "process": the interpreter, imports, jax.distributed
+  if world.joining and world.programs is not None:
+    _programs_from_a_member(world)  # before the checks, whose memory check traces the
+    phases.done("programs")  # model's init: a wiped host's or a new id's, found here
   config, driver, attention = _checked(config, world.host, world.num_hosts)
   phases.done("checks")  # the config's, and the memory check (the model's shapes)
   data = data_lib.make_host_data(
@@ -73,9 +76,6 @@ def build(config: ml_collections.ConfigDict, workdir: str, dispatcher: dispatch.
   storage, workdir = _storage(config, workdir, world, dispatcher, membership.collective,
                               restart_from_scratch)
   phases.done("connect")  # the membership's connections, the workdir, the store
-  if world.joining and world.programs is not None:
-    _programs_from_a_member(world)
-    phases.done("programs")  # a member's compiled programs, before anything compiles
   mesh = inner.local_mesh(config.mesh.replicas, config.mesh.fsdp)
   model_cfg = family.ModelConfig.from_config(config.model, data.spec.vocab_size)
   loss_fn = model_lib.make_loss_fn(model_cfg)
