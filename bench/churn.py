@@ -75,7 +75,7 @@ ONCE = ("join_new",)  # one spare host id
 SMOKE_EVENTS = ("kill_wipe", "join_new")
 JOINED = re.compile(r"^\[host (\d+)\] host \d+ joined at round (\d+): state ([0-9.]+) (\w+) "
                     r"from host (\d+) in ([0-9.]+) s")
-PHASES = ("process", "checks", "data", "connect", "programs", "inner_step", "init", "state",
+PHASES = ("process", "programs", "checks", "data", "connect", "inner_step", "init", "state",
           "rehearse", "admitted", "resume", "total")  # a joiner's run.json, in start order
 UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 

@@ -92,7 +92,7 @@ CHURN_EVENTS = {"kill": "SIGKILL host {host}", "kill_wipe": "SIGKILL host {host}
                 "join_new": "host {host} joins (an id never seen before)"}
 
 
-JOINER_PHASES = ("process", "checks", "data", "connect", "programs", "inner_step", "init",
+JOINER_PHASES = ("process", "programs", "checks", "data", "connect", "inner_step", "init",
                  "state", "rehearse", "admitted", "resume", "total")  # run.json, in order
 
 
