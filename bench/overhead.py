@@ -21,8 +21,8 @@ The loops take turns round by round (H steps each, waited for), so drifts in the
 machine's speed hit all of them alike; tokens/s is the median over rounds, the first
 (compiling) round excluded. Then it times a full garbage collection with every loop's
 objects alive, as after a start and once the start's objects are frozen (what a trainer's
-start does: diloco_jax/runtime/collector.py). Writes bench/results/overhead.json (--smoke: --out, or a file
-in a temporary directory).
+start does: diloco_jax/runtime/collector.py). Writes bench/results/overhead.json (--smoke:
+--out, or a file in a temporary directory).
 """
 
 from __future__ import annotations
